@@ -1,0 +1,116 @@
+"""The command line: parse, call, map a KvdoctorError to an exit code and one helpful line."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, List, Optional
+
+import typer
+
+from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="A memory-leak and memory-safety doctor for LLM serving processes (SGLang, vLLM).",
+    pretty_exceptions_enable=False,
+)
+
+FORMAT_HELP = "text, json or html"
+
+
+def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
+    """Every command ends in an exit code; a KvdoctorError is one line on stderr, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs) -> None:
+        try:
+            code = fn(*args, **kwargs)
+        except KvdoctorError as exc:
+            print(exc.one_line(), file=sys.stderr)
+            raise typer.Exit(exc.exit_code)
+        except KeyboardInterrupt:
+            print("kvdoctor: interrupted", file=sys.stderr)
+            raise typer.Exit(130)
+        except (typer.Exit, SystemExit):
+            raise
+        except Exception as exc:  # our bug: still one line, and the exit code for "could not judge"
+            print(f"kvdoctor: internal error: {type(exc).__name__}: {exc} (please report it with the command you ran)", file=sys.stderr)
+            raise typer.Exit(EXIT_UNUSABLE)
+        raise typer.Exit(code or 0)
+
+    return wrapper
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_guarded
+def run(
+    ctx: typer.Context,
+    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace (default: ./kvdoctor-<time>.kvtrace.json)"),
+    fix: List[str] = typer.Option([], "--fix", help="turn on an optional fix by name (see `kvdoctor fixes`)"),
+    output_format: str = typer.Option("text", "--format", help="summary format: text or json"),
+) -> int:
+    """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
+    from kvdoctor.commands.replay import analyze_trace
+    from kvdoctor.commands.run import run_command
+    from kvdoctor.reporters import render
+
+    code, trace_path = run_command(list(ctx.args), trace, list(fix))
+    analysis = analyze_trace(trace_path)
+    print(render(analysis, "json" if output_format == "json" else "text"), file=sys.stderr)
+    print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
+    return code
+
+
+@app.command()
+@_guarded
+def replay(
+    trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
+    output_format: str = typer.Option("text", "--format", help=FORMAT_HELP),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
+) -> int:
+    """Analyse a recorded trace: exit 0 clean, 1 error findings, 2 unusable input."""
+    from kvdoctor.commands.replay import replay as do_replay
+
+    if output_format not in ("text", "json", "html"):
+        raise KvdoctorError(f"unknown format {output_format!r}", f"choose {FORMAT_HELP}")
+    return do_replay(trace, output_format, output)
+
+
+@app.command()
+@_guarded
+def demo(
+    fault: str = typer.Option("leak", "--fault", help="none, leak, double-free, stale-last-loc, index-out-of-range, double-alloc"),
+    page_size: Optional[int] = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc)"),
+    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace"),
+    output_format: str = typer.Option("text", "--format", help="text or json"),
+) -> int:
+    """Drive SGLang's real allocator and radix tree with a planted fault and show the diagnosis."""
+    from kvdoctor.commands.demo import run_demo
+
+    return run_demo(fault, page_size, trace, output_format)
+
+
+@app.command()
+@_guarded
+def watch(
+    pid: int = typer.Argument(..., help="the serving process (its children are followed too)"),
+    interval: float = typer.Option(1.0, "--interval", help="seconds between samples"),
+    duration: Optional[float] = typer.Option(None, "--duration", help="stop after this many seconds"),
+    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace"),
+    output_format: str = typer.Option("auto", "--format", help="auto (live view on a TTY), text or json"),
+    attach: bool = typer.Option(False, "--attach", help="also put the probe into the running process"),
+) -> int:
+    """Watch a live server's process tree: memory by class over time, growth and its rate."""
+    from kvdoctor.commands.watch import watch as do_watch
+
+    return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

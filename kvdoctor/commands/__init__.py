@@ -1,0 +1,1 @@
+"""One module per subcommand; the typer app in kvdoctor.cli only parses and dispatches."""

@@ -1,0 +1,119 @@
+"""Runs every detector over one event stream (live or recorded) and collects the findings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from kvdoctor import schema
+from kvdoctor.detectors.base import Detector
+from kvdoctor.detectors.double_alloc import DoubleAllocDetector
+from kvdoctor.detectors.double_free import DoubleFreeDetector
+from kvdoctor.detectors.index_out_of_range import IndexOutOfRangeDetector
+from kvdoctor.detectors.orphan_slots import OrphanSlotsDetector
+from kvdoctor.detectors.probe_health import ProbeHealthDetector
+from kvdoctor.detectors.stale_last_loc import StaleLastLocDetector
+from kvdoctor.detectors.tree_misuse import LockUnderflowDetector, UseAfterFreeDetector
+from kvdoctor.findings import ERROR, INFO, WARNING, Finding
+
+SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
+
+
+def all_detectors() -> list[Detector]:
+    detectors: list[Detector] = [
+        DoubleFreeDetector(),
+        DoubleAllocDetector(),
+        StaleLastLocDetector(),
+        IndexOutOfRangeDetector(),
+        UseAfterFreeDetector(),
+        LockUnderflowDetector(),
+        OrphanSlotsDetector(),
+        ProbeHealthDetector(),
+    ]
+    try:
+        from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
+
+        detectors.append(MemoryGrowthDetector())
+    except ImportError:
+        pass
+    try:
+        from kvdoctor.detectors.retained_view import RetainedViewDetector
+
+        detectors.append(RetainedViewDetector())
+    except ImportError:
+        pass
+    return detectors
+
+
+@dataclasses.dataclass
+class Analysis:
+    """A finished analysis: what reporters render. Knows nothing of how it was made."""
+
+    findings: list[Finding]
+    processes: dict[int, dict[str, Any]]
+    events: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    source: str = ""
+    series: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == ERROR]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": schema.SCHEMA_ID,
+            "source": self.source,
+            "events": self.events,
+            "findings": [f.to_dict() for f in self.findings],
+            "processes": {str(pid): info for pid, info in self.processes.items()},
+            "notes": self.notes,
+        }
+
+
+class SeriesCollector:
+    """Keeps the counters reporters plot (ledger sizes, memory), decimated to bounded size."""
+
+    MAX_POINTS = 4000
+
+    def __init__(self) -> None:
+        self.series: dict[str, dict[str, list]] = {}
+
+    def feed(self, event: schema.Event) -> None:
+        if event.ph != "C" or event.name not in (schema.LEDGER_COUNTER, schema.MEMORY_COUNTER):
+            return
+        label = f"{event.name}:{event.pid}:{event.args.get('allocator', '')}"
+        entry = self.series.setdefault(label, {"ts_us": [], "values": [], "stride": 1, "seen": 0})
+        entry["seen"] += 1
+        if (entry["seen"] - 1) % entry["stride"]:
+            return
+        entry["ts_us"].append(event.ts)
+        entry["values"].append({k: v for k, v in event.args.items() if isinstance(v, (int, float))})
+        if len(entry["ts_us"]) >= self.MAX_POINTS:
+            entry["ts_us"] = entry["ts_us"][::2]
+            entry["values"] = entry["values"][::2]
+            entry["stride"] *= 2
+
+
+def analyze(events: Iterable[schema.Event], *, source: str = "", detectors: list[Detector] | None = None) -> Analysis:
+    detectors = detectors if detectors is not None else all_detectors()
+    processes: dict[int, dict[str, Any]] = {}
+    series = SeriesCollector()
+    count = 0
+    recorded: list[Finding] = []
+    for event in events:
+        count += 1
+        if event.name in (schema.HEADER, schema.RUN_HEADER):
+            info = processes.setdefault(event.pid, {})
+            info.update({k: event.args.get(k) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
+        elif event.name == schema.PROCESS_NAME and event.args.get("name"):
+            processes.setdefault(event.pid, {})["process_title"] = event.args["name"]
+        series.feed(event)
+        for detector in detectors:
+            detector.feed(event)
+    findings: list[Finding] = []
+    for detector in detectors:
+        findings.extend(detector.findings())
+    findings.extend(recorded)
+    findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
+    return Analysis(findings=findings, processes=processes, events=count, source=source, series=series.series)

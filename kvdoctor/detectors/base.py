@@ -1,0 +1,81 @@
+"""The detector protocol, and the shared shape of detectors that read the probe's violations."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvdoctor import schema
+from kvdoctor.findings import ERROR, Finding
+
+
+class Detector(Protocol):
+    def feed(self, event: schema.Event) -> None: ...
+
+    def findings(self) -> list[Finding]: ...
+
+
+class ViolationDetector:
+    """Aggregates the probe's `violation` events of one kind per (process, allocator, call site)."""
+
+    kind = ""
+    severity = ERROR
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, dict[str, Any]] = {}
+
+    def feed(self, event: schema.Event) -> None:
+        if event.name != schema.VIOLATION or event.args.get("kind") != self.kind:
+            return
+        args = event.args
+        key = (event.pid, str(args.get("allocator", "")), str(args.get("site", "")))
+        group = self.groups.get(key)
+        count = _count(args.get("count"))
+        if group is None:
+            self.groups[key] = {"count": count, "first": dict(args), "events": 1, "first_ts_us": event.ts}
+        else:
+            group["count"] += count
+            group["events"] += 1
+            for name in ("slot_ids",):
+                merged = list(group["first"].get(name) or []) + list(args.get(name) or [])
+                group["first"][name] = merged[:64]
+            for name in ("requests", "sites", "allocated_at"):
+                mine = group["first"].setdefault(name, {})
+                if isinstance(mine, dict) and isinstance(args.get(name), dict):
+                    for k, v in args[name].items():
+                        mine[k] = mine.get(k, 0) + _count(v)
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for (pid, allocator, site), group in self.groups.items():
+            evidence = {k: v for k, v in group["first"].items() if k not in ("kind", "count")}
+            evidence["events"] = group["events"]
+            evidence["pid"] = pid
+            out.append(
+                Finding(self.kind, self.severity, self.message(group["count"], allocator, site, evidence), group["count"], evidence, pid)
+            )
+        return out
+
+    def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+
+def _count(value: Any) -> int:
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def first_request(evidence: dict[str, Any]) -> str:
+    requests = evidence.get("requests")
+    if isinstance(requests, dict) and requests:
+        return max(requests, key=lambda k: _count(requests[k]))
+    return "unknown request"
+
+
+def ids_text(evidence: dict[str, Any], key: str = "slot_ids", limit: int = 8) -> str:
+    ids = evidence.get(key) or []
+    if not isinstance(ids, list) or not ids:
+        return ""
+    shown = ", ".join(str(i) for i in ids[:limit])
+    return f" (slots {shown}{', ...' if len(ids) > limit else ''})"

@@ -1,0 +1,15 @@
+"""index_out_of_range: a slot index outside the KV buffer (an illegal memory access on a GPU)."""
+
+from kvdoctor import schema
+from kvdoctor.detectors.base import ViolationDetector
+
+
+class IndexOutOfRangeDetector(ViolationDetector):
+    kind = schema.INDEX_OUT_OF_RANGE
+
+    def message(self, count, allocator, site, evidence):
+        rows = evidence.get("valid_rows") or ["?", "?"]
+        return (
+            f"{count} slot index(es) outside the KV buffer reached {site} (worst {evidence.get('bad_index')}, "
+            f"valid rows {rows[0]}..{rows[-1]}, -1 only as 'no prefix'); on a GPU this is an illegal memory access"
+        )

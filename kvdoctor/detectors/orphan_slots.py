@@ -1,0 +1,71 @@
+"""orphan_slots: slots neither free, nor in the tree, nor owned by a live request, at a census.
+
+The census runs when the engine goes idle and at exit. The latest census of each allocator is the
+verdict (a later census sees leaks an earlier one saw, unless the pool was cleared in between);
+the largest count seen is kept in the evidence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdoctor import schema
+from kvdoctor.detectors.base import _count
+from kvdoctor.findings import ERROR, Finding
+
+
+class OrphanSlotsDetector:
+    def __init__(self) -> None:
+        self.latest: dict[tuple, dict[str, Any]] = {}
+        self.max_seen: dict[tuple, int] = {}
+        self.censuses = 0
+
+    def feed(self, event: schema.Event) -> None:
+        if event.name != schema.CENSUS:
+            return
+        self.censuses += 1
+        key = (event.pid, str(event.args.get("allocator", "")))
+        self.latest[key] = event.args
+        self.max_seen[key] = max(self.max_seen.get(key, 0), _count(event.args.get("orphan_slots")))
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for (pid, allocator), args in self.latest.items():
+            count = _count(args.get("orphan_slots"))
+            if count:
+                sites = args.get("orphan_allocated_at") or {}
+                top_site = max(sites, key=lambda k: _count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
+                reqs = args.get("orphan_requests") or {}
+                top_req = max(reqs, key=lambda k: _count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
+                ids = args.get("orphan_slot_ids") or []
+                evidence = {
+                    "allocator": allocator,
+                    "census": args.get("reason"),
+                    "idle": args.get("idle"),
+                    "slot_ids": ids,
+                    "allocated_at": sites,
+                    "requests": reqs,
+                    "max_orphan_slots_seen": self.max_seen.get((pid, allocator), count),
+                    "free_slots": args.get("free_slots"),
+                    "tree_slots": args.get("tree_slots"),
+                    "total_slots": args.get("total_slots"),
+                    "pid": pid,
+                }
+                shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+                out.append(Finding(
+                    schema.ORPHAN_SLOTS, ERROR,
+                    f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
+                    f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
+                    f"and never freed or inserted. This is SGLang's 'memory leak detected ... diff={count}', with names",
+                    count, evidence, pid,
+                ))
+            dangling = args.get("tree_holds_free_slot_ids") or []
+            freed = _count(args.get("tree_freed_slots"))
+            if freed:
+                out.append(Finding(
+                    schema.TREE_HOLDS_FREE_SLOT, ERROR,
+                    f"the radix tree still holds {freed} slot(s) that were freed outside eviction "
+                    f"(slots {', '.join(str(i) for i in dangling[:8])}); the next allocations hand them out twice",
+                    freed, {"allocator": allocator, "slot_ids": dangling, "pid": pid}, pid,
+                ))
+        return out

@@ -1,0 +1,62 @@
+"""probe_health: when the probe turned itself off, lost events, or its ledger disagreed with the host."""
+
+from __future__ import annotations
+
+from kvdoctor import schema
+from kvdoctor.detectors.base import _count
+from kvdoctor.findings import INFO, WARNING, Finding
+
+
+class ProbeHealthDetector:
+    def __init__(self) -> None:
+        self.off: dict[int, str] = {}
+        self.partial: dict[int, str] = {}
+        self.dropped: dict[int, int] = {}
+        self.write_error: dict[int, str] = {}
+        self.disagree: dict[tuple, dict] = {}
+        self.fixes: dict[tuple, int] = {}
+        self.pids_with_violations: set[int] = set()
+
+    def feed(self, event: schema.Event) -> None:
+        args = event.args
+        if event.name == schema.VIOLATION:
+            self.pids_with_violations.add(event.pid)
+        elif event.name == schema.PROBE_STATUS:
+            state = args.get("state")
+            if state == "off":
+                self.off.setdefault(event.pid, str(args.get("reason", "")))
+            elif state == "partial":
+                self.partial[event.pid] = str(args.get("reason", ""))
+        elif event.name == schema.PROBE_STATS:
+            self.dropped[event.pid] = max(self.dropped.get(event.pid, 0), _count(args.get("dropped_events")))
+            if args.get("write_error"):
+                self.write_error[event.pid] = str(args["write_error"])
+        elif event.name == schema.CENSUS and _count(args.get("ledger_disagrees_slots")):
+            self.disagree[(event.pid, str(args.get("allocator")))] = args
+        elif event.name == schema.FIX_APPLIED:
+            key = (event.pid, str(args.get("fix")))
+            self.fixes[key] = self.fixes.get(key, 0) + max(1, _count(args.get("count")))
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for pid, reason in self.off.items():
+            out.append(Finding("probe_off", WARNING, f"the probe turned itself off in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
+        for pid, reason in self.partial.items():
+            out.append(Finding("probe_partial", WARNING, f"the probe hooked only part of the engine in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
+        for pid, count in self.dropped.items():
+            if count:
+                out.append(Finding("events_dropped", WARNING, f"pid {pid} dropped {count} trace event(s) because the writer fell behind; counts may be low", count, {"pid": pid}, pid))
+        for pid, err in self.write_error.items():
+            out.append(Finding("trace_write_failed", WARNING, f"pid {pid} stopped writing its trace: {err}", 0, {"error": err, "pid": pid}, pid))
+        for (pid, allocator), args in self.disagree.items():
+            if pid in self.pids_with_violations:
+                continue  # explained: double frees and double allocations put duplicates in the free list
+            n = _count(args.get("ledger_disagrees_slots"))
+            out.append(Finding(
+                "ledger_disagrees", WARNING,
+                f"the ledger of {allocator} disagrees with the allocator's own free list on {n} slot(s): a path kvdoctor does not hook moved slots",
+                n, {"allocator": allocator, "pid": pid}, pid,
+            ))
+        for (pid, fix), count in self.fixes.items():
+            out.append(Finding("fix_applied", INFO, f"fix {fix} corrected the host {count} time(s) in pid {pid}", count, {"fix": fix, "pid": pid}, pid))
+        return out

@@ -1,0 +1,121 @@
+"""Ledger arrays that live where the host's indices live, and a way to read them without a sync.
+
+On CPU the ledger is numpy over the same memory torch uses, and every read is immediate. On a
+GPU the ledger is torch tensors on that device; reads go through pinned host buffers copied with
+`non_blocking=True` behind a CUDA event, so the scheduler's stream never waits for the probe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class HostArrays:
+    """numpy ledger for indices that live on the CPU. Branching on values costs nothing here."""
+
+    sync_free_branching = True
+    device = "cpu"
+
+    def zeros(self, n: int, dtype: str) -> np.ndarray:
+        return np.zeros(n, dtype=dtype)
+
+    def full(self, n: int, value: int, dtype: str) -> np.ndarray:
+        return np.full(n, value, dtype=dtype)
+
+    def index(self, tensor: Any) -> np.ndarray:
+        """The host's index tensor as an int64 array (zero-copy for CPU int64 tensors)."""
+        if isinstance(tensor, np.ndarray):
+            return tensor.astype(np.int64, copy=False).reshape(-1)
+        if hasattr(tensor, "detach"):
+            arr = tensor.detach().reshape(-1).numpy()
+            return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+        return np.asarray(tensor, dtype=np.int64).reshape(-1)
+
+    def where(self, cond: Any, a: Any, b: Any) -> np.ndarray:
+        return np.where(cond, a, b)
+
+    def cast(self, arr: Any, like: np.ndarray) -> np.ndarray:
+        return np.asarray(arr).astype(like.dtype, copy=False)
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        return np.asarray(arr)
+
+    def snapshot(self, arrays: Sequence[Any]) -> "ReadyRead":
+        return ReadyRead([np.array(a, copy=True) for a in arrays])
+
+
+class ReadyRead:
+    def __init__(self, values: list[np.ndarray]) -> None:
+        self.values = values
+
+    def ready(self) -> bool:
+        return True
+
+    def get(self) -> list[np.ndarray]:
+        return self.values
+
+
+class DeviceArrays:
+    """torch ledger on the indices' device. Never reads a value back on the hot path."""
+
+    sync_free_branching = False
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self._dtypes = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
+
+    def zeros(self, n: int, dtype: str) -> Any:
+        return self.torch.zeros(n, dtype=self._dtypes[dtype], device=self.device)
+
+    def full(self, n: int, value: int, dtype: str) -> Any:
+        return self.torch.full((n,), value, dtype=self._dtypes[dtype], device=self.device)
+
+    def index(self, tensor: Any) -> Any:
+        t = tensor if hasattr(tensor, "to") else self.torch.as_tensor(tensor)
+        return t.reshape(-1).to(device=self.device, dtype=self.torch.int64, non_blocking=True)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return self.torch.where(cond, a, b)
+
+    def cast(self, arr: Any, like: Any) -> Any:
+        if not hasattr(arr, "to"):
+            arr = self.torch.as_tensor(arr, device=self.device)
+        return arr.to(like.dtype)
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        # Only used at a census (idle engine) or at exit, where a sync harms no one.
+        return arr.detach().cpu().numpy()
+
+    def snapshot(self, arrays: Sequence[Any]) -> Any:
+        if self.device.type != "cuda":
+            return ReadyRead([self.to_host(a) for a in arrays])
+        return PendingDeviceRead(self.torch, arrays)
+
+
+class PendingDeviceRead:
+    """Copies device tensors into pinned host memory behind an event; `ready()` never blocks."""
+
+    def __init__(self, torch: Any, arrays: Sequence[Any]) -> None:
+        self._host = [torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in arrays]
+        for host, dev in zip(self._host, arrays):
+            host.copy_(dev, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def ready(self) -> bool:
+        return bool(self._event.query())
+
+    def get(self) -> list[np.ndarray]:
+        return [h.numpy() for h in self._host]
+
+
+def arrays_for(device: Any) -> HostArrays | DeviceArrays:
+    name = str(device)
+    if name == "cpu" or name.startswith("cpu:"):
+        return HostArrays()
+    return DeviceArrays(device)

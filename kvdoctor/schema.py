@@ -1,0 +1,126 @@
+"""The trace schema: the one format every probe writes and every detector reads.
+
+A trace is a Trace Event Format file in its "JSON array" form, one event per line:
+
+    [
+    {"ph":"M","name":"kvdoctor_header","pid":...,"args":{"schema":"kvdoctor.trace/1",...}},
+    {"ph":"C","name":"kv_slots","pid":...,"ts":...,"args":{...}},
+    ...
+
+The closing bracket is optional in that format, so a trace cut off by a crash still opens in
+Perfetto and chrome://tracing, and our reader loses at most the last partial line. Every process
+that writes into a trace first writes its own header event; detectors key everything by pid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SCHEMA_NAME = "kvdoctor.trace"
+SCHEMA_VERSION = 1
+SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+
+# Event names (the `name` field) that carry meaning for detectors.
+HEADER = "kvdoctor_header"          # ph M: schema, engine, engine_version, pid, process_title
+RUN_HEADER = "kvdoctor_run"         # ph M: written by `kvdoctor run`/`watch` for the whole trace
+TRACE_END = "kvdoctor_end"          # ph M: a clean end of the trace
+PROCESS_NAME = "process_name"       # ph M: Perfetto's own name for a pid's track
+VIOLATION = "violation"             # ph i: a ledger rule broken at a hooked call (kind in args)
+CENSUS = "census"                   # ph i: an idle/exit count of every slot's state
+PROBE_STATUS = "probe_status"       # ph i: probe enabled/disabled/partial, and why
+LEDGER_COUNTER = "kv_slots"         # ph C: free/owned/tree slot counts of one allocator
+MEMORY_COUNTER = "memory"           # ph C: one process's memory by class, in bytes
+PROBE_STATS = "probe_stats"         # ph C: hooked calls, dropped events, probe memory
+FINDING = "finding"                 # ph i: a finding the analysis made (written by watch/run)
+FIX_APPLIED = "fix_applied"         # ph i: an optional fix changed the host's behaviour
+
+CAT_PROBE = "kvdoctor.probe"
+CAT_SAMPLER = "kvdoctor.sampler"
+CAT_ANALYSIS = "kvdoctor.analysis"
+
+# Violation kinds the probe's ledger can raise.
+DOUBLE_FREE = "double_free"
+DOUBLE_ALLOC = "double_alloc"
+ORPHAN_SLOTS = "orphan_slots"
+STALE_LAST_LOC = "stale_last_loc"
+INDEX_OUT_OF_RANGE = "index_out_of_range"
+USE_AFTER_FREE = "use_after_free"
+TREE_HOLDS_FREE_SLOT = "tree_holds_free_slot"
+LOCK_UNDERFLOW = "lock_ref_underflow"
+
+VIOLATION_KINDS = (
+    DOUBLE_FREE,
+    DOUBLE_ALLOC,
+    STALE_LAST_LOC,
+    INDEX_OUT_OF_RANGE,
+    USE_AFTER_FREE,
+    LOCK_UNDERFLOW,
+)
+
+
+@dataclasses.dataclass
+class Event:
+    """One trace event, as in the Trace Event Format (`ph`, `name`, `pid`, `ts` in µs, `args`)."""
+
+    ph: str
+    name: str
+    pid: int = 0
+    ts: float = 0.0
+    cat: str = ""
+    tid: int = 0
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ph": self.ph, "name": self.name, "pid": self.pid, "tid": self.tid}
+        if self.ph != "M":
+            out["ts"] = self.ts
+        if self.cat:
+            out["cat"] = self.cat
+        if self.ph == "i":
+            out["s"] = "p"
+        out["args"] = self.args
+        return out
+
+    @classmethod
+    def from_json_dict(cls, raw: dict[str, Any]) -> "Event":
+        args = raw.get("args")
+        return cls(
+            ph=str(raw.get("ph", "")),
+            name=str(raw.get("name", "")),
+            pid=_as_int(raw.get("pid", 0)),
+            ts=_as_float(raw.get("ts", 0.0)),
+            cat=str(raw.get("cat", "")),
+            tid=_as_int(raw.get("tid", 0)),
+            args=args if isinstance(args, dict) else {},
+        )
+
+
+def _as_int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def _as_float(value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return out if out == out and abs(out) != float("inf") else 0.0
+
+
+def header_event(
+    *, pid: int, engine: str, engine_version: str, process_title: str, extra: dict[str, Any] | None = None
+) -> Event:
+    args: dict[str, Any] = {
+        "schema": SCHEMA_ID,
+        "engine": engine,
+        "engine_version": engine_version,
+        "pid": pid,
+        "process_title": process_title,
+    }
+    if extra:
+        args.update(extra)
+    return Event(ph="M", name=HEADER, pid=pid, cat=CAT_PROBE, args=args)

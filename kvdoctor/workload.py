@@ -1,0 +1,291 @@
+"""A multi-turn chat workload driven through SGLang's real allocator, radix tree and request pool.
+
+It does what the scheduler does for each request, with SGLang's own classes: match the prefix in
+the `RadixCache`, lock it, take a request row from `ReqToTokenPool`, allocate KV slots (evicting
+from the tree when the pool runs short), write the request's row, decode token by token, then
+insert the sequence into the tree, free the duplicates and the partial last page, unlock and free
+the row. Faults can be planted, each the way it happens in a real server, and the workload
+reports the exact number of slots each planted fault affects, computed from the real indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+FAULTS = ("none", "leak", "double-free", "stale-last-loc", "index-out-of-range", "double-alloc")
+
+
+@dataclasses.dataclass
+class WorkloadConfig:
+    conversations: int = 24
+    turns: int = 4
+    batch: int = 4
+    user_tokens: int = 48
+    output_tokens: int = 16
+    pool_tokens: int = 2048
+    page_size: int = 1
+    fault: str = "none"
+    fault_at_request: int = 9
+    seed: int = 0
+    vocab: int = 500
+
+
+@dataclasses.dataclass
+class WorkloadResult:
+    requests: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    planted: dict[str, int] = dataclasses.field(default_factory=dict)
+    sglang_check: dict[str, int] = dataclasses.field(default_factory=dict)
+    outputs_digest: int = 0
+
+
+class _KvState:
+    """The per-request KV fields 0.5.23's ReqToTokenPool reads (`req.kv`)."""
+
+    def __init__(self) -> None:
+        self.req_pool_idx = None
+        self.kv_allocated_len = 0
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
+
+
+class _Request:
+    """The scheduler-side request record handed to ReqToTokenPool (rid and row index only)."""
+
+    is_chunked = 0
+    kv_committed_len = 0
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.kv = _KvState()
+
+    def is_dllm(self) -> bool:
+        return False
+
+    @property
+    def req_pool_idx(self) -> Any:  # 0.5.9 reads the row index off the request itself
+        return self.kv.req_pool_idx
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, value: Any) -> None:
+        self.kv.req_pool_idx = value
+
+
+class Engine:
+    """The real SGLang classes, built the way the scheduler builds them, for either layout."""
+
+    def __init__(self, pool_tokens: int, page_size: int, max_requests: int = 64, max_context: int = 4096) -> None:
+        import torch
+
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+        self.torch = torch
+        self.page_size = page_size
+        try:
+            from sglang.srt.mem_cache import allocation as alloc_mod  # 0.5.23
+            from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+            from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+            self.layout = "0.5.23"
+        except ImportError:
+            from sglang.srt.mem_cache import common as alloc_mod  # 0.5.9
+            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+            self.layout = "0.5.9"
+        from sglang.srt.mem_cache import base_prefix_cache as bpc
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+        self.bpc = bpc
+        self.RadixKey = RadixKey
+        self.get_last_loc = alloc_mod.get_last_loc_torch
+        self.req_pool = ReqToTokenPool(size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+        self.tree = RadixCache(
+            CacheInitParams(disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+        )
+
+    def match(self, tokens: list[int]) -> tuple[Any, Any]:
+        result = self.tree.match_prefix(self.bpc.MatchPrefixParams(key=self.RadixKey(tokens)))
+        if hasattr(result, "device_indices"):
+            return result.device_indices, result.last_device_node
+        return self.tree.path_device_indices(result.last_device_node), result.last_device_node
+
+    def insert(self, tokens: list[int], value: Any) -> int:
+        result = self.tree.insert(self.bpc.InsertParams(key=self.RadixKey(tokens), value=value))
+        return int(getattr(result, "prefix_len", result))
+
+    def evict(self, num_tokens: int) -> int:
+        result = self.tree.evict(self.bpc.EvictParams(num_tokens=num_tokens))
+        return int(getattr(result, "num_tokens_evicted", 0) or 0)
+
+    def sglang_leak_check(self) -> dict[str, int]:
+        """SGLang's own idle check: free + evictable + protected against the pool's size."""
+        available = int(self.allocator.available_size())
+        evictable = int(self.tree.evictable_size())
+        protected = int(self.tree.protected_size())
+        total = self.allocator.size
+        return {"available": available, "evictable": evictable, "protected": protected, "total": total,
+                "diff": total - (available + evictable + protected)}
+
+
+class _Live:
+    def __init__(self, req: _Request, tokens: list[int], prefix: Any, node: Any) -> None:
+        self.req = req
+        self.tokens = tokens
+        self.prefix_len = int(len(prefix))
+        self.node = node
+        self.seq_len = 0
+
+
+def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> WorkloadResult:
+    torch_mod = __import__("torch")
+    engine = engine or Engine(config.pool_tokens, config.page_size)
+    rng = random.Random(config.seed)
+    result = WorkloadResult()
+    ps = config.page_size
+    system_prompt = [rng.randrange(config.vocab) for _ in range(64)]
+    histories = [list(system_prompt) for _ in range(config.conversations)]
+    order = [(turn, conv) for turn in range(config.turns) for conv in range(config.conversations)]
+    request_no = 0
+    for start in range(0, len(order), config.batch):
+        batch = []
+        for turn, conv in order[start : start + config.batch]:
+            histories[conv] = histories[conv] + [rng.randrange(config.vocab) for _ in range(config.user_tokens)]
+            batch.append((conv, list(histories[conv])))
+        live: list[_Live] = []
+        for conv, tokens in batch:
+            prefix, node = engine.match(tokens)
+            engine.tree.inc_lock_ref(node)
+            req = _Request(f"conv{conv}-req{request_no}")
+            request_no += 1
+            engine.req_pool.alloc([req])
+            item = _Live(req, tokens, prefix, node)
+            item.number = request_no - 1  # type: ignore[attr-defined]
+            _prefill(engine, item, prefix, result)
+            live.append(item)
+        for step in range(config.output_tokens):
+            for item in live:
+                fault_here = item.number == config.fault_at_request and step == config.output_tokens // 2  # type: ignore[attr-defined]
+                token = _decode(engine, item, result, config, rng, fault_here)
+                item.tokens.append(token)
+        for item in live:
+            conv = int(item.req.rid.split("-")[0][4:])
+            histories[conv] = list(item.tokens)
+            _finish(engine, item, result, config, item.number == config.fault_at_request)  # type: ignore[attr-defined]
+            result.outputs_digest = (result.outputs_digest * 31 + sum(item.tokens)) % (1 << 61)
+        result.requests = request_no
+    result.sglang_check = engine.sglang_leak_check()
+    del torch_mod
+    return result
+
+
+def _make_room(engine: Engine, need: int, result: WorkloadResult) -> None:
+    if engine.allocator.available_size() < need:
+        result.evictions += 1
+        result.evicted_tokens += engine.evict(need - engine.allocator.available_size() + engine.page_size)
+
+
+def _row(engine: Engine, item: _Live) -> Any:
+    return engine.req_pool.req_to_token[item.req.req_pool_idx]
+
+
+def _prefill(engine: Engine, item: _Live, prefix: Any, result: WorkloadResult) -> None:
+    torch = engine.torch
+    ps = engine.page_size
+    idx = item.req.req_pool_idx
+    seq_len = len(item.tokens)
+    extend = seq_len - item.prefix_len
+    if item.prefix_len:
+        engine.req_pool.write((idx, slice(0, item.prefix_len)), prefix.to(torch.int32))
+    _make_room(engine, extend + ps, result)
+    if ps == 1:
+        out = engine.allocator.alloc(extend)
+    else:
+        prefix_lens = torch.tensor([item.prefix_len], dtype=torch.int64)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int64)
+        last_loc = engine.get_last_loc(engine.req_pool.req_to_token, torch.tensor([idx], dtype=torch.int64), prefix_lens)
+        out = engine.allocator.alloc_extend(prefix_lens, prefix_lens.clone(), seq_lens, seq_lens.clone(), last_loc, extend)
+    if out is None:
+        raise RuntimeError("KV pool exhausted; raise pool_tokens")
+    engine.req_pool.write((idx, slice(item.prefix_len, seq_len)), out.to(torch.int32))
+    item.seq_len = seq_len
+    item.req.kv.kv_allocated_len = seq_len
+
+
+def _decode(engine: Engine, item: _Live, result: WorkloadResult, config: WorkloadConfig, rng: random.Random, fault_here: bool) -> int:
+    torch = engine.torch
+    ps = engine.page_size
+    idx = item.req.req_pool_idx
+    _make_room(engine, ps, result)
+    if ps == 1:
+        out = engine.allocator.alloc(1)
+        if fault_here and config.fault == "index-out-of-range":
+            # A slot index one past the KV buffer (size + page_size rows) reaches the pool.
+            bad = torch.tensor([engine.allocator.size + ps], dtype=torch.int64)
+            engine.allocator.free(bad)
+            result.planted["index_out_of_range"] = 1
+    else:
+        seq_lens = torch.tensor([item.seq_len + 1], dtype=torch.int64)
+        last_loc = engine.get_last_loc(engine.req_pool.req_to_token, torch.tensor([idx], dtype=torch.int64), torch.tensor([item.seq_len], dtype=torch.int64))
+        if fault_here and config.fault == "stale-last-loc":
+            # The request's last page is released (retracted / relocated) after last_loc was
+            # read and before it is used: the seed-002 shape.
+            last_page_start = int(last_loc[0]) // ps * ps
+            engine.allocator.free(torch.arange(last_page_start, last_page_start + ps, dtype=torch.int64))
+            result.planted["stale_last_loc"] = 1
+        if fault_here and config.fault == "index-out-of-range":
+            # The proposed `last_loc.clamp(0, total_slots)` lets one-past-the-end through.
+            last_loc = torch.full_like(last_loc, engine.allocator.size + ps)
+            result.planted["index_out_of_range"] = 1
+        out = engine.allocator.alloc_decode(seq_lens, seq_lens.clone(), last_loc)
+    if out is None:
+        raise RuntimeError("KV pool exhausted; raise pool_tokens")
+    engine.req_pool.write((idx, slice(item.seq_len, item.seq_len + 1)), out.to(torch.int32))
+    item.seq_len += 1
+    item.req.kv.kv_allocated_len = item.seq_len
+    return rng.randrange(config.vocab)
+
+
+def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: WorkloadConfig, victim: bool) -> None:
+    """What `cache_finished_req` does: insert, free duplicates and the partial page, unlock."""
+    torch = engine.torch
+    ps = engine.page_size
+    idx = item.req.req_pool_idx
+    kv = _row(engine, item)[: item.seq_len].to(torch.int64).clone()
+    aligned = item.seq_len // ps * ps
+    fault = config.fault if victim else "none"
+    if fault == "leak":
+        # The request is finished without returning its own slots or inserting them: the
+        # "memory leak detected ... diff=N" of the seeds.
+        own = kv[item.prefix_len :]
+        pages = torch.unique(own // ps)
+        result.planted["orphan_slots"] = int(pages.numel()) * ps
+    elif fault == "double-free":
+        own = kv[item.prefix_len :]
+        engine.allocator.free(own)
+        engine.allocator.free(own)
+        result.planted["double_free"] = int(own.numel())
+    else:
+        new_prefix = engine.insert(item.tokens[:aligned], kv[:aligned])
+        if new_prefix > item.prefix_len:
+            engine.allocator.free(kv[item.prefix_len : new_prefix])
+        if aligned < item.seq_len:
+            engine.allocator.free(kv[aligned:])
+        if fault == "double-alloc":
+            # A tree node's slots are released while the node stays in the tree; the next
+            # allocations hand them out again while the tree still serves them as a prefix.
+            prefix, node = engine.match(item.tokens[:aligned])
+            victim_slots = prefix[-ps * 2 :] if len(prefix) >= 2 * ps else prefix
+            engine.allocator.free(victim_slots)
+            result.planted["double_alloc_candidates"] = int(victim_slots.numel())
+    engine.tree.dec_lock_ref(item.node)
+    engine.req_pool.free(item.req)

@@ -1,0 +1,1 @@
+"""Versioned probe maps: which engine method means what, one readable file per engine version."""

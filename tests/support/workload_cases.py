@@ -1,0 +1,42 @@
+"""Runs the real-SGLang workload for each (page_size, fault) case under the probe and prints JSON.
+
+Run in a fresh interpreter so the SGLang version on sys.path (0.5.23 installed, or 0.5.9 put first
+on PYTHONPATH) is the one the probe meets.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    cases = json.loads(sys.argv[1])
+    from kvdoctor.detectors import analyze
+    from kvdoctor.probe import runtime
+    from kvdoctor.trace import iter_events
+    from kvdoctor.workload import WorkloadConfig, run_workload
+
+    out = []
+    tmp = tempfile.mkdtemp()
+    for page_size, fault in cases:
+        path = os.path.join(tmp, f"{page_size}-{fault}.json")
+        probe = runtime.activate(path)
+        result = run_workload(WorkloadConfig(page_size=page_size, fault=fault))
+        version = probe.version
+        runtime.deactivate()
+        analysis = analyze(iter_events(path))
+        out.append({
+            "page_size": page_size, "fault": fault, "version": version, "planted": result.planted,
+            "digest": result.outputs_digest, "sglang_check": result.sglang_check,
+            "findings": [{"kind": f.kind, "count": f.count, "severity": f.severity, "site": str(f.evidence.get("site", "")),
+                          "evidence": f.evidence} for f in analysis.findings],
+        })
+    print("RESULT " + json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()
