@@ -195,6 +195,8 @@ class Probe:
         if self._closed:
             return
         self._closed = True
+        if self.map is None and not self.ledgers and not self.emitter.buffer and not self.emitter.header_written:
+            return  # this process never met an engine: it leaves no trace at all
         try:
             if self.ledgers:
                 self.census_all(reason)

@@ -1,0 +1,158 @@
+"""The probe inside real processes: `kvdoctor run` into spawn children, fault containment at every
+hook, an SGLang version we do not know, and the layering rule that probes import no analysis."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from conftest import REPO, sglang_env
+
+warnings.filterwarnings("ignore")
+
+CHILD_SCRIPT = r'''
+import multiprocessing as mp, sys, warnings
+warnings.filterwarnings("ignore")
+
+def scheduler(fault):
+    from kvdoctor.workload import WorkloadConfig, run_workload
+    run_workload(WorkloadConfig(fault=fault))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=scheduler, args=(sys.argv[1],), name="scheduler")
+    p.start(); p.join()
+    sys.exit(3 if p.exitcode == 0 else 9)
+'''
+
+
+def kvdoctor(*args, env=None, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvdoctor.cli", *args], capture_output=True, text=True,
+                          env=env or sglang_env("0.5.23"), cwd=cwd or REPO, timeout=timeout)
+
+
+@pytest.mark.parametrize("fault,errors", [("leak", 1), ("none", 0)])
+def test_run_reaches_spawn_children(tmp_path, fault, errors):
+    script = tmp_path / "server.py"
+    script.write_text(CHILD_SCRIPT)
+    trace = tmp_path / "run.kvtrace.json"
+    proc = kvdoctor("run", "--trace", str(trace), "--format", "json", "--", sys.executable, str(script), fault, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]  # CMD's own exit code
+    with open(trace) as fh:
+        doc = json.load(fh)  # a cleanly finished trace is strict JSON (and Trace Event Format)
+    pids = {e["pid"] for e in doc if e.get("name") == "kvdoctor_header"}
+    assert len(pids) == 1 and os.getpid() not in pids  # the probe spoke from the spawned child only
+    replay = kvdoctor("replay", str(trace), "--format", "json")
+    report = json.loads(replay.stdout)
+    assert replay.returncode == (1 if errors else 0)
+    kinds = [f["kind"] for f in report["findings"] if f["severity"] == "error"]
+    assert kinds == (["orphan_slots"] if errors else [])
+    if errors:
+        leak = report["findings"][0]
+        assert leak["count"] == 64 and leak["evidence"]["slot_ids"]
+
+
+def _workload_once(fault="none"):
+    from kvdoctor.workload import WorkloadConfig, run_workload
+
+    out = []
+    for page_size in (1, 4):
+        result = run_workload(WorkloadConfig(fault=fault, page_size=page_size, turns=3))
+        out.append((result.outputs_digest, result.sglang_check, result.planted))
+    return out
+
+
+ROLES = ["alloc", "alloc_extend", "alloc_decode", "free", "free_segment", "tree_insert", "tree_evict",
+         "tree_lock", "tree_unlock", "req_alloc", "req_free", "req_write", "clear"]
+
+
+def test_a_failing_hook_never_changes_the_host(tmp_path):
+    from kvdoctor.detectors import analyze
+    from kvdoctor.probe import runtime
+    from kvdoctor.trace import iter_events
+
+    baseline = {fault: _workload_once(fault) for fault in ("none", "leak")}
+    survived = 0
+    for role in ROLES:
+        for fault in ("none", "leak"):
+            path = str(tmp_path / f"{role}-{fault}.json")
+            probe = runtime.activate(path)
+            probe.inject = {role}
+            outcome = _workload_once(fault)
+            runtime.deactivate()
+            assert outcome == baseline[fault], role
+            analysis = analyze(iter_events(path))
+            off = [f for f in analysis.findings if f.kind == "probe_off"]
+            assert off and role in off[0].message, (role, [f.kind for f in analysis.findings])
+            # findings made before the failure stay; nothing false is claimed after it
+            if fault == "none":
+                assert not analysis.errors
+            else:
+                assert all(f.kind == "orphan_slots" and f.count == 64 for f in analysis.errors)
+            survived += 1
+    assert survived == len(ROLES) * 2
+
+
+def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path, monkeypatch):
+    from kvdoctor.detectors import analyze
+    from kvdoctor.probe import runtime
+    from kvdoctor.probe.ledger import SlotLedger
+    from kvdoctor.trace import iter_events
+
+    baseline = _workload_once("leak")
+
+    def broken(self, *a, **k):
+        raise MemoryError("ledger out of memory")
+
+    monkeypatch.setattr(SlotLedger, "on_free", broken)
+    path = str(tmp_path / "t.json")
+    runtime.activate(path)
+    assert _workload_once("leak") == baseline
+    runtime.deactivate()
+    analysis = analyze(iter_events(path))
+    assert [f.kind for f in analysis.findings] == ["probe_off"]
+    assert "MemoryError" in analysis.findings[0].message
+
+
+def test_unknown_sglang_version_turns_the_probe_off(tmp_path, monkeypatch):
+    from kvdoctor.detectors import analyze
+    from kvdoctor.probe import runtime
+    from kvdoctor.trace import iter_events
+
+    baseline = _workload_once("leak")
+    path = str(tmp_path / "t.json")
+    monkeypatch.setenv("KVDOCTOR_SGLANG_VERSION", "9.9.9")
+    probe = runtime.activate(path)
+    probe.map = None
+    probe.ledger_on = True
+    probe.select_map()
+    assert _workload_once("leak") == baseline
+    runtime.deactivate()
+    analysis = analyze(iter_events(path))
+    assert not analysis.errors
+    off = [f for f in analysis.findings if f.kind == "probe_off"]
+    assert off and "9.9.9" in off[0].message and "0.5.23" in off[0].message
+
+
+ALLOWED_IN_PROBE = {"kvdoctor.schema", "kvdoctor.trace", "kvdoctor.errors"}
+
+
+def test_probe_imports_no_analysis():
+    probe_dir = os.path.join(REPO, "kvdoctor", "probe")
+    files = [os.path.join(probe_dir, f) for f in os.listdir(probe_dir) if f.endswith(".py")]
+    files.append(os.path.join(REPO, "kvdoctor", "_inject", "sitecustomize.py"))
+    for path in files:
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] if not node.module == "kvdoctor" else [f"kvdoctor.{a.name}" for a in node.names]
+            for name in names:
+                if name.startswith("kvdoctor") and not name.startswith("kvdoctor.probe"):
+                    assert name in ALLOWED_IN_PROBE, f"{path} imports {name}"
