@@ -161,6 +161,13 @@ class SlotLedger:
             if allow_minus_one:
                 pages = xp.where(slots < 0, self.sink, pages)
             return pages
+        if xp.sync_free_branching:
+            values = slots[bad]
+            worst = int(values[np.abs(values).argmax()])
+            self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
+            self._reported[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
+            self.emit(schema.VIOLATION, self._oor_args(int(n_bad), worst, site))
+            return xp.where(bad | (slots < 0), self.sink, slots // self.page_size)
         self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
         worst = xp.where(bad, slots, 0)
         if worst.shape[0] > 0:
@@ -173,7 +180,16 @@ class SlotLedger:
     def _flag(self, pages: Any, mask: Any, kind: str, site: int) -> None:
         xp = self.xp
         count = mask.sum()
-        if xp.sync_free_branching and not count:
+        if xp.sync_free_branching:
+            if count:  # on the host, evidence is exact and free: report this very call
+                slot = KIND_SLOT[kind]
+                self.counters[slot] += count
+                self._reported[slot] += count
+                bad = np.unique(pages[mask])
+                args = {"kind": kind, "allocator": self.name, "count": int(count), "page_size": self.page_size,
+                        "site": self.sites.name(site), "sites": {self.sites.name(site): int(bad.size)}}
+                args.update(self._page_evidence(bad, self.owner, self.alloc_site))
+                self.emit(schema.VIOLATION, args)
             return
         self.counters[KIND_SLOT[kind]] += count
         bit = KIND_BITS[kind]
@@ -185,6 +201,8 @@ class SlotLedger:
         holds (paged extend/decode continuing its last page) are not new pages."""
         xp = self.xp
         slots = xp.index(slots_tensor)
+        if xp.sync_free_branching and slots.shape[0] == 1 and self._alloc_one(int(slots[0]), site, only_page_starts):
+            return
         pages = self._pages(slots, site)
         if only_page_starts and self.page_size > 1:
             pages = xp.where(slots % self.page_size == 0, pages, self.sink)
@@ -196,11 +214,37 @@ class SlotLedger:
         self.alloc_site[pages] = site
         self.state[self.sink] = RESERVED
 
+    def _alloc_one(self, slot: int, site: int, only_page_starts: bool) -> bool:
+        """Scalar fast path for the commonest call (one decode slot); False sends it to the general path."""
+        if not 0 <= slot < self.rows:
+            return False
+        page, offset = divmod(slot, self.page_size)
+        if only_page_starts and offset:
+            return True
+        if self.state[page] != FREE:
+            return False
+        self.state[page] = OWNED
+        self.owner[page] = -1
+        self.alloc_site[page] = site
+        return True
+
+    def _free_one(self, slot: int, evicting: bool) -> bool:
+        if not 0 <= slot < self.rows:
+            return False
+        page = slot // self.page_size
+        state = int(self.state[page])
+        if state & FREE or state == RESERVED:
+            return False
+        self.state[page] = FREE if evicting else (state & TREE) | FREE
+        return True
+
     def on_free(self, slots_tensor: Any, site: int, *, evicting: bool, as_pages: bool = False) -> None:
         """Slots returned to the allocator. Outside a tree eviction the tree bit survives: a tree
         still pointing at a freed page is how a later double allocation starts."""
         xp = self.xp
         idx = xp.index(slots_tensor)
+        if xp.sync_free_branching and not as_pages and idx.shape[0] == 1 and self._free_one(int(idx[0]), evicting):
+            return
         if as_pages:
             bad = (idx < 1) | (idx > self.num_pages)
             n_bad = bad.sum()
@@ -247,6 +291,13 @@ class SlotLedger:
         """A request row now points at these slots (req_to_token writes): they belong to it."""
         xp = self.xp
         slots = xp.index(slots_tensor)
+        if xp.sync_free_branching and slots.shape[0] == 1 and isinstance(req_index, int):
+            slot = int(slots[0])
+            if 0 <= slot < self.rows:
+                page = slot // self.page_size
+                if self.state[page] == OWNED:
+                    self.owner[page] = req_index
+                return
         bad = (slots < 0) | (slots >= self.rows)
         pages = xp.where(bad, self.sink, slots // self.page_size)
         owned = self.state[pages] == OWNED
@@ -263,6 +314,17 @@ class SlotLedger:
         request still holds: not free, and owned by that request when we know which it is."""
         xp = self.xp
         last = xp.index(last_loc_tensor)
+        if xp.sync_free_branching and last.shape[0] == 1:
+            value = int(last[0])
+            if value == -1:
+                return
+            if 0 <= value < self.rows:
+                page = value // self.page_size
+                state = int(self.state[page])
+                owner = int(self.owner[page])
+                req = int(xp.index(req_indices)[0]) if req_indices is not None else -1
+                if not (state & FREE) and state & (OWNED | TREE) and not (state == OWNED and owner >= 0 and req >= 0 and owner != req):
+                    return  # the common, healthy case; anything else takes the general path
         pages = self._pages(last, site, allow_minus_one=True)
         st = self.state[pages]
         valid = (last >= 0) & (pages != self.sink)
@@ -310,10 +372,7 @@ class SlotLedger:
             pages = np.nonzero((flags[: self.num_pages + 1] & bit) != 0)[0]
             args: dict[str, Any] = {"kind": kind, "allocator": self.name, "count": new, "page_size": self.page_size}
             if kind == schema.INDEX_OUT_OF_RANGE:
-                args["site"] = self.sites.name(int(vsite[self.sink]))
-                args["bad_index"] = int(oor_value[0])
-                args["valid_rows"] = [0, self.rows - 1]
-                args["note"] = "-1 is legal only as last_loc (no prefix); anything else outside the buffer faults on a GPU"
+                args.update(self._oor_args(new, int(oor_value[0]), int(vsite[self.sink])))
             else:
                 by_site: dict[str, int] = {}
                 for site_id in vsite[pages][:4096]:
@@ -321,10 +380,19 @@ class SlotLedger:
                     by_site[name] = by_site.get(name, 0) + 1
                 args["site"] = max(by_site, key=by_site.get) if by_site else "unknown"
                 args["sites"] = by_site
-                args["slot_ids"] = self._slot_ids(pages)
-                args["requests"] = self._requests(owner, pages)
-                args["allocated_at"] = self._alloc_sites(alloc_site, pages)
+                args.update(self._page_evidence(pages, owner, alloc_site))
             self.emit(schema.VIOLATION, args)
+
+    def _oor_args(self, count: int, bad_index: int, site: int) -> dict[str, Any]:
+        return {"kind": schema.INDEX_OUT_OF_RANGE, "allocator": self.name, "count": count, "page_size": self.page_size,
+                "site": self.sites.name(site), "bad_index": bad_index, "valid_rows": [0, self.rows - 1],
+                "note": "-1 is legal only as last_loc (no prefix); anything else outside the buffer faults on a GPU"}
+
+    def _page_evidence(self, pages: np.ndarray, owner: Any, alloc_site: Any) -> dict[str, Any]:
+        owner = self.xp.to_host(owner) if not isinstance(owner, np.ndarray) else owner
+        alloc_site = self.xp.to_host(alloc_site) if not isinstance(alloc_site, np.ndarray) else alloc_site
+        return {"slot_ids": self._slot_ids(pages), "requests": self._requests(owner, pages),
+                "allocated_at": self._alloc_sites(alloc_site, pages)}
 
     def _slot_ids(self, pages: np.ndarray) -> list[int]:
         ps = self.page_size

@@ -16,6 +16,7 @@ import importlib.machinery
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -93,6 +94,10 @@ class Probe:
         self.census_pending = False
         self.last_loc_sources: dict[int, tuple[Any, Any]] = {}
         self.local = _LOCAL
+        self._site_cache: dict[tuple, int] = {}
+        # An idle census reads the whole ledger back: at most one per interval (and one at exit).
+        self.idle_census_interval_s = float(os.environ.get("KVDOCTOR_IDLE_CENSUS_INTERVAL_S", "2.0"))
+        self.last_idle_census = -1e9
         self._closed = False
         self.emitter.periodic.append(self._periodic)
 
@@ -145,6 +150,17 @@ class Probe:
 
     def site(self) -> int:
         frame = sys._getframe(2)
+        caller = frame.f_back
+        quick = (frame.f_code, frame.f_lineno, caller.f_code if caller else None, caller.f_lineno if caller else 0)
+        found = self._site_cache.get(quick)
+        if found is not None:
+            return found
+        found = self._site_slow(frame)
+        if len(self._site_cache) < 65536:
+            self._site_cache[quick] = found
+        return found
+
+    def _site_slow(self, frame: Any) -> int:
         frames = []
         while frame is not None and len(frames) < SITE_DEPTH:
             if "kvdoctor/probe" not in frame.f_code.co_filename:
@@ -415,7 +431,10 @@ class AllocHandler(Handler):
         ledger = probe.ledger_for(obj)
         if probe.census_pending:
             probe.census_pending = False
-            probe.census_all("idle")
+            now = time.monotonic()
+            if now - probe.last_idle_census >= probe.idle_census_interval_s:
+                probe.last_idle_census = now
+                probe.census_all("idle")
         pos = positions.get("last_loc")
         if pos is not None:
             last_loc = _arg(args, kwargs, "last_loc", pos)
