@@ -25,7 +25,10 @@ try:  # orjson is several times faster; the stdlib is the fallback everywhere.
     import orjson as _orjson
 
     def _dumps(obj: Any) -> bytes:
-        return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY, default=_default)
+        try:
+            return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY, default=_default)
+        except TypeError:  # integers beyond 64 bits and other values orjson refuses
+            return json.dumps(obj, separators=(",", ":"), default=_default).encode()
 
     _loads = _orjson.loads
 except ImportError:  # pragma: no cover - depends on the environment

@@ -151,7 +151,6 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
     engine = engine or Engine(config.pool_tokens, config.page_size)
     rng = random.Random(config.seed)
     result = WorkloadResult()
-    ps = config.page_size
     system_prompt = [rng.randrange(config.vocab) for _ in range(64)]
     histories = [list(system_prompt) for _ in range(config.conversations)]
     order = [(turn, conv) for turn in range(config.turns) for conv in range(config.conversations)]
@@ -259,7 +258,6 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
     """What `cache_finished_req` does: insert, free duplicates and the partial page, unlock."""
     torch = engine.torch
     ps = engine.page_size
-    idx = item.req.req_pool_idx
     kv = _row(engine, item)[: item.seq_len].to(torch.int64).clone()
     aligned = item.seq_len // ps * ps
     fault = config.fault if victim else "none"

@@ -128,6 +128,7 @@ def test_unknown_sglang_version_turns_the_probe_off(tmp_path, monkeypatch):
     monkeypatch.setenv("KVDOCTOR_SGLANG_VERSION", "9.9.9")
     probe = runtime.activate(path)
     probe.map = None
+    probe.maps.clear()
     probe.ledger_on = True
     probe.select_map()
     assert _workload_once("leak") == baseline

@@ -35,14 +35,15 @@ class ViolationDetector:
         else:
             group["count"] += count
             group["events"] += 1
-            for name in ("slot_ids",):
-                merged = list(group["first"].get(name) or []) + list(args.get(name) or [])
-                group["first"][name] = merged[:64]
+            merged = as_list(group["first"].get("slot_ids")) + as_list(args.get("slot_ids"))
+            group["first"]["slot_ids"] = merged[:64]
             for name in ("requests", "sites", "allocated_at"):
-                mine = group["first"].setdefault(name, {})
-                if isinstance(mine, dict) and isinstance(args.get(name), dict):
+                mine = group["first"].get(name)
+                if not isinstance(mine, dict):
+                    mine = group["first"][name] = {}
+                if isinstance(args.get(name), dict):
                     for k, v in args[name].items():
-                        mine[k] = mine.get(k, 0) + _count(v)
+                        mine[k] = _count(mine.get(k, 0)) + _count(v)
 
     def findings(self) -> list[Finding]:
         out = []
@@ -66,6 +67,11 @@ def _count(value: Any) -> int:
         return 0
 
 
+def as_list(value: Any) -> list:
+    """Evidence lists from a trace we did not write ourselves may be anything."""
+    return list(value) if isinstance(value, list) else []
+
+
 def first_request(evidence: dict[str, Any]) -> str:
     requests = evidence.get("requests")
     if isinstance(requests, dict) and requests:
@@ -74,8 +80,8 @@ def first_request(evidence: dict[str, Any]) -> str:
 
 
 def ids_text(evidence: dict[str, Any], key: str = "slot_ids", limit: int = 8) -> str:
-    ids = evidence.get(key) or []
-    if not isinstance(ids, list) or not ids:
+    ids = as_list(evidence.get(key))
+    if not ids:
         return ""
     shown = ", ".join(str(i) for i in ids[:limit])
     return f" (slots {shown}{', ...' if len(ids) > limit else ''})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdoctor import schema
-from kvdoctor.detectors.base import _count
+from kvdoctor.detectors.base import _count, as_list
 from kvdoctor.findings import ERROR, Finding
 
 
@@ -33,11 +33,11 @@ class OrphanSlotsDetector:
         for (pid, allocator), args in self.latest.items():
             count = _count(args.get("orphan_slots"))
             if count:
-                sites = args.get("orphan_allocated_at") or {}
+                sites = args.get("orphan_allocated_at") if isinstance(args.get("orphan_allocated_at"), dict) else {}
                 top_site = max(sites, key=lambda k: _count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
-                reqs = args.get("orphan_requests") or {}
+                reqs = args.get("orphan_requests") if isinstance(args.get("orphan_requests"), dict) else {}
                 top_req = max(reqs, key=lambda k: _count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
-                ids = args.get("orphan_slot_ids") or []
+                ids = as_list(args.get("orphan_slot_ids"))
                 evidence = {
                     "allocator": allocator,
                     "census": args.get("reason"),
@@ -59,7 +59,7 @@ class OrphanSlotsDetector:
                     f"and never freed or inserted. This is SGLang's 'memory leak detected ... diff={count}', with names",
                     count, evidence, pid,
                 ))
-            dangling = args.get("tree_holds_free_slot_ids") or []
+            dangling = as_list(args.get("tree_holds_free_slot_ids"))
             freed = _count(args.get("tree_freed_slots"))
             if freed:
                 out.append(Finding(

@@ -38,6 +38,8 @@ class ProbeMap:
     classes: list[ClassHooks]
     functions: list[FunctionHook]
     source: str
+    dist_names: list[str] = dataclasses.field(default_factory=list)
+    handlers_module: str = ""
 
     def modules(self) -> set[str]:
         return {c.module for c in self.classes} | {f.module for f in self.functions}
@@ -72,14 +74,18 @@ def load_map(path: str) -> ProbeMap:
             )
         )
     functions = [FunctionHook(f["module"], f["function"], f["role"]) for f in raw.get("functions", [])]
-    return ProbeMap(raw["engine"], list(raw["versions"]), classes, functions, os.path.basename(path))
+    return ProbeMap(
+        raw["engine"], list(raw["versions"]), classes, functions, os.path.basename(path),
+        dist_names=list(raw.get("dist_names", [raw["engine"]])), handlers_module=str(raw.get("handlers", "")),
+    )
 
 
-def available_maps(engine: str = "sglang") -> list[ProbeMap]:
+def available_maps(engine: str | None = None) -> list[ProbeMap]:
+    """Every map shipped, or those of one engine."""
     directory = _maps_dir()
     out = []
     for name in sorted(os.listdir(directory)):
-        if name.startswith(engine + "-") and name.endswith(".toml"):
+        if name.endswith(".toml") and (engine is None or name.startswith(engine + "-")):
             out.append(load_map(os.path.join(directory, name)))
     return out
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from kvdoctor import schema
 from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.ledger import CallSites, RequestTable, SlotLedger
-from kvdoctor.probe.maps import ClassHooks, ProbeMap, known_versions, map_for
+from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, known_versions, map_for
 
 ENV_TRACE = "KVDOCTOR_TRACE"
 ENV_FIXES = "KVDOCTOR_FIXES"
@@ -86,6 +86,7 @@ class Probe:
         self.ledger_on = True
         self.off_reason = ""
         self.map: ProbeMap | None = None
+        self.maps: dict[str, ProbeMap | None] = {}
         self.version = ""
         self.patched: list[str] = []
         self.missing: list[str] = []
@@ -226,26 +227,35 @@ class Probe:
 
     # ----- patching -----
 
-    def select_map(self) -> ProbeMap | None:
-        if self.map is not None:
-            return self.map
-        version = os.environ.get(ENV_FORCE_VERSION) or _sglang_version()
-        self.version = version
-        self.emitter.header_args["engine_version"] = version
-        probe_map = map_for("sglang", version)
+    def select_map(self, engine: str = "sglang") -> ProbeMap | None:
+        """The map for the installed version of `engine`, or None (and the probe off) if unknown."""
+        if engine in self.maps:
+            return self.maps[engine]
+        version = os.environ.get(ENV_FORCE_VERSION) if engine == "sglang" else None
+        version = version or _engine_version(engine)
+        probe_map = map_for(engine, version)
+        if not self.emitter.header_args.get("engine_version"):
+            self.emitter.header_args["engine"] = engine
+            self.emitter.header_args["engine_version"] = version
+        self.maps[engine] = probe_map
+        if engine == "sglang":
+            self.version = version
+            self.map = probe_map
         if probe_map is None:
             self.ledger_on = False
-            self.off_reason = f"SGLang {version or 'of unknown version'} is not a version kvdoctor knows (it knows {', '.join(known_versions())})"
+            label = {"sglang": "SGLang", "vllm": "vLLM"}.get(engine, engine)
+            self.off_reason = f"{label} {version or 'of unknown version'} is not a version kvdoctor knows (it knows {', '.join(known_versions(engine))})"
             self.status("off", self.off_reason + "; the probe stays out of this process and the server runs untouched")
             return None
-        self.map = probe_map
+        if probe_map.handlers_module:
+            importlib.import_module(probe_map.handlers_module)  # registers that engine's roles
         return probe_map
 
     def patch_module(self, module: Any) -> None:
-        probe_map = self.select_map()
+        name = module.__name__
+        probe_map = self.select_map(name.split(".", 1)[0])
         if probe_map is None:
             return
-        name = module.__name__
         for hooks in probe_map.classes:
             if hooks.module != name:
                 continue
@@ -377,7 +387,7 @@ def _rebind_imported(original: Callable, wrapped: Callable) -> None:
     """Modules that did `from x import f` before we patched x still hold the original."""
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
-        if not namespace or not getattr(module, "__name__", "").startswith("sglang"):
+        if not namespace or not getattr(module, "__name__", "").startswith(("sglang", "vllm")):
             continue
         for attr, value in list(namespace.items()):
             if value is original:
@@ -387,17 +397,23 @@ def _rebind_imported(original: Callable, wrapped: Callable) -> None:
                     pass
 
 
-def _sglang_version() -> str:
-    try:
-        return str(importlib.import_module("sglang._version").__version__)
-    except Exception:
-        pass
-    try:
-        from importlib.metadata import version
+def _engine_version(engine: str) -> str:
+    if engine == "sglang":
+        try:
+            return str(importlib.import_module("sglang._version").__version__)
+        except Exception:
+            pass
+    from importlib.metadata import PackageNotFoundError, version
 
-        return version("sglang")
-    except Exception:
-        return ""
+    names = [engine] + [n for m in available_maps(engine) for n in m.dist_names if n != engine]
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+        except Exception:
+            break
+    return ""
 
 
 # ----- role handlers: before() runs ahead of the host's call, after() once it returned -----
@@ -713,9 +729,7 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
         inject = {r for r in os.environ.get(ENV_INJECT, "").split(",") if r}
         probe = Probe(trace_path, fixes=fixes, inject=inject)
         modules = set()
-        from kvdoctor.probe.maps import available_maps
-
-        for probe_map in available_maps("sglang"):
+        for probe_map in available_maps():
             modules |= probe_map.modules()
         finder = _Finder(probe, modules)
         sys.meta_path.insert(0, finder)
