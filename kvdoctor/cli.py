@@ -56,6 +56,10 @@ def run(
     from kvdoctor.commands.run import run_command
     from kvdoctor.reporters import render
 
+    from kvdoctor.probe.fixes import FIXES, unknown
+
+    if unknown(list(fix)):
+        raise KvdoctorError(f"unknown fix {', '.join(unknown(list(fix)))}", f"`kvdoctor fixes` lists them: {', '.join(FIXES)}")
     code, trace_path = run_command(list(ctx.args), trace, list(fix))
     analysis = analyze_trace(trace_path)
     print(render(analysis, "json" if output_format == "json" else "text"), file=sys.stderr)
@@ -106,6 +110,17 @@ def watch(
     from kvdoctor.commands.watch import watch as do_watch
 
     return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach)
+
+
+@app.command()
+@_guarded
+def fixes() -> int:
+    """List the optional fixes, what each changes, and its risk (all are off by default)."""
+    from kvdoctor.probe.fixes import FIXES
+
+    for fix in FIXES.values():
+        print(f"{fix.name}\n  fixes:   {fix.fixes}\n  changes: {fix.changes}\n  risk:    {fix.risk}\n")
+    return 0
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import random
 from typing import Any
 
-FAULTS = ("none", "leak", "double-free", "stale-last-loc", "index-out-of-range", "double-alloc")
+FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc")
 
 
 @dataclasses.dataclass
@@ -173,7 +173,8 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
             live.append(item)
         for step in range(config.output_tokens):
             for item in live:
-                fault_here = item.number == config.fault_at_request and step == config.output_tokens // 2  # type: ignore[attr-defined]
+                fault_here = (item.number == config.fault_at_request and step >= config.output_tokens // 2  # type: ignore[attr-defined]
+                              and not result.planted)
                 token = _decode(engine, item, result, config, rng, fault_here)
                 item.tokens.append(token)
         for item in live:
@@ -240,6 +241,15 @@ def _decode(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
             # read and before it is used: the seed-002 shape.
             last_page_start = int(last_loc[0]) // ps * ps
             engine.allocator.free(torch.arange(last_page_start, last_page_start + ps, dtype=torch.int64))
+            result.planted["stale_last_loc"] = 1
+        if fault_here and config.fault == "relocate" and item.seq_len % ps:
+            # The request's last page moves (as a HiCache load or a defragmenting copy does) after
+            # last_loc was read: its row now points at the new page, last_loc at the freed old one.
+            start = item.seq_len // ps * ps
+            old_page = engine.req_pool.req_to_token[idx, start : item.seq_len].to(torch.int64)
+            new_page = engine.allocator.alloc(ps)
+            engine.req_pool.write((idx, slice(start, item.seq_len)), new_page[: item.seq_len - start].to(torch.int32))
+            engine.allocator.free(torch.arange(int(old_page[0]) // ps * ps, int(old_page[0]) // ps * ps + ps, dtype=torch.int64))
             result.planted["stale_last_loc"] = 1
         if fault_here and config.fault == "index-out-of-range":
             # The proposed `last_loc.clamp(0, total_slots)` lets one-past-the-end through.

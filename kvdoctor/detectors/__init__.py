@@ -9,6 +9,7 @@ from kvdoctor import schema
 from kvdoctor.detectors.base import Detector
 from kvdoctor.detectors.double_alloc import DoubleAllocDetector
 from kvdoctor.detectors.double_free import DoubleFreeDetector
+from kvdoctor.detectors.graph_replay import GraphReplayDuringLoadDetector
 from kvdoctor.detectors.index_out_of_range import IndexOutOfRangeDetector
 from kvdoctor.detectors.orphan_slots import OrphanSlotsDetector
 from kvdoctor.detectors.probe_health import ProbeHealthDetector
@@ -27,21 +28,15 @@ def all_detectors() -> list[Detector]:
         IndexOutOfRangeDetector(),
         UseAfterFreeDetector(),
         LockUnderflowDetector(),
+        GraphReplayDuringLoadDetector(),
         OrphanSlotsDetector(),
         ProbeHealthDetector(),
     ]
-    try:
-        from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
+    from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
+    from kvdoctor.detectors.retained_view import RetainedViewDetector
 
-        detectors.append(MemoryGrowthDetector())
-    except ImportError:
-        pass
-    try:
-        from kvdoctor.detectors.retained_view import RetainedViewDetector
-
-        detectors.append(RetainedViewDetector())
-    except ImportError:
-        pass
+    detectors.append(MemoryGrowthDetector())
+    detectors.append(RetainedViewDetector())
     return detectors
 
 

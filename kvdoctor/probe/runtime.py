@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Callable
 
 from kvdoctor import schema
+from kvdoctor.probe import fixes
 from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.ledger import CallSites, RequestTable, SlotLedger
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, known_versions, map_for
@@ -93,7 +94,10 @@ class Probe:
         self.calls = 0
         self.failures = 0
         self.census_pending = False
-        self.last_loc_sources: dict[int, tuple[Any, Any]] = {}
+        self.last_loc_sources: dict[int, tuple[Any, ...]] = {}
+        self.fix_counts: dict[str, int] = {}
+        self._fix_unreported: dict[str, int] = {}
+        self.extensions: list[Any] = []  # engine add-ons (HiCache) with a periodic() of their own
         self.local = _LOCAL
         self._site_cache: dict[tuple, int] = {}
         # An idle census reads the whole ledger back: at most one per interval (and one at exit).
@@ -106,6 +110,22 @@ class Probe:
 
     def status(self, state: str, reason: str, **extra: Any) -> None:
         self.emitter.emit(schema.PROBE_STATUS, {"component": "ledger", "state": state, "reason": reason, **extra})
+
+    def fixed(self, fix: str, count: int = 1, **evidence: Any) -> None:
+        """A fix changed the host's behaviour: counted, and the first few occurrences described."""
+        total = self.fix_counts.get(fix, 0)
+        self.fix_counts[fix] = total + count
+        if total < 16 and evidence:
+            self.emitter.emit(schema.FIX_APPLIED, {"fix": fix, "count": count, **evidence})
+        elif total < 16:
+            self.emitter.emit(schema.FIX_APPLIED, {"fix": fix, "count": count})
+        else:
+            self._fix_unreported[fix] = self._fix_unreported.get(fix, 0) + count
+
+    def fix_failed(self, role: str, exc: BaseException) -> None:
+        """A fix that cannot apply is dropped; the host's call proceeds unfixed."""
+        self.fixes = []
+        self.status("partial", f"fixes turned off after {type(exc).__name__} in the {role} fix: {exc}")
 
     def fail(self, role: str, exc: BaseException) -> None:
         """Our own bug or a host we do not understand: stop feeding the ledger, say why."""
@@ -206,6 +226,15 @@ class Probe:
                     self.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
             except Exception as exc:
                 self.fail("poll", exc)
+        for fix, count in list(self._fix_unreported.items()):
+            if count:
+                self._fix_unreported[fix] = 0
+                self.emitter.emit(schema.FIX_APPLIED, {"fix": fix, "count": count})
+        for extension in list(self.extensions):
+            try:
+                extension.periodic(self)
+            except Exception as exc:
+                self.fail(type(extension).__name__, exc)
         self.emitter.counter(schema.PROBE_STATS, {"hooked_calls": self.calls, "probe_failures": self.failures, **self.emitter.stats()})
 
     def shutdown(self, reason: str = "exit") -> None:
@@ -215,6 +244,7 @@ class Probe:
         if self.map is None and not self.ledgers and not self.emitter.buffer and not self.emitter.header_written:
             return  # this process never met an engine: it leaves no trace at all
         try:
+            self._periodic()
             if self.ledgers:
                 self.census_all(reason)
                 for ledger in self.ledgers.values():
@@ -296,6 +326,9 @@ class Probe:
         wants_site = role in ROLES_WITH_SITE
         positions = hooks.args.get(original.__name__, {})
         local = _LOCAL
+        # A handler may turn one-shot arguments (iterators) into lists that yield the same items,
+        # so that it and the host both see them.
+        prepare = getattr(handler, "prepare_args", None)
 
         @functools.wraps(original)
         def wrapper(obj: Any, *args: Any, **kwargs: Any) -> Any:
@@ -313,15 +346,24 @@ class Probe:
                 if role in probe.inject:
                     raise RuntimeError(f"fault injected into the {role} hook")
                 site = probe.site() if wants_site else 0
+                if prepare is not None:
+                    args, kwargs = prepare(args, kwargs)
                 ctx = handler.before(probe, obj, args, kwargs, hooks, positions, site)
             except Exception as exc:
                 ok = False
                 probe.fail(role, exc)
+            call_args, call_kwargs = args, kwargs
+            if ok and probe.fixes:
+                try:
+                    call_args, call_kwargs = handler.rewrite(probe, obj, args, kwargs, hooks, positions, ctx)
+                except Exception as exc:
+                    call_args, call_kwargs = args, kwargs
+                    probe.fix_failed(role, exc)
             local.active.add(key)
             if composite:
                 busy[id(obj)] = busy.get(id(obj), 0) + 1
             try:
-                result = original(obj, *args, **kwargs)
+                result = original(obj, *call_args, **call_kwargs)
             finally:
                 local.active.discard(key)
                 if composite:
@@ -337,6 +379,11 @@ class Probe:
                     handler.after(probe, obj, args, kwargs, result, ctx, hooks, positions)
                 except Exception as exc:
                     probe.fail(role, exc)
+                if probe.fixes:
+                    try:
+                        result = handler.rewrite_result(probe, obj, result)
+                    except Exception as exc:
+                        probe.fix_failed(role, exc)
             return result
 
         wrapper.__kvdoctor_role__ = role  # type: ignore[attr-defined]
@@ -350,9 +397,11 @@ class Probe:
             probe = _PROBE
             if probe is not None and probe.ledger_on and role == "last_loc_source":
                 try:
+                    req_to_token = _arg(args, kwargs, "req_to_token", 0)
                     req_indices = _arg(args, kwargs, "req_pool_indices_tensor", 1)
+                    prefix_lens = _arg(args, kwargs, "prefix_lens_tensor", 2)
                     sources = probe.last_loc_sources
-                    sources[id(result)] = (result, req_indices)
+                    sources[id(result)] = (result, req_indices, req_to_token, prefix_lens)
                     if len(sources) > 64:
                         sources.pop(next(iter(sources)))
                 except Exception as exc:
@@ -423,6 +472,14 @@ class Handler:
     def before(self, probe, obj, args, kwargs, hooks, positions, site):  # noqa: ANN001
         return site
 
+    def rewrite(self, probe, obj, args, kwargs, hooks, positions, ctx):  # noqa: ANN001
+        """Only with an optional fix on: the arguments the host's method is called with."""
+        return args, kwargs
+
+    def rewrite_result(self, probe, obj, result):  # noqa: ANN001
+        """Only with an optional fix on: what the host's caller receives."""
+        return result
+
     def finally_(self, probe, ctx):  # noqa: ANN001
         return None
 
@@ -452,18 +509,52 @@ class AllocHandler(Handler):
                 probe.last_idle_census = now
                 probe.census_all("idle")
         pos = positions.get("last_loc")
+        source = None
         if pos is not None:
             last_loc = _arg(args, kwargs, "last_loc", pos)
             if last_loc is not None:
                 source = probe.last_loc_sources.get(id(last_loc))
-                req = source[1] if source is not None and source[0] is last_loc else None
-                ledger.check_last_loc(last_loc, site, req)
-        return (ledger, site)
+                source = source if source is not None and source[0] is last_loc else None
+                ledger.check_last_loc(last_loc, site, source[1] if source else None)
+        return (ledger, site, source)
+
+    def rewrite(self, probe, obj, args, kwargs, hooks, positions, ctx):
+        pos = positions.get("last_loc")
+        if pos is None or ctx is None:
+            return args, kwargs
+        last_loc = _arg(args, kwargs, "last_loc", pos)
+        if last_loc is None:
+            return args, kwargs
+        ledger, site, source = ctx
+        fixed = last_loc
+        if "recompute-last-loc" in probe.fixes and source is not None and source[2] is not None:
+            fixed = fixes.recompute_last_loc(source[2], source[1], source[3], like=last_loc)
+            if ledger.xp.sync_free_branching:
+                changed = int((fixed != last_loc).sum())
+                if changed:
+                    probe.fixed("recompute-last-loc", changed, site=probe.sites.name(site), allocator=ledger.name)
+            else:
+                probe.fixed("recompute-last-loc", 0)
+        if "clamp-last-loc" in probe.fixes:
+            clamped = fixes.clamp_last_loc(fixed, ledger.rows)
+            if ledger.xp.sync_free_branching:
+                changed = int((clamped != fixed).sum())
+                if changed:
+                    probe.fixed("clamp-last-loc", changed, site=probe.sites.name(site), allocator=ledger.name,
+                                clamped_to=ledger.rows - 1)
+            fixed = clamped
+        if fixed is last_loc:
+            return args, kwargs
+        if "last_loc" in kwargs:
+            kwargs = {**kwargs, "last_loc": fixed}
+        else:
+            args = args[:pos] + (fixed,) + args[pos + 1 :]
+        return args, kwargs
 
     def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
         if result is None or ctx is None:
             return
-        ledger, site = ctx
+        ledger, site = ctx[0], ctx[1]
         with ledger.lock:
             ledger.on_alloc(result, site, only_page_starts=self.only_page_starts)
 
@@ -489,6 +580,17 @@ class FreeHandler(Handler):
             return
         with ledger.lock:
             ledger.on_free(index, site, evicting=probe.local.evicting > 0, as_pages=self.as_pages)
+
+
+    def rewrite(self, probe, obj, args, kwargs, hooks, positions, ctx):
+        if "dedup-free" not in probe.fixes or ctx is None or not args:
+            return args, kwargs
+        ledger, site = ctx
+        kept, dropped = fixes.drop_already_free(ledger, args[0], as_pages=self.as_pages)
+        if dropped:
+            probe.fixed("dedup-free", dropped, site=probe.sites.name(site), allocator=ledger.name)
+            return (kept,) + args[1:], kwargs
+        return args, kwargs
 
 
 class FreePagesHandler(FreeHandler):

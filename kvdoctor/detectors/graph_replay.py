@@ -1,0 +1,14 @@
+"""graph_replay_during_load: a CUDA graph replayed while a HiCache load for the batch was in flight."""
+
+from kvdoctor.detectors.base import ViolationDetector
+
+
+class GraphReplayDuringLoadDetector(ViolationDetector):
+    kind = "graph_replay_during_load"
+
+    def message(self, count, allocator, site, evidence):
+        return (
+            f"{count} CUDA graph replay(s) by {evidence.get('graph_runner', 'a graph runner')} started while "
+            f"{evidence.get('loads_in_flight', 'some')} HiCache host-to-device load(s) were still in flight; the graph "
+            "reads KV rows the load stream has not finished writing (kvdoctor run --fix graph-guard orders them)"
+        )

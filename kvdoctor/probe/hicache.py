@@ -1,0 +1,265 @@
+"""HiCache: the host (L2) pool and the storage (L3) backend, the views the tree retains, and CUDA
+graph replays during a host-to-device load.
+
+Registers its roles into the runtime's handler table when an SGLang map names this module.
+Host pools hand out index tensors; a tensor that is a small view into a much larger array, kept
+alive by a long-lived tree node, pins that whole array (sglang#19332). We keep weak references to
+the views the host pool hands out (bounded), and every few seconds count the ones still alive,
+old enough to be long-lived, and far smaller than the storage they keep alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any
+
+from kvdoctor import schema
+from kvdoctor.probe import runtime
+
+RETAINED_VIEW = "retained_views"          # ph i: the summary the retained_view detector reads
+HICACHE_COUNTER = "hicache"               # ph C: host ledger, queues, storage traffic
+MAX_TRACKED_VIEWS = 100_000
+LONG_LIVED_S = 5.0
+SCAN_INTERVAL_S = 2.0
+VIEW_RATIO = 4                            # storage at least this many times the view's own bytes
+
+
+class HiCacheState:
+    """Per-process HiCache bookkeeping: host pools, controller queues, storage traffic, views."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[int, Any] = {}
+        self.controllers: dict[int, Any] = {}
+        self.views: dict[int, tuple] = {}
+        self.storing_sites: dict[str, int] = {}
+        self.alloc_sites: dict[str, int] = {}
+        self.counts = {"host_allocs": 0, "host_frees": 0, "backups": 0, "loads": 0,
+                       "storage_sets": 0, "storage_set_pages": 0, "storage_gets": 0, "storage_get_pages": 0,
+                       "graph_replays": 0, "graph_replays_during_load": 0}
+        self.lock = threading.Lock()
+        self.last_scan = 0.0
+        self.last_report: tuple = ()
+
+    def periodic(self, probe: runtime.Probe) -> None:
+        args: dict[str, Any] = dict(self.counts)
+        for host in list(self.hosts.values()):
+            try:
+                args["host_total_slots"] = args.get("host_total_slots", 0) + int(host.size)
+                args["host_free_slots"] = args.get("host_free_slots", 0) + int(host.available_size())
+            except Exception:
+                pass
+        for controller in list(self.controllers.values()):
+            for name in ("write_queue", "load_queue", "ack_write_queue", "ack_load_queue"):
+                queue = getattr(controller, name, None)
+                if queue is not None and hasattr(queue, "__len__"):
+                    args[f"{name}_depth"] = args.get(f"{name}_depth", 0) + len(queue)
+        if "host_total_slots" in args:
+            args["host_used_slots"] = args["host_total_slots"] - args.get("host_free_slots", 0)
+        probe.emitter.counter(HICACHE_COUNTER, args)
+        now = time.monotonic()
+        if now - self.last_scan >= SCAN_INTERVAL_S:
+            self.last_scan = now
+            self.scan_views(probe, now)
+
+    def track_view(self, tensor: Any, site: str) -> None:
+        base = getattr(tensor, "_base", None)
+        if base is None:
+            return
+        try:
+            storage_bytes = int(tensor.untyped_storage().nbytes())
+            own_bytes = int(tensor.numel() * tensor.element_size())
+        except Exception:
+            return
+        if storage_bytes < VIEW_RATIO * max(own_bytes, 1):
+            return
+        with self.lock:
+            if len(self.views) >= MAX_TRACKED_VIEWS:
+                return  # bounded: the count below is then a lower bound
+            key = id(tensor)
+            self.views[key] = (weakref.ref(tensor, lambda _r, k=key: self.views.pop(k, None)), storage_bytes, own_bytes, site, time.monotonic())
+
+    def scan_views(self, probe: runtime.Probe, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
+        now = time.monotonic() if now is None else now
+        live = 0
+        own = 0
+        storages: dict[int, int] = {}
+        sites: dict[str, int] = {}
+        with self.lock:
+            entries = list(self.views.values())
+        for ref, storage_bytes, own_bytes, site, born in entries:
+            tensor = ref()
+            if tensor is None or now - born < LONG_LIVED_S:
+                continue
+            live += 1
+            own += own_bytes
+            try:
+                storages[tensor.untyped_storage().data_ptr()] = storage_bytes
+            except Exception:
+                continue
+            sites[site] = sites.get(site, 0) + 1
+        summary = {
+            "long_lived_views": live,
+            "retained_bytes": sum(storages.values()),
+            "distinct_storages": len(storages),
+            "own_bytes": own,
+            "alloc_sites": sites,
+            "storing_sites": dict(self.storing_sites),
+            "tracked": len(entries),
+            "tracking_capped": len(entries) >= MAX_TRACKED_VIEWS,
+            "min_age_s": LONG_LIVED_S,
+        }
+        key = (live, summary["retained_bytes"])
+        if live and (force_report or key != self.last_report):
+            self.last_report = key
+            probe.emitter.emit(RETAINED_VIEW, summary)
+        return summary
+
+
+def state(probe: runtime.Probe) -> HiCacheState:
+    found = getattr(probe, "hicache", None)
+    if found is None:
+        found = HiCacheState()
+        probe.hicache = found  # type: ignore[attr-defined]
+        probe.extensions.append(found)
+    return found
+
+
+class HostAllocHandler(runtime.Handler):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.hosts[id(obj)] = obj
+        return site
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st = state(probe)
+        st.counts["host_allocs"] += 1
+        if result is not None and "clone-host-indices" not in probe.fixes:
+            st.track_view(result, probe.sites.name(ctx))
+
+    def rewrite_result(self, probe, obj, result):
+        if result is not None and "clone-host-indices" in probe.fixes and getattr(result, "_base", None) is not None:
+            probe.fixed("clone-host-indices", 1)
+            return result.clone()
+        return result
+
+
+class HostFreeHandler(runtime.Handler):
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st = state(probe)
+        st.hosts[id(obj)] = obj
+        st.counts["host_frees"] += 1
+
+
+class ControllerHandler(runtime.Handler):
+    counter = ""
+
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.controllers[id(obj)] = obj
+        host = getattr(obj, "mem_pool_host", None)
+        if host is not None:
+            st.hosts[id(host)] = host
+        if self.counter:
+            st.counts[self.counter] += 1
+        return site
+
+
+class BackupHandler(ControllerHandler):
+    counter = "backups"
+
+
+class LoadHandler(ControllerHandler):
+    counter = "loads"
+
+
+class TreeBackupHandler(runtime.Handler):
+    """`write_backup` stores the host indices on the node: name that as the storing site."""
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        node = runtime._arg(args, kwargs, "node", 0)
+        value = getattr(node, "host_value", None)
+        if value is not None and getattr(value, "_base", None) is not None:
+            st = state(probe)
+            name = f"{type(obj).__name__}.write_backup stores host indices as node.host_value"
+            st.storing_sites[name] = st.storing_sites.get(name, 0) + 1
+
+
+class StorageHandler(runtime.Handler):
+    kind = ""
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st = state(probe)
+        keys = runtime._arg(args, kwargs, "keys", 0)
+        st.counts[f"storage_{self.kind}s"] += 1
+        if isinstance(keys, (list, tuple)):
+            st.counts[f"storage_{self.kind}_pages"] += len(keys)
+
+
+class StorageSetHandler(StorageHandler):
+    kind = "set"
+
+
+class StorageGetHandler(StorageHandler):
+    kind = "get"
+
+
+def loads_in_flight(st: HiCacheState) -> tuple[int, list]:
+    """Loads queued or copying on the load stream; never blocks (cudaEventQuery)."""
+    pending = 0
+    events = []
+    for controller in list(st.controllers.values()):
+        pending += len(getattr(controller, "load_queue", ()) or ())
+        for ack in list(getattr(controller, "ack_load_queue", ()) or ()):
+            finish = getattr(ack, "finish_event", None)
+            if finish is None and isinstance(ack, tuple) and len(ack) > 1:
+                finish = ack[1]
+            try:
+                done = bool(finish.query()) if finish is not None else True
+            except Exception:
+                done = True
+            if not done:
+                pending += 1
+                events.append(finish)
+    return pending, events
+
+
+class GraphReplayHandler(runtime.Handler):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = getattr(probe, "hicache", None)
+        if st is None:
+            return None
+        st.counts["graph_replays"] += 1
+        pending, events = loads_in_flight(st)
+        if pending:
+            st.counts["graph_replays_during_load"] += 1
+            probe.emitter.emit(schema.VIOLATION, {
+                "kind": "graph_replay_during_load", "count": 1, "site": probe.sites.name(site),
+                "graph_runner": type(obj).__name__, "loads_in_flight": pending,
+                "note": "the graph reads KV rows a HiCache load is still copying on its side stream",
+            })
+        return events
+
+    def rewrite(self, probe, obj, args, kwargs, hooks, positions, ctx):
+        if "graph-guard" in probe.fixes and ctx:
+            import torch
+
+            stream = torch.cuda.current_stream()
+            for event in ctx:
+                stream.wait_event(event)
+            probe.fixed("graph-guard", len(ctx))
+        return args, kwargs
+
+
+runtime.HANDLERS.update({
+    "host_alloc": HostAllocHandler(),
+    "host_free": HostFreeHandler(),
+    "hicache_write": BackupHandler(),
+    "hicache_load": LoadHandler(),
+    "tree_backup": TreeBackupHandler(),
+    "storage_set": StorageSetHandler(),
+    "storage_get": StorageGetHandler(),
+    "graph_replay": GraphReplayHandler(),
+})
+runtime.ROLES_WITH_SITE.update({"host_alloc", "graph_replay"})
