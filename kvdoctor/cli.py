@@ -114,6 +114,20 @@ def watch(
 
 @app.command()
 @_guarded
+def attach(
+    pid: int = typer.Argument(..., help="a running Python server process"),
+    trace: Optional[str] = typer.Option(None, "--trace", help="where the probe writes its trace (default: ./kvdoctor-attach-PID.kvtrace.json)"),
+    fix: List[str] = typer.Option([], "--fix", help="turn on an optional fix by name (see `kvdoctor fixes`)"),
+    attribution: bool = typer.Option(False, "--attribution", help="also name the file:line and thread where host memory grows (short tracemalloc windows)"),
+) -> int:
+    """Put the probe into a running Python server without restarting it."""
+    from kvdoctor.commands.attach import attach_command
+
+    return attach_command(pid, trace, list(fix), attribution=attribution)
+
+
+@app.command()
+@_guarded
 def fixes() -> int:
     """List the optional fixes, what each changes, and its risk (all are off by default)."""
     from kvdoctor.probe.fixes import FIXES

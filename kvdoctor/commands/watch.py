@@ -25,6 +25,7 @@ import time
 from typing import Any, TextIO
 
 from kvdoctor import growth, schema
+from kvdoctor.detectors.host_growth_attribution import HOST_GROWTH_SITES, HostGrowthAttributionDetector
 from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.findings import ERROR, Finding
@@ -307,13 +308,13 @@ def watch(
     if duration_s is not None and not (duration_s > 0):
         raise KvdoctorError(f"--duration must be a positive number of seconds, not {duration_s}")
     check_process(pid)
+    probe_tail = None
+    attribution = HostGrowthAttributionDetector()
     if attach:
-        print(
-            f"kvdoctor: attach is not available for pid {pid} (putting the probe into a running "
-            "process is not supported) — watching from outside; start the server under "
-            "`kvdoctor run --` to see ledgers",
-            file=sys.stderr,
-        )
+        from kvdoctor.commands.attach import TraceTail, attach_for_watch
+
+        probe_trace = attach_for_watch(pid, os.path.abspath(trace_path) if trace_path else default_trace_path(pid))
+        probe_tail = TraceTail(probe_trace) if probe_trace else None
     detector = MemoryGrowthDetector(growth_params)
     sampler = Sampler(pid, interval_s=interval_s)
     live_view: _LiveView | None = None
@@ -340,6 +341,15 @@ def watch(
     detector.feed(header)
 
     def on_round(events: list[schema.Event]) -> None:
+        if probe_tail is not None:
+            attached = probe_tail.poll()
+            for event in attached:
+                attribution.feed(event)
+                if event.name == HOST_GROWTH_SITES and live_view is None:
+                    for finding in attribution.findings():
+                        if finding.pid == event.pid:
+                            print(f"kvdoctor: {finding.message}", file=sys.stderr)
+            events = events + attached
         if events:
             writer.write_batch(events)
             for event in events:
@@ -368,7 +378,11 @@ def watch(
     elif not sampler.root_alive:
         print(f"kvdoctor: pid {pid} exited; analysing what was sampled", file=sys.stderr)
 
-    findings = detector.findings()
+    if probe_tail is not None:
+        for event in probe_tail.poll():
+            attribution.feed(event)
+            writer.write_batch([event])
+    findings = detector.findings() + attribution.findings()
     writer.write_batch(
         [schema.Event(ph="i", name=schema.FINDING, pid=f.pid, ts=now_us(), cat=schema.CAT_ANALYSIS, args=f.to_dict()) for f in findings]
     )

@@ -32,11 +32,13 @@ def all_detectors() -> list[Detector]:
         OrphanSlotsDetector(),
         ProbeHealthDetector(),
     ]
+    from kvdoctor.detectors.host_growth_attribution import HostGrowthAttributionDetector
     from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
     from kvdoctor.detectors.retained_view import RetainedViewDetector
 
     detectors.append(MemoryGrowthDetector())
     detectors.append(RetainedViewDetector())
+    detectors.append(HostGrowthAttributionDetector())
     return detectors
 
 

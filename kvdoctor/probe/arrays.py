@@ -88,8 +88,9 @@ class DeviceArrays:
         return arr.to(like.dtype)
 
     def to_host(self, arr: Any) -> np.ndarray:
-        # Only used at a census (idle engine) or at exit, where a sync harms no one.
-        return arr.detach().cpu().numpy()
+        # Only used at a census (idle engine) or at exit, where a sync harms no one. A copy: the
+        # ledger keeps changing (and flags are cleared) after the read.
+        return np.array(arr.detach().cpu().numpy(), copy=True)
 
     def snapshot(self, arrays: Sequence[Any]) -> Any:
         if self.device.type != "cuda":

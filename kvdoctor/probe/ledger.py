@@ -171,8 +171,8 @@ class SlotLedger:
         self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
         worst = xp.where(bad, slots, 0)
         if worst.shape[0] > 0:
-            pick = worst[abs(worst).argmax()]
-            self.oor_value[0] = xp.where(n_bad > 0, pick, self.oor_value[0])
+            pick = worst[abs(worst).argmax().reshape(1)]  # a 1-element index: no value read back
+            self.oor_value[0:1] = xp.where(n_bad > 0, pick, self.oor_value[0:1])
         self.flags[self.sink] |= KIND_BITS[schema.INDEX_OUT_OF_RANGE]
         self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
         return xp.where(bad | (slots < 0), self.sink, slots // self.page_size)
@@ -485,3 +485,17 @@ class SlotLedger:
 
     def counter_args(self) -> dict[str, Any]:
         return {"allocator": self.name, **self.counts()}
+
+    def counter_args_async(self) -> dict[str, Any] | None:
+        """Ledger sizes for a device ledger without a sync: starts a read, returns the previous one."""
+        ready = None
+        pending = getattr(self, "_pending_counts", None)
+        if pending is not None and pending.ready():
+            state = pending.get()[0]
+            ready = {"allocator": self.name, **self.counts(state)}
+            pending = None
+        if pending is None:
+            self._pending_counts = self.xp.snapshot([self.state])
+        else:
+            self._pending_counts = pending
+        return ready

@@ -224,6 +224,10 @@ class Probe:
                 ledger.poll()
                 if ledger.xp.sync_free_branching:
                     self.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+                else:
+                    counts = ledger.counter_args_async()
+                    if counts is not None:
+                        self.emitter.counter(schema.LEDGER_COUNTER, counts)
             except Exception as exc:
                 self.fail("poll", exc)
         for fix, count in list(self._fix_unreported.items()):
@@ -840,6 +844,12 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
             module = sys.modules.get(name)
             if module is not None:
                 probe.patch_module(module)
+        try:
+            from kvdoctor.probe import attribution
+
+            attribution.start_if_enabled(probe)
+        except Exception:
+            pass
         atexit.register(probe.shutdown)
         try:
             from multiprocessing import util

@@ -1,0 +1,409 @@
+"""Putting the probe into a Python process that is already running, without a restart.
+
+On Python 3.14 and newer this is `sys.remote_exec(pid, script)`: the interpreter runs the script
+at its next safe point. On 3.10 to 3.13 gdb does it, the way memray's attach does: gdb stops the
+process, sets breakpoints on the entry of `PyObject_Malloc` / `PyMem_Malloc` /
+`PyErr_CheckSignals` (a thread that enters one of these holds the GIL, is not inside a system
+call and holds no allocator lock), lets it run, and at the first hit calls
+`PyGILState_Ensure`, `PyRun_SimpleString` and `PyGILState_Release`, then detaches. The Python
+it runs only starts a new thread, so the target is stopped for milliseconds; that thread puts
+kvdoctor's package root at the END of `sys.path` (it never shadows the host's modules), sets
+`KVDOCTOR_TRACE` and calls `kvdoctor.probe.runtime.activate`, and reports back through a small
+status file. SIGCONT is sent afterwards in case a debugger left the process stopped.
+
+Nothing is called at the point where gdb first stops the process: a call made while a thread
+sits in a system call can corrupt the call's restart on some kernels. If gdb cannot run code in
+the target (a gdb that cannot restore this CPU's extended register state, for example), the
+process goes on untouched and `attach` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Any, Sequence
+
+from kvdoctor.errors import KvdoctorError
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GDB_TIMEOUT_S = 20.0          # how long gdb may wait for the target to reach a safe point
+STATUS_TIMEOUT_S = 20.0       # how long the probe may take to import and start inside the target
+CAP_SYS_PTRACE = 19
+RUN_INSTEAD = "start the server under `kvdoctor run --` instead"
+
+_INJECTED = r'''
+def _kvdoctor_attach(params):
+    import json, os, sys, threading
+
+    def report(payload):
+        path = params["status_path"]
+        try:
+            with open(path + ".tmp", "w") as fh:
+                json.dump(payload, fh)
+            os.replace(path + ".tmp", path)
+        except Exception:
+            pass
+
+    def start():
+        try:
+            root = params["package_root"]
+            if root not in sys.path:
+                sys.path.append(root)
+            os.environ["KVDOCTOR_TRACE"] = params["trace_path"]
+            if params["fixes"]:
+                os.environ["KVDOCTOR_FIXES"] = ",".join(params["fixes"])
+            if params["attribution"]:
+                os.environ["KVDOCTOR_ATTRIBUTION"] = "1"
+            from kvdoctor.probe import runtime
+            already = runtime.current() is not None
+            probe = runtime.activate(params["trace_path"], fixes=params["fixes"])
+            if probe is None:
+                reason = "KVDOCTOR_DISABLE is set in it" if os.environ.get("KVDOCTOR_DISABLE") else "the probe failed to start"
+                report({"ok": False, "error": reason})
+                return
+            probe.emitter.emit("probe_status", {
+                "component": "attach", "state": "on",
+                "reason": ("attached by kvdoctor attach; the probe was already on" if already else "attached by kvdoctor attach")
+                          + "; SGLang classes already imported were hooked, later ones are hooked as they are imported",
+                "already_active": already, "python": sys.version.split()[0],
+            })
+            try:
+                from kvdoctor.probe import attribution
+                attribution.start_if_enabled(probe, force=bool(params["attribution"]))
+            except Exception as exc:
+                probe.emitter.emit("probe_status", {"component": "attribution", "state": "off", "reason": f"{type(exc).__name__}: {exc}"})
+            probe.emitter.flush()
+            report({"ok": True, "already_active": already, "trace_path": probe.trace_path or "", "python": sys.version.split()[0]})
+        except BaseException as exc:
+            report({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+    threading.Thread(target=start, name="kvdoctor-attach", daemon=True).start()
+
+
+_kvdoctor_attach(__import__("json").loads(_KVDOCTOR_ATTACH_PARAMS))
+'''
+
+_GDB_SCRIPT = """\
+set unwindonsignal on
+set confirm off
+sharedlibrary libc
+sharedlibrary libpthread
+sharedlibrary libpython
+p "KVDOCTOR: attached"
+b PyObject_Malloc
+b PyMem_Malloc
+b PyErr_CheckSignals
+commands 1-3
+  disable breakpoints
+  delete breakpoints
+  p "KVDOCTOR: at a safe point"
+  set $kvdoctor_gil = (int)PyGILState_Ensure()
+  set $kvdoctor_rc = (int)PyRun_SimpleString("{code}")
+  call (void)PyGILState_Release($kvdoctor_gil)
+  p $kvdoctor_rc == 0 ? "KVDOCTOR: RAN" : "KVDOCTOR: FAILED"
+end
+continue
+"""
+
+
+# --------------------------------------------------------------------------- what the target is
+
+
+def _read(path: str) -> str:
+    with open(path, "rb") as fh:
+        return fh.read().decode("utf-8", "replace")
+
+
+def target_python_version(pid: int) -> tuple[int, int]:
+    """The target's Python as (major, minor), from its executable and mapped files; fails if not Python."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except FileNotFoundError:
+        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
+    except PermissionError:
+        raise KvdoctorError(
+            f"not allowed to inspect pid {pid}", "run kvdoctor as the same user as the server, or as root"
+        ) from None
+    except OSError as exc:  # a kernel thread has no executable
+        raise KvdoctorError(f"pid {pid} is not a Python process ({exc.strerror})", RUN_INSTEAD) from None
+    try:
+        maps = _read(f"/proc/{pid}/maps")
+    except OSError:
+        maps = ""
+    exe_name = os.path.basename(exe.replace(" (deleted)", ""))
+    found = re.search(r"libpython(\d)\.(\d+)", maps) or re.fullmatch(r"python(\d)\.(\d+)", exe_name)
+    if found is None and (re.fullmatch(r"python\d?", exe_name) or "libpython" in maps):
+        found = re.search(r"/lib/python(\d)\.(\d+)/", maps)
+    if found is None:
+        if re.fullmatch(r"python[\d.]*", exe_name) or "libpython" in maps:
+            raise KvdoctorError(f"cannot tell which Python version pid {pid} runs ({exe})", RUN_INSTEAD)
+        raise KvdoctorError(f"pid {pid} is not a Python process (it runs {exe})", "give the pid of the Python server process, or " + RUN_INSTEAD)
+    return int(found.group(1)), int(found.group(2))
+
+
+def _capabilities() -> int:
+    try:
+        for line in _read("/proc/self/status").splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _is_descendant(pid: int) -> bool:
+    me = os.getpid()
+    for _ in range(64):
+        try:
+            fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
+            pid = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == me:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def ptrace_blocked_reason(pid: int | None = None) -> str | None:
+    """Why this process may not ptrace `pid` (or any process when None), or None when it may."""
+    has_cap = bool(_capabilities() & (1 << CAP_SYS_PTRACE))
+    try:
+        scope = int(_read("/proc/sys/kernel/yama/ptrace_scope").strip())
+    except (OSError, ValueError):
+        scope = 0
+    if scope >= 3:
+        return "ptrace is disabled on this machine (kernel.yama.ptrace_scope = 3; only a reboot lifts it)"
+    if scope == 2 and not has_cap:
+        return "only processes with CAP_SYS_PTRACE may attach here (kernel.yama.ptrace_scope = 2); run as root or grant CAP_SYS_PTRACE"
+    if scope == 1 and not has_cap and (pid is None or not _is_descendant(pid)):
+        return "kernel.yama.ptrace_scope = 1 lets a process attach only to its own children; run `sysctl kernel.yama.ptrace_scope=0` or grant CAP_SYS_PTRACE"
+    if pid is not None:
+        try:
+            uid = int(_read(f"/proc/{pid}/status").split("Uid:", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            uid = os.geteuid()
+        if uid != os.geteuid() and not has_cap:
+            return f"pid {pid} belongs to another user (uid {uid}); run kvdoctor as the same user as the server, or as root with CAP_SYS_PTRACE"
+    return None
+
+
+def _remote_debug_disabled(pid: int) -> bool:
+    try:
+        environ = _read(f"/proc/{pid}/environ").split("\0")
+        cmdline = _read(f"/proc/{pid}/cmdline").split("\0")
+    except OSError:
+        return False
+    if any(v.startswith("PYTHON_DISABLE_REMOTE_DEBUG=") and v.split("=", 1)[1] for v in environ):
+        return True
+    return any(cmdline[k] == "-X" and cmdline[k + 1] == "disable_remote_debug" for k in range(len(cmdline) - 1)) or "-Xdisable_remote_debug" in cmdline
+
+
+# --------------------------------------------------------------------------- injection
+
+
+def _gdb_inject(pid: int, script_path: str, timeout_s: float) -> None:
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        raise KvdoctorError(
+            f"cannot attach to pid {pid}: gdb is not installed (Python {sys.version_info[0]}.{sys.version_info[1]} has no sys.remote_exec)",
+            "install gdb (`apt-get install gdb`), or " + RUN_INSTEAD,
+        )
+    code = f"exec(compile(open('{script_path}').read(), '{script_path}', 'exec'), {{'__name__': '__kvdoctor_attach__'}})"
+    with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as fh:
+        fh.write(_GDB_SCRIPT.format(code=code))
+        gdb_script = fh.name
+    command = [gdb, "-batch", "-nx", "-nw", "-p", str(pid), "-iex", "set auto-solib-add off", "-iex", "set auto-load off", "-x", gdb_script]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # SIGINT stops the `continue`; gdb then removes its breakpoints and detaches. SIGKILL
+        # would leave the breakpoints' int3 bytes in the target, so it is only the last resort.
+        timed_out = True
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
+        os.unlink(gdb_script)
+    output = output or ""
+    if "KVDOCTOR: RAN" in output:
+        return
+    if "ptrace: Operation not permitted" in output or "ptrace: " in output and "ptrace: No such process" not in output:
+        reason = ptrace_blocked_reason(pid) or "the kernel refused ptrace (a container without CAP_SYS_PTRACE, a seccomp profile, or another debugger already attached)"
+        raise KvdoctorError(f"cannot attach to pid {pid}: {reason}", RUN_INSTEAD)
+    if "No such process" in output:
+        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
+    if "Couldn't write extended state" in output or "Couldn't get extended state" in output:
+        raise KvdoctorError(
+            f"cannot attach to pid {pid}: this gdb cannot call functions in a process on this CPU and kernel "
+            "(it fails to restore the extended register state; the process was left untouched)",
+            "try a newer gdb, or " + RUN_INSTEAD,
+        )
+    if 'No symbol "PyGILState_Ensure"' in output or 'No symbol "PyRun_SimpleString"' in output or "No symbol table" in output:
+        raise KvdoctorError(f"cannot attach to pid {pid}: gdb finds no Python C API in it (a stripped or static interpreter)", RUN_INSTEAD)
+    if "KVDOCTOR: FAILED" in output:
+        raise KvdoctorError(f"cannot attach to pid {pid}: the injected code raised inside it", RUN_INSTEAD)
+    if timed_out or "KVDOCTOR: at a safe point" not in output:
+        raise KvdoctorError(
+            f"cannot attach to pid {pid}: it ran no Python code for {timeout_s:.0f} s (an idle interpreter never reaches a safe point)",
+            "retry while the server handles requests, or " + RUN_INSTEAD,
+        )
+    last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+    raise KvdoctorError(f"cannot attach to pid {pid}: gdb failed ({last[0].strip()[:160]})", RUN_INSTEAD)
+
+
+def _remote_exec(pid: int, script_path: str) -> None:
+    try:
+        sys.remote_exec(pid, script_path)  # type: ignore[attr-defined]  # Python 3.14+
+    except ProcessLookupError:
+        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
+    except PermissionError:
+        reason = ptrace_blocked_reason(pid) or "the kernel refused to let this process read and write its memory"
+        raise KvdoctorError(f"cannot attach to pid {pid}: {reason}", RUN_INSTEAD) from None
+    except (RuntimeError, OSError) as exc:
+        raise KvdoctorError(f"cannot attach to pid {pid}: sys.remote_exec failed ({exc})", RUN_INSTEAD) from None
+
+
+def attach(
+    pid: int,
+    trace_path: str,
+    fixes: Sequence[str] = (),
+    *,
+    attribution: bool = False,
+    gdb_timeout_s: float = GDB_TIMEOUT_S,
+    status_timeout_s: float = STATUS_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Starts the probe inside the running Python process `pid`, writing to `trace_path`.
+
+    Returns what the probe reported from inside (`trace_path` it writes to, `already_active`
+    when the process already ran under `kvdoctor run`). Raises KvdoctorError with one sentence
+    when it cannot, and then the target is left as it was.
+    """
+    if not isinstance(pid, int) or pid <= 0 or not os.path.exists(f"/proc/{pid}"):
+        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
+    if pid == os.getpid():
+        raise KvdoctorError("kvdoctor cannot attach to itself", "give the pid of the server process")
+    version = target_python_version(pid)
+    ours = sys.version_info[:2]
+    if version != ours:
+        raise KvdoctorError(
+            f"pid {pid} runs Python {version[0]}.{version[1]} and this kvdoctor runs on Python {ours[0]}.{ours[1]}",
+            f"run kvdoctor attach with a Python {version[0]}.{version[1]} install of kvdoctor, or " + RUN_INSTEAD,
+        )
+    if version < (3, 10):
+        raise KvdoctorError(f"pid {pid} runs Python {version[0]}.{version[1]}; attach needs 3.10 or newer", RUN_INSTEAD)
+    blocked = ptrace_blocked_reason(pid)
+    if blocked:
+        raise KvdoctorError(f"cannot attach to pid {pid}: {blocked}", RUN_INSTEAD)
+    if version >= (3, 14) and _remote_debug_disabled(pid):
+        raise KvdoctorError(
+            f"cannot attach to pid {pid}: remote debugging is disabled in it (PYTHON_DISABLE_REMOTE_DEBUG or -X disable_remote_debug)",
+            "restart it without that setting, or " + RUN_INSTEAD,
+        )
+    trace_path = os.path.abspath(trace_path)
+    workdir = tempfile.mkdtemp(prefix="kvdoctor-attach-")  # 0700: no other user can swap the script
+    status_path = os.path.join(workdir, "status.json")
+    script_path = os.path.join(workdir, "inject.py")
+    params = {"package_root": PACKAGE_ROOT, "trace_path": trace_path, "fixes": list(fixes),
+              "status_path": status_path, "attribution": bool(attribution)}
+    try:
+        with open(script_path, "w") as fh:
+            fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(_INJECTED))
+        os.chmod(script_path, 0o644)
+        target_uid = os.stat(f"/proc/{pid}").st_uid
+        if target_uid != os.geteuid() and os.geteuid() == 0:
+            os.chown(workdir, target_uid, -1)  # root attaching to a server user's process: only it and root may write here
+        if version >= (3, 14):
+            _remote_exec(pid, script_path)
+        else:
+            _gdb_inject(pid, script_path, gdb_timeout_s)
+        deadline = time.monotonic() + status_timeout_s
+        while not os.path.exists(status_path):
+            if time.monotonic() > deadline:
+                raise KvdoctorError(
+                    f"the probe did not report back from pid {pid} within {status_timeout_s:.0f} s",
+                    "look for kvdoctor events in the trace later, or " + RUN_INSTEAD,
+                )
+            if not os.path.exists(f"/proc/{pid}"):
+                raise KvdoctorError(f"pid {pid} exited while the probe was starting", "check the server's log")
+            time.sleep(0.05)
+        with open(status_path) as fh:
+            status = json.load(fh)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if not status.get("ok"):
+        raise KvdoctorError(
+            f"the probe could not start inside pid {pid}: {status.get('error', 'unknown error')}",
+            "the server's Python needs kvdoctor's dependencies (numpy), or " + RUN_INSTEAD,
+        )
+    return status
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+_PREFLIGHT: dict[str, str | None] = {}
+
+
+def preflight() -> str | None:
+    """None when attach works on this machine, else the reason (tests skip with it).
+
+    Static checks first (gdb present, ptrace allowed), then one real attach to a throwaway child,
+    which catches what only trying shows (seccomp, a gdb that cannot call functions here).
+    """
+    if "reason" in _PREFLIGHT:
+        return _PREFLIGHT["reason"]
+    reason: str | None = None
+    if sys.version_info < (3, 14) and shutil.which("gdb") is None:
+        reason = "gdb is not installed"
+    else:
+        reason = ptrace_blocked_reason(None)
+    if reason is None:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nprint('ready', flush=True)\nwhile True:\n    x = [0] * 10\n    time.sleep(0.01)\n"],
+            stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            child.stdout.readline()  # type: ignore[union-attr]
+            workdir = tempfile.mkdtemp(prefix="kvdoctor-preflight-")
+            marker = os.path.join(workdir, "ran")
+            script = os.path.join(workdir, "p.py")
+            with open(script, "w") as fh:
+                fh.write(f"open({marker!r}, 'w').close()\n")
+            try:
+                if sys.version_info >= (3, 14):
+                    _remote_exec(child.pid, script)
+                else:
+                    _gdb_inject(child.pid, script, 15.0)
+                deadline = time.monotonic() + 5
+                while not os.path.exists(marker) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not os.path.exists(marker):
+                    reason = "the injected test code did not run in a throwaway child"
+            except KvdoctorError as exc:
+                reason = exc.message
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+        finally:
+            child.kill()
+            child.wait()
+    _PREFLIGHT["reason"] = reason
+    return reason

@@ -1,0 +1,70 @@
+"""host_growth_attribution: where in Python, and in which thread, host memory grew.
+
+Reads the probe's `host_growth_sites` events (tracemalloc windows, see
+kvdoctor/probe/attribution.py) and reports the latest window of each process: the thread and
+the file:line that gained the most. Info below `warn_bytes` over a window, warning above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdoctor import schema
+from kvdoctor.findings import INFO, WARNING, Finding
+
+HOST_GROWTH_SITES = "host_growth_sites"
+MIB = 1024 * 1024
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+class HostGrowthAttributionDetector:
+    def __init__(self, *, min_bytes: int = 1 * MIB, warn_bytes: int = 64 * MIB) -> None:
+        self.min_bytes = min_bytes
+        self.warn_bytes = warn_bytes
+        self.latest: dict[int, schema.Event] = {}
+        self.windows: dict[int, int] = {}
+
+    def feed(self, event: schema.Event) -> None:
+        if event.name != HOST_GROWTH_SITES:
+            return
+        self.latest[event.pid] = event
+        self.windows[event.pid] = self.windows.get(event.pid, 0) + 1
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for pid, event in self.latest.items():
+            args = event.args
+            sites = [s for s in args.get("top_sites") or [] if isinstance(s, dict)]
+            threads = [t for t in args.get("by_thread") or [] if isinstance(t, dict)]
+            growth_bytes = _int(args.get("growth_bytes"))
+            if not sites or growth_bytes < self.min_bytes:
+                continue
+            top = max(sites, key=lambda s: _int(s.get("size_diff_bytes")))
+            thread = str(threads[0].get("thread")) if threads else str(top.get("thread") or "an unknown thread")
+            window_s = args.get("window_s", "?")
+            message = (
+                f"host memory grows mostly in thread {thread} at {top.get('site', '?')} "
+                f"(+{_int(top.get('size_diff_bytes')) / MIB:.1f} MiB there, +{growth_bytes / MIB:.1f} MiB traced in all, "
+                f"over the {window_s} s window) in pid {pid}; tracemalloc does not see torch tensor storage"
+            )
+            evidence = {
+                "pid": pid,
+                "window_index": args.get("window_index"),
+                "windows": self.windows.get(pid, 0),
+                "top_sites": sites[:5],
+                "by_thread": threads[:5],
+                "torch_tensors": args.get("torch_tensors"),
+                "snapshots": args.get("snapshots"),
+                "method": args.get("method"),
+            }
+            if args.get("memray_command"):
+                evidence["memray_command"] = args["memray_command"]
+            severity = WARNING if growth_bytes >= self.warn_bytes else INFO
+            out.append(Finding("host_growth_sites", severity, message, growth_bytes, evidence, pid))
+        return out
