@@ -84,23 +84,26 @@ class Event:
 
     @classmethod
     def from_json_dict(cls, raw: dict[str, Any]) -> "Event":
-        args = raw.get("args")
-        return cls(
-            ph=str(raw.get("ph", "")),
-            name=str(raw.get("name", "")),
-            pid=_as_int(raw.get("pid", 0)),
-            ts=_as_float(raw.get("ts", 0.0)),
-            cat=str(raw.get("cat", "")),
-            tid=_as_int(raw.get("tid", 0)),
-            args=args if isinstance(args, dict) else {},
-        )
+        """Builds an event from untrusted JSON: every field checked, the common types fast."""
+        event = object.__new__(cls)
+        get = raw.get
+        ph, name, pid, ts, cat, tid, args = get("ph"), get("name"), get("pid"), get("ts"), get("cat"), get("tid"), get("args")
+        event.ph = ph if type(ph) is str else ("" if ph is None else str(ph))
+        event.name = name if type(name) is str else ("" if name is None else str(name))
+        event.pid = pid if type(pid) is int and -(1 << 62) < pid < (1 << 62) else _as_int(pid or 0)
+        event.ts = ts if type(ts) is float and ts == ts and abs(ts) != float("inf") else _as_float(ts or 0.0)
+        event.cat = cat if type(cat) is str else ("" if cat is None else str(cat))
+        event.tid = tid if type(tid) is int and -(1 << 62) < tid < (1 << 62) else _as_int(tid or 0)
+        event.args = args if type(args) is dict else {}
+        return event
 
 
 def _as_int(value: Any) -> int:
     try:
-        return int(value)
+        out = int(value)
     except (TypeError, ValueError, OverflowError):
         return 0
+    return out if -(1 << 62) < out < (1 << 62) else 0
 
 
 def _as_float(value: Any) -> float:

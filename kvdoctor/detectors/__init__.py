@@ -71,13 +71,15 @@ class Analysis:
 class SeriesCollector:
     """Keeps the counters reporters plot (ledger sizes, memory), decimated to bounded size."""
 
+    consumes = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, "hicache"})
+
     MAX_POINTS = 4000
 
     def __init__(self) -> None:
         self.series: dict[str, dict[str, list]] = {}
 
     def feed(self, event: schema.Event) -> None:
-        if event.ph != "C" or event.name not in (schema.LEDGER_COUNTER, schema.MEMORY_COUNTER):
+        if event.ph != "C":
             return
         label = f"{event.name}:{event.pid}:{event.args.get('allocator', '')}"
         entry = self.series.setdefault(label, {"ts_us": [], "values": [], "stride": 1, "seen": 0})
@@ -93,24 +95,29 @@ class SeriesCollector:
 
 
 def analyze(events: Iterable[schema.Event], *, source: str = "", detectors: list[Detector] | None = None) -> Analysis:
+    """Feeds each event only to the detectors that read its name (a detector without a
+    `consumes` set sees everything), so large traces replay at streaming speed."""
     detectors = detectors if detectors is not None else all_detectors()
     processes: dict[int, dict[str, Any]] = {}
     series = SeriesCollector()
+    sinks = [series, *detectors]
+    routes: dict[str, list] = {}
     count = 0
-    recorded: list[Finding] = []
     for event in events:
         count += 1
-        if event.name in (schema.HEADER, schema.RUN_HEADER):
+        name = event.name
+        feeds = routes.get(name)
+        if feeds is None:
+            feeds = routes[name] = [s.feed for s in sinks if getattr(s, "consumes", None) is None or name in s.consumes]
+        if name in (schema.HEADER, schema.RUN_HEADER):
             info = processes.setdefault(event.pid, {})
             info.update({k: event.args.get(k) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
-        elif event.name == schema.PROCESS_NAME and event.args.get("name"):
+        elif name == schema.PROCESS_NAME and event.args.get("name"):
             processes.setdefault(event.pid, {})["process_title"] = event.args["name"]
-        series.feed(event)
-        for detector in detectors:
-            detector.feed(event)
+        for feed in feeds:
+            feed(event)
     findings: list[Finding] = []
     for detector in detectors:
         findings.extend(detector.findings())
-    findings.extend(recorded)
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
     return Analysis(findings=findings, processes=processes, events=count, source=source, series=series.series)

@@ -17,6 +17,8 @@ class Detector(Protocol):
 class ViolationDetector:
     """Aggregates the probe's `violation` events of one kind per (process, allocator, call site)."""
 
+    consumes = frozenset({schema.VIOLATION})
+
     kind = ""
     severity = ERROR
 

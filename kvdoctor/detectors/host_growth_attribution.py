@@ -24,6 +24,7 @@ def _int(value: Any) -> int:
 
 
 class HostGrowthAttributionDetector:
+    consumes = frozenset({HOST_GROWTH_SITES})
     def __init__(self, *, min_bytes: int = 1 * MIB, warn_bytes: int = 64 * MIB) -> None:
         self.min_bytes = min_bytes
         self.warn_bytes = warn_bytes

@@ -78,7 +78,10 @@ def _short_title(title: str, limit: int = 60) -> str:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    kind = type(value)
+    if kind is int:
+        return float(value) if -(1 << 62) < value < (1 << 62) else None
+    if kind is not float:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
@@ -92,6 +95,8 @@ class MemoryGrowthDetector:
     run for hours is analysed from the first sample. `memory_limit_bytes` overrides the host
     limit used for the time to OOM (default: the one the sampler recorded, else this machine's).
     """
+
+    consumes = frozenset({schema.HEADER, schema.RUN_HEADER, schema.MEMORY_COUNTER})
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from kvdoctor.findings import ERROR, Finding
 
 
 class OrphanSlotsDetector:
+    consumes = frozenset({schema.CENSUS})
     def __init__(self) -> None:
         self.latest: dict[tuple, dict[str, Any]] = {}
         self.max_seen: dict[tuple, int] = {}

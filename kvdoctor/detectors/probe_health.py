@@ -8,6 +8,7 @@ from kvdoctor.findings import INFO, WARNING, Finding
 
 
 class ProbeHealthDetector:
+    consumes = frozenset({schema.VIOLATION, schema.PROBE_STATUS, schema.PROBE_STATS, schema.CENSUS, schema.FIX_APPLIED})
     def __init__(self) -> None:
         self.off: dict[int, str] = {}
         self.partial: dict[int, str] = {}

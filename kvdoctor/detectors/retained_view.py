@@ -22,6 +22,7 @@ def _mib(n: int) -> str:
 
 
 class RetainedViewDetector:
+    consumes = frozenset({RETAINED_VIEW})
     def __init__(self) -> None:
         self.latest: dict[int, dict[str, Any]] = {}
         self.peak: dict[int, int] = {}
