@@ -30,6 +30,7 @@ class WorkloadConfig:
     fault_at_request: int = 9
     seed: int = 0
     vocab: int = 500
+    token_base: int = 0
 
 
 @dataclasses.dataclass
@@ -151,14 +152,14 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
     engine = engine or Engine(config.pool_tokens, config.page_size)
     rng = random.Random(config.seed)
     result = WorkloadResult()
-    system_prompt = [rng.randrange(config.vocab) for _ in range(64)]
+    system_prompt = [config.token_base + rng.randrange(config.vocab) for _ in range(64)]
     histories = [list(system_prompt) for _ in range(config.conversations)]
     order = [(turn, conv) for turn in range(config.turns) for conv in range(config.conversations)]
     request_no = 0
     for start in range(0, len(order), config.batch):
         batch = []
         for turn, conv in order[start : start + config.batch]:
-            histories[conv] = histories[conv] + [rng.randrange(config.vocab) for _ in range(config.user_tokens)]
+            histories[conv] = histories[conv] + [config.token_base + rng.randrange(config.vocab) for _ in range(config.user_tokens)]
             batch.append((conv, list(histories[conv])))
         live: list[_Live] = []
         for conv, tokens in batch:
@@ -261,7 +262,7 @@ def _decode(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
     engine.req_pool.write((idx, slice(item.seq_len, item.seq_len + 1)), out.to(torch.int32))
     item.seq_len += 1
     item.req.kv.kv_allocated_len = item.seq_len
-    return rng.randrange(config.vocab)
+    return config.token_base + rng.randrange(config.vocab)
 
 
 def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: WorkloadConfig, victim: bool) -> None:

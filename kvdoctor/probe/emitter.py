@@ -43,6 +43,7 @@ class Emitter:
         self.header_args = dict(header_args or {})
         self.buffer: collections.deque = collections.deque()
         self.dropped = 0
+        self._dropped_reported = 0
         self.written_events = 0
         self.written_bytes = 0
         self.write_error: str | None = None
@@ -113,6 +114,10 @@ class Emitter:
                 if title and title != self._title:
                     self._title = title
                     batch.append(schema.Event(ph="M", name=schema.PROCESS_NAME, pid=self.pid, args={"name": title[:80]}))
+            if self.dropped != self._dropped_reported:
+                # said outside the bounded buffer, which is exactly what was full
+                self._dropped_reported = self.dropped
+                batch.append(schema.Event(ph="C", name=schema.PROBE_STATS, pid=self.pid, ts=now_us(), args=self.stats()))
             while self.buffer:
                 batch.append(self.buffer.popleft())
                 if len(batch) >= 8192:
