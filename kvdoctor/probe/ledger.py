@@ -177,9 +177,10 @@ class SlotLedger:
         self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
         return xp.where(bad | (slots < 0), self.sink, slots // self.page_size)
 
-    def _flag(self, pages: Any, mask: Any, kind: str, site: int) -> None:
+    def _flag(self, pages: Any, mask: Any, kind: str, site: int, weight: int = 1) -> None:
+        """Records a broken rule at `pages` where `mask`; `weight` slots per masked entry."""
         xp = self.xp
-        count = mask.sum()
+        count = mask.sum() * weight
         if xp.sync_free_branching:
             if count:  # on the host, evidence is exact and free: report this very call
                 slot = KIND_SLOT[kind]
@@ -259,13 +260,7 @@ class SlotLedger:
             weight = 1
         before = self.state[pages]
         already = ((before & FREE) != 0) & (pages != self.sink)
-        if weight == 1:
-            self._flag(pages, already, schema.DOUBLE_FREE, site)
-        else:
-            count = already.sum()
-            if not xp.sync_free_branching or count:
-                self._flag(pages, already, schema.DOUBLE_FREE, site)
-                self.counters[KIND_SLOT[schema.DOUBLE_FREE]] += count * (weight - 1)
+        self._flag(pages, already, schema.DOUBLE_FREE, site, weight)
         if evicting:
             self.state[pages] = FREE
         else:
@@ -344,8 +339,10 @@ class SlotLedger:
             if self._pending is None:
                 self._pending = self.xp.snapshot([self.counters, self.oor_value])
                 self._pending_kind = "counters"
-            if not (self._pending.ready() or force):
-                return
+            if not self._pending.ready():
+                if not force:
+                    return
+                self._pending.wait()  # a forced read (census, exit) must not read the copy before it lands
             pending, kind = self._pending, self._pending_kind
             self._pending = None
             values = pending.get()
