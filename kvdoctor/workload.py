@@ -28,6 +28,7 @@ class WorkloadConfig:
     page_size: int = 1
     fault: str = "none"
     fault_at_request: int = 9
+    tree: str = "radix"
     seed: int = 0
     vocab: int = 500
     token_base: int = 0
@@ -80,7 +81,7 @@ class _Request:
 class Engine:
     """The real SGLang classes, built the way the scheduler builds them, for either layout."""
 
-    def __init__(self, pool_tokens: int, page_size: int, max_requests: int = 64, max_context: int = 4096) -> None:
+    def __init__(self, pool_tokens: int, page_size: int, max_requests: int = 64, max_context: int = 4096, tree: str = "radix") -> None:
         import torch
 
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -110,18 +111,40 @@ class Engine:
             self.allocator = TokenToKVPoolAllocator(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
         else:
             self.allocator = PagedTokenToKVPoolAllocator(pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+        self.tree_kind = tree
+        if tree != "radix":
+            raise ValueError("the workload drives RadixCache; UnifiedRadixCache is hooked but not driven here yet")
         self.tree = RadixCache(
             CacheInitParams(disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size)
         )
 
+    def key(self, tokens: list[int]) -> Any:
+        if self.layout == "0.5.23":
+            from array import array
+
+            return self.RadixKey(array("q", tokens))
+        return self.RadixKey(tokens)
+
+    def lock(self, node: Any) -> Any:
+        if hasattr(self.tree, "lock"):
+            return self.tree.lock(node)
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def unlock(self, handle: Any) -> None:
+        if hasattr(self.tree, "unlock"):
+            self.tree.unlock(handle)
+        else:
+            self.tree.dec_lock_ref(handle)
+
     def match(self, tokens: list[int]) -> tuple[Any, Any]:
-        result = self.tree.match_prefix(self.bpc.MatchPrefixParams(key=self.RadixKey(tokens)))
+        result = self.tree.match_prefix(self.bpc.MatchPrefixParams(key=self.key(tokens)))
         if hasattr(result, "device_indices"):
             return result.device_indices, result.last_device_node
         return self.tree.path_device_indices(result.last_device_node), result.last_device_node
 
     def insert(self, tokens: list[int], value: Any) -> int:
-        result = self.tree.insert(self.bpc.InsertParams(key=self.RadixKey(tokens), value=value))
+        result = self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value))
         return int(getattr(result, "prefix_len", result))
 
     def evict(self, num_tokens: int) -> int:
@@ -149,7 +172,7 @@ class _Live:
 
 def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> WorkloadResult:
     torch_mod = __import__("torch")
-    engine = engine or Engine(config.pool_tokens, config.page_size)
+    engine = engine or Engine(config.pool_tokens, config.page_size, tree=config.tree)
     rng = random.Random(config.seed)
     result = WorkloadResult()
     system_prompt = [config.token_base + rng.randrange(config.vocab) for _ in range(64)]
@@ -164,11 +187,12 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
         live: list[_Live] = []
         for conv, tokens in batch:
             prefix, node = engine.match(tokens)
-            engine.tree.inc_lock_ref(node)
+            lock = engine.lock(node)
             req = _Request(f"conv{conv}-req{request_no}")
             request_no += 1
             engine.req_pool.alloc([req])
             item = _Live(req, tokens, prefix, node)
+            item.lock = lock  # type: ignore[attr-defined]
             item.number = request_no - 1  # type: ignore[attr-defined]
             _prefill(engine, item, prefix, result)
             live.append(item)
@@ -285,6 +309,7 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
         result.planted["double_free"] = int(own.numel())
     else:
         new_prefix = engine.insert(item.tokens[:aligned], kv[:aligned])
+        # RadixCache leaves the duplicates its insert exposed to the caller to free.
         if new_prefix > item.prefix_len:
             engine.allocator.free(kv[item.prefix_len : new_prefix])
         if aligned < item.seq_len:
@@ -296,5 +321,5 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
             victim_slots = prefix[-ps * 2 :] if len(prefix) >= 2 * ps else prefix
             engine.allocator.free(victim_slots)
             result.planted["double_alloc_candidates"] = int(victim_slots.numel())
-    engine.tree.dec_lock_ref(item.node)
+    engine.unlock(item.lock)  # type: ignore[attr-defined]
     engine.req_pool.free(item.req)
