@@ -112,11 +112,19 @@ class Engine:
         else:
             self.allocator = PagedTokenToKVPoolAllocator(pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
         self.tree_kind = tree
-        if tree != "radix":
-            raise ValueError("the workload drives RadixCache; UnifiedRadixCache is hooked but not driven here yet")
-        self.tree = RadixCache(
-            CacheInitParams(disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size)
-        )
+        if tree == "unified":  # 0.5.23's default tree: a Rust tree core behind the same interface
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            self.tree = UnifiedRadixCache(CacheInitParams(
+                disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator,
+                page_size=page_size, tree_components=(ComponentType.FULL,)))
+        elif tree == "radix":
+            self.tree = RadixCache(
+                CacheInitParams(disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+            )
+        else:
+            raise ValueError(f"unknown tree {tree!r}: radix or unified")
 
     def key(self, tokens: list[int]) -> Any:
         if self.layout == "0.5.23":
@@ -143,7 +151,15 @@ class Engine:
             return result.device_indices, result.last_device_node
         return self.tree.path_device_indices(result.last_device_node), result.last_device_node
 
-    def insert(self, tokens: list[int], value: Any) -> int:
+    def insert(self, tokens: list[int], value: Any, protected_len: int) -> int:
+        """Inserts a finished sequence; returns how far the caller must free duplicates up to.
+
+        RadixCache returns the prefix it already held and leaves the duplicates in the request's
+        row to the caller; the unified tree is told what the request had protected and frees the
+        duplicates itself, through its cache actions."""
+        if self.tree_kind == "unified":
+            self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value, prev_prefix_len=protected_len))
+            return protected_len
         result = self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value))
         return int(getattr(result, "prefix_len", result))
 
@@ -308,8 +324,7 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
         engine.allocator.free(own)
         result.planted["double_free"] = int(own.numel())
     else:
-        new_prefix = engine.insert(item.tokens[:aligned], kv[:aligned])
-        # RadixCache leaves the duplicates its insert exposed to the caller to free.
+        new_prefix = engine.insert(item.tokens[:aligned], kv[:aligned], item.prefix_len)
         if new_prefix > item.prefix_len:
             engine.allocator.free(kv[item.prefix_len : new_prefix])
         if aligned < item.seq_len:
@@ -317,7 +332,7 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
         if fault == "double-alloc":
             # A tree node's slots are released while the node stays in the tree; the next
             # allocations hand them out again while the tree still serves them as a prefix.
-            prefix, node = engine.match(item.tokens[:aligned])
+            prefix, _node = engine.match(item.tokens[:aligned])
             victim_slots = prefix[-ps * 2 :] if len(prefix) >= 2 * ps else prefix
             engine.allocator.free(victim_slots)
             result.planted["double_alloc_candidates"] = int(victim_slots.numel())

@@ -10,6 +10,8 @@ from conftest import run_cases
 
 FAULTS_ALL_PAGES = ["none", "leak", "double-free", "index-out-of-range", "double-alloc"]
 CASES_0523 = [[ps, f] for ps in (1, 4) for f in FAULTS_ALL_PAGES] + [[4, "stale-last-loc"]]
+# 0.5.23's default tree, UnifiedRadixCache (a Rust tree core), under the same workload
+CASES_0523_UNIFIED = [[ps, f, "unified"] for ps in (1, 4) for f in ("none", "leak", "double-free", "stale-last-loc") if not (ps == 1 and f == "stale-last-loc")]
 # 0.5.9's paged alloc_extend/alloc_decode launch Triton kernels unconditionally: CPU covers page_size 1.
 CASES_059 = [[1, f] for f in FAULTS_ALL_PAGES]
 
@@ -17,6 +19,18 @@ CASES_059 = [[1, f] for f in FAULTS_ALL_PAGES]
 @pytest.fixture(scope="module")
 def results_0523():
     return {(r["page_size"], r["fault"]): r for r in run_cases("0.5.23", CASES_0523)}
+
+
+@pytest.fixture(scope="module")
+def results_0523_unified():
+    return {(r["page_size"], r["fault"]): r for r in run_cases("0.5.23", CASES_0523_UNIFIED)}
+
+
+@pytest.mark.parametrize("case", CASES_0523_UNIFIED, ids=lambda c: f"ps{c[0]}-{c[1]}")
+def test_sglang_0523_unified_tree(results_0523_unified, case):
+    result = results_0523_unified[(case[0], case[1])]
+    assert result["tree"] == "unified"
+    check_case(result)
 
 
 @pytest.fixture(scope="module")

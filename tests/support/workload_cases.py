@@ -22,15 +22,17 @@ def main() -> None:
 
     out = []
     tmp = tempfile.mkdtemp()
-    for page_size, fault in cases:
-        path = os.path.join(tmp, f"{page_size}-{fault}.json")
+    for case in cases:
+        page_size, fault = case[0], case[1]
+        tree = case[2] if len(case) > 2 else "radix"
+        path = os.path.join(tmp, f"{page_size}-{fault}-{tree}.json")
         probe = runtime.activate(path)
-        result = run_workload(WorkloadConfig(page_size=page_size, fault=fault))
+        result = run_workload(WorkloadConfig(page_size=page_size, fault=fault, tree=tree))
         version = probe.version
         runtime.deactivate()
         analysis = analyze(iter_events(path))
         out.append({
-            "page_size": page_size, "fault": fault, "version": version, "planted": result.planted,
+            "page_size": page_size, "fault": fault, "tree": tree, "version": version, "planted": result.planted,
             "digest": result.outputs_digest, "sglang_check": result.sglang_check,
             "findings": [{"kind": f.kind, "count": f.count, "severity": f.severity, "site": str(f.evidence.get("site", "")),
                           "evidence": f.evidence} for f in analysis.findings],
