@@ -28,16 +28,32 @@ try:  # orjson is several times faster; the stdlib is the fallback everywhere.
         try:
             return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY, default=_default)
         except TypeError:  # integers beyond 64 bits and other values orjson refuses
-            return json.dumps(obj, separators=(",", ":"), default=_default).encode()
+            return json.dumps(_finite(obj), separators=(",", ":"), default=_default).encode()
 
-    _loads = _orjson.loads
+    def _loads(data: bytes) -> Any:
+        try:
+            return _orjson.loads(data)
+        except _orjson.JSONDecodeError:
+            return json.loads(data)  # integers beyond 64 bits, which orjson does not read
+
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
     def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":"), default=_default).encode()
+        return json.dumps(_finite(obj), separators=(",", ":"), default=_default).encode()
 
     _loads = json.loads
+
+
+def _finite(obj: Any) -> Any:
+    """NaN and infinities become null, as orjson writes them: the trace stays strict JSON."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _default(obj: Any) -> Any:

@@ -15,9 +15,9 @@ def device_ledger(events, size=64, page_size=1):
     led.xp = arrays.DeviceArrays("cpu")
     n = led.num_pages + 2
     led.state, led.owner = led.xp.zeros(n, "int8"), led.xp.full(n, -1, "int32")
-    led.alloc_site, led.flags = led.xp.zeros(n, "int32"), led.xp.zeros(n, "int16")
+    led.alloc_site, led.flags = led.xp.zeros(n, "int32"), led.xp.zeros(n, "int32")
     led.violation_site, led.counters = led.xp.zeros(n, "int32"), led.xp.zeros(len(L.KIND_BITS), "int64")
-    led.oor_value = led.xp.zeros(1, "int64")
+    led.oor_value = led.xp.zeros(2, "int64")
     led.reset_all_free()
     return led
 

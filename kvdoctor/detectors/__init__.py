@@ -13,6 +13,7 @@ from kvdoctor.detectors.graph_replay import GraphReplayDuringLoadDetector
 from kvdoctor.detectors.index_out_of_range import IndexOutOfRangeDetector
 from kvdoctor.detectors.orphan_slots import OrphanSlotsDetector
 from kvdoctor.detectors.probe_health import ProbeHealthDetector
+from kvdoctor.detectors.refcount_disagrees import RefcountDisagreesDetector
 from kvdoctor.detectors.stale_last_loc import StaleLastLocDetector
 from kvdoctor.detectors.tree_misuse import LockUnderflowDetector, UseAfterFreeDetector
 from kvdoctor.findings import ERROR, INFO, WARNING, Finding
@@ -29,6 +30,7 @@ def all_detectors() -> list[Detector]:
         UseAfterFreeDetector(),
         LockUnderflowDetector(),
         GraphReplayDuringLoadDetector(),
+        RefcountDisagreesDetector(),
         OrphanSlotsDetector(),
         ProbeHealthDetector(),
     ]

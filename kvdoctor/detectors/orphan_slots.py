@@ -53,13 +53,22 @@ class OrphanSlotsDetector:
                     "pid": pid,
                 }
                 shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
-                out.append(Finding(
-                    schema.ORPHAN_SLOTS, ERROR,
-                    f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
-                    f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
-                    f"and never freed or inserted. This is SGLang's 'memory leak detected ... diff={count}', with names",
-                    count, evidence, pid,
-                ))
+                if args.get("engine") == "vllm":
+                    blocks = _count(args.get("orphan_blocks"))
+                    evidence["orphan_blocks"] = blocks
+                    evidence["block_size"] = args.get("block_size")
+                    message = (
+                        f"{count} KV slot(s) leaked ({blocks} block(s) of {args.get('block_size')}): still referenced "
+                        f"but held by no live request at the {args.get('reason', '')} census (slots {shown}); allocated "
+                        f"by {top_site} for {top_req}, and their reference count never went back to 0"
+                    )
+                else:
+                    message = (
+                        f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
+                        f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
+                        f"and never freed or inserted. This is SGLang's 'memory leak detected ... diff={count}', with names"
+                    )
+                out.append(Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid))
             dangling = as_list(args.get("tree_holds_free_slot_ids"))
             freed = _count(args.get("tree_freed_slots"))
             if freed:

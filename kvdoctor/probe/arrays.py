@@ -29,7 +29,12 @@ class HostArrays:
         if isinstance(tensor, np.ndarray):
             return tensor.astype(np.int64, copy=False).reshape(-1)
         if hasattr(tensor, "detach"):
-            arr = tensor.detach().reshape(-1).numpy()
+            try:
+                arr = tensor.numpy()  # zero-copy; index tensors never require grad
+            except RuntimeError:
+                arr = tensor.detach().numpy()
+            if arr.ndim != 1:
+                arr = arr.reshape(-1)
             return arr if arr.dtype == np.int64 else arr.astype(np.int64)
         return np.asarray(tensor, dtype=np.int64).reshape(-1)
 
@@ -52,6 +57,9 @@ class ReadyRead:
 
     def ready(self) -> bool:
         return True
+
+    def wait(self) -> None:
+        return None
 
     def get(self) -> list[np.ndarray]:
         return self.values
@@ -110,6 +118,9 @@ class PendingDeviceRead:
 
     def ready(self) -> bool:
         return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()
 
     def get(self) -> list[np.ndarray]:
         return [h.numpy() for h in self._host]

@@ -38,8 +38,9 @@ FIXES = {
         Fix(
             "clamp-last-loc",
             "out-of-range last_loc reaching alloc_extend/alloc_decode (an illegal memory access on a GPU)",
-            "last_loc values outside the KV buffer are clamped to the last valid row (size + page_size - 1); "
-            "-1 ('no prefix') is kept. Unlike clamp(0, total_slots) it never lets one-past-the-end through",
+            "last_loc values outside the KV buffer are moved into its last page, at the offset that continues the "
+            "request's prefix (so the rest of that page, last_loc + 1 ..., stays inside too); -1 ('no prefix') is "
+            "kept. Unlike clamp(0, total_slots) it never lets one-past-the-end through",
             "medium: the request's new tokens then continue a wrong page; it turns a crash into a wrong answer "
             "for one request, and every clamp is reported",
         ),
@@ -65,11 +66,17 @@ def unknown(names: list[str]) -> list[str]:
     return [n for n in names if n not in FIXES]
 
 
-def clamp_last_loc(last_loc: Any, rows: int) -> Any:
-    """-1 stays (no prefix); everything else is held inside [0, rows - 1]."""
+def clamp_last_loc(last_loc: Any, rows: int, page_size: int = 1, prefix_lens: Any = None) -> Any:
+    """-1 stays (no prefix); everything else is held inside [0, rows - 1]. With the prefix lengths of
+    a paged allocator, an out-of-range value goes to the slot of the last page whose offset continues
+    the prefix, so that the kernel's `last_loc + 1 + i` for the rest of that page stays inside too."""
     import torch
 
-    return torch.where(last_loc == -1, last_loc, last_loc.clamp(0, rows - 1))
+    if prefix_lens is None or page_size <= 1:
+        return torch.where(last_loc == -1, last_loc, last_loc.clamp(0, rows - 1))
+    inside = (last_loc >= 0) & (last_loc < rows)
+    target = rows - page_size + (prefix_lens.to(device=last_loc.device, dtype=last_loc.dtype) - 1) % page_size
+    return torch.where((last_loc == -1) | inside, last_loc, target)
 
 
 def recompute_last_loc(req_to_token: Any, req_indices: Any, prefix_lens: Any, like: Any) -> Any:

@@ -186,6 +186,19 @@ class TreeBackupHandler(runtime.Handler):
             st.storing_sites[name] = st.storing_sites.get(name, 0) + 1
 
 
+class TreeLoadHandler(runtime.Handler):
+    """`load_back` gives freshly allocated device slots to evicted tree nodes: they are the tree's
+    now, not a request's (without this every loaded page would look orphaned at a census)."""
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        if result is None or not hasattr(result, "numel") or result.numel() == 0:
+            return
+        ledger = runtime._tree_ledger(probe, obj)
+        if ledger is not None:
+            with ledger.lock:
+                ledger.on_tree_insert(result, ctx or 0)
+
+
 class StorageHandler(runtime.Handler):
     kind = ""
 
@@ -258,8 +271,9 @@ runtime.HANDLERS.update({
     "hicache_write": BackupHandler(),
     "hicache_load": LoadHandler(),
     "tree_backup": TreeBackupHandler(),
+    "tree_load": TreeLoadHandler(),
     "storage_set": StorageSetHandler(),
     "storage_get": StorageGetHandler(),
     "graph_replay": GraphReplayHandler(),
 })
-runtime.ROLES_WITH_SITE.update({"host_alloc", "graph_replay"})
+runtime.ROLES_WITH_SITE.update({"host_alloc", "graph_replay", "tree_load"})

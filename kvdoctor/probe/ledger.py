@@ -10,6 +10,7 @@ page and names the orphans: pages neither free, nor in the tree, nor owned by a 
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
@@ -128,10 +129,13 @@ class SlotLedger:
         self.state = self.xp.zeros(n, "int8")
         self.owner = self.xp.full(n, -1, "int32")
         self.alloc_site = self.xp.zeros(n, "int32")
-        self.flags = self.xp.zeros(n, "int16")
+        self.flags = self.xp.zeros(n, "int32")
         self.violation_site = self.xp.zeros(n, "int32")
         self.counters = self.xp.zeros(len(KIND_BITS), "int64")
-        self.oor_value = self.xp.zeros(1, "int64")
+        self.oor_value = self.xp.zeros(2, "int64")  # worst index past the end, worst below -1
+        self.kernels: Any = None
+        if not self.xp.sync_free_branching and (str(device).startswith("cuda") or os.environ.get("KVDOCTOR_LEDGER_KERNELS")):
+            self.use_kernels()
         self._reported = np.zeros(len(KIND_BITS), dtype=np.int64)
         self._pending: Any = None
         self._pending_kind = ""
@@ -140,14 +144,40 @@ class SlotLedger:
         self.lock = threading.RLock()
         self.reset_all_free()
 
+    def use_kernels(self) -> bool:
+        """Two Triton kernels per call instead of ~40 torch ops (GPU ledgers); False if unavailable."""
+        try:
+            from kvdoctor.probe.ledger_kernels import LedgerKernels
+        except Exception:
+            return False
+        self.kernels = LedgerKernels(self, KIND_SLOT, KIND_BITS)
+        return True
+
     # ----- state changes, one per hooked role -----
+
+    def _fill(self, arr: Any, pages: Any, value: int) -> None:
+        """arr[pages] = value. On a device, index_fill_ passes the value as a kernel argument: an indexed
+        assignment of a Python scalar first copies it from pageable host memory, a synchronisation."""
+        if self.xp.sync_free_branching:
+            arr[pages] = value
+        else:
+            arr.index_fill_(0, pages, value)
+
+    def _set(self, arr: Any, where: Any, value: int) -> None:
+        """arr[where] = value for an int or a slice; on a device through fill_ (no host-to-device copy)."""
+        if self.xp.sync_free_branching:
+            arr[where] = value
+        elif isinstance(where, slice):
+            arr[where].fill_(value)
+        else:
+            arr[where : where + 1].fill_(value)
 
     def reset_all_free(self) -> None:
         """The allocator's `clear()`: every page but the padding page is free again."""
-        self.state[:] = FREE
-        self.state[0] = RESERVED
-        self.state[self.sink] = RESERVED
-        self.owner[:] = -1
+        self._set(self.state, slice(None), FREE)
+        self._set(self.state, 0, RESERVED)
+        self._set(self.state, self.sink, RESERVED)
+        self._set(self.owner, slice(None), -1)
 
     def _pages(self, slots: Any, site: int, *, allow_minus_one: bool = False) -> Any:
         """Slot indices to page ids; out-of-range indices are counted and parked on the sink page."""
@@ -173,7 +203,7 @@ class SlotLedger:
         if worst.shape[0] > 0:
             pick = worst[abs(worst).argmax().reshape(1)]  # a 1-element index: no value read back
             self.oor_value[0:1] = xp.where(n_bad > 0, pick, self.oor_value[0:1])
-        self.flags[self.sink] |= KIND_BITS[schema.INDEX_OUT_OF_RANGE]
+        self.flags[self.sink : self.sink + 1] |= xp.cast(xp.where(n_bad > 0, KIND_BITS[schema.INDEX_OUT_OF_RANGE], 0), self.flags)
         self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
         return xp.where(bad | (slots < 0), self.sink, slots // self.page_size)
 
@@ -202,6 +232,8 @@ class SlotLedger:
         holds (paged extend/decode continuing its last page) are not new pages."""
         xp = self.xp
         slots = xp.index(slots_tensor)
+        if self.kernels is not None:
+            return self.kernels.alloc(slots, site, only_page_starts and self.page_size > 1)
         if xp.sync_free_branching and slots.shape[0] == 1 and self._alloc_one(int(slots[0]), site, only_page_starts):
             return
         pages = self._pages(slots, site)
@@ -210,10 +242,10 @@ class SlotLedger:
         before = self.state[pages]
         taken = (before != FREE) & (pages != self.sink)
         self._flag(pages, taken, schema.DOUBLE_ALLOC, site)
-        self.state[pages] = OWNED
-        self.owner[pages] = -1
-        self.alloc_site[pages] = site
-        self.state[self.sink] = RESERVED
+        self._fill(self.state, pages, OWNED)
+        self._fill(self.owner, pages, -1)
+        self._fill(self.alloc_site, pages, site)
+        self._set(self.state, self.sink, RESERVED)
 
     def _alloc_one(self, slot: int, site: int, only_page_starts: bool) -> bool:
         """Scalar fast path for the commonest call (one decode slot); False sends it to the general path."""
@@ -244,6 +276,8 @@ class SlotLedger:
         still pointing at a freed page is how a later double allocation starts."""
         xp = self.xp
         idx = xp.index(slots_tensor)
+        if self.kernels is not None:
+            return self.kernels.free(idx, site, evicting, as_pages)
         if xp.sync_free_branching and not as_pages and idx.shape[0] == 1 and self._free_one(int(idx[0]), evicting):
             return
         if as_pages:
@@ -251,7 +285,7 @@ class SlotLedger:
             n_bad = bad.sum()
             if not xp.sync_free_branching or n_bad:
                 self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad * self.page_size
-                self.flags[self.sink] |= KIND_BITS[schema.INDEX_OUT_OF_RANGE]
+                self.flags[self.sink : self.sink + 1] |= xp.cast(xp.where(n_bad > 0, KIND_BITS[schema.INDEX_OUT_OF_RANGE], 0), self.flags)
                 self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
             pages = xp.where(bad, self.sink, idx)
             weight = self.page_size
@@ -262,22 +296,24 @@ class SlotLedger:
         already = ((before & FREE) != 0) & (pages != self.sink)
         self._flag(pages, already, schema.DOUBLE_FREE, site, weight)
         if evicting:
-            self.state[pages] = FREE
+            self._fill(self.state, pages, FREE)
         else:
             self.state[pages] = xp.cast((before & TREE) | FREE, self.state)
-        self.state[self.sink] = RESERVED
+        self._set(self.state, self.sink, RESERVED)
 
     def on_tree_insert(self, slots_tensor: Any, site: int) -> None:
         """Slots the tree took over from a request (the part of the key it did not hold yet)."""
         xp = self.xp
         slots = xp.index(slots_tensor)
+        if self.kernels is not None:
+            return self.kernels.tree_insert(slots, site)
         pages = self._pages(slots, site)
         before = self.state[pages]
         freed = ((before & FREE) != 0) & (pages != self.sink)
         self._flag(pages, freed, schema.USE_AFTER_FREE, site)
-        self.state[pages] = TREE
-        self.owner[pages] = -1
-        self.state[self.sink] = RESERVED
+        self._fill(self.state, pages, TREE)
+        self._fill(self.owner, pages, -1)
+        self._set(self.state, self.sink, RESERVED)
 
     def on_tree_reset(self) -> None:
         self.state[:] = self.xp.cast(self.state & ~TREE, self.state)
@@ -286,6 +322,12 @@ class SlotLedger:
         """A request row now points at these slots (req_to_token writes): they belong to it."""
         xp = self.xp
         slots = xp.index(slots_tensor)
+        if self.kernels is not None:
+            if not isinstance(req_index, int):
+                req_index = xp.index(req_index)
+                if req_index.shape != slots.shape:
+                    return
+            return self.kernels.owner(slots, req_index)
         if xp.sync_free_branching and slots.shape[0] == 1 and isinstance(req_index, int):
             slot = int(slots[0])
             if 0 <= slot < self.rows:
@@ -309,6 +351,9 @@ class SlotLedger:
         request still holds: not free, and owned by that request when we know which it is."""
         xp = self.xp
         last = xp.index(last_loc_tensor)
+        if self.kernels is not None:
+            req = xp.index(req_indices) if req_indices is not None else None
+            return self.kernels.last_loc(last, site, req if req is not None and req.shape == last.shape else None)
         if xp.sync_free_branching and last.shape[0] == 1:
             value = int(last[0])
             if value == -1:
@@ -353,7 +398,7 @@ class SlotLedger:
                         [self.counters, self.oor_value, self.flags, self.violation_site, self.owner, self.alloc_site, self.state]
                     )
                     self._pending_kind = "evidence"
-                    self.flags[:] = 0
+                    self._set(self.flags, slice(None), 0)
                     if force or self._pending.ready():
                         self.poll(force=True)
             else:
@@ -369,7 +414,8 @@ class SlotLedger:
             pages = np.nonzero((flags[: self.num_pages + 1] & bit) != 0)[0]
             args: dict[str, Any] = {"kind": kind, "allocator": self.name, "count": new, "page_size": self.page_size}
             if kind == schema.INDEX_OUT_OF_RANGE:
-                args.update(self._oor_args(new, int(oor_value[0]), int(vsite[self.sink])))
+                worst = int(oor_value[0]) if int(oor_value[0]) != 0 else int(oor_value[1])
+                args.update(self._oor_args(new, worst, int(vsite[self.sink])))
             else:
                 by_site: dict[str, int] = {}
                 for site_id in vsite[pages][:4096]:

@@ -320,7 +320,7 @@ class Probe:
             self.patched.append(f"{name}.{fn_hook.function}")
         self.status(
             "on" if not self.missing else "partial",
-            f"SGLang {self.version}: {len(self.patched)} methods hooked" + (f"; not found: {', '.join(self.missing)}" if self.missing else ""),
+            f"{ {'sglang': 'SGLang', 'vllm': 'vLLM'}.get(probe_map.engine, probe_map.engine)} {probe_map.versions[0]}: {len(self.patched)} methods hooked" + (f"; not found: {', '.join(self.missing)}" if self.missing else ""),
             map=probe_map.source,
         )
 
@@ -330,6 +330,7 @@ class Probe:
         wants_site = role in ROLES_WITH_SITE
         positions = hooks.args.get(original.__name__, {})
         local = _LOCAL
+        has_finally = type(handler).finally_ is not Handler.finally_
         # A handler may turn one-shot arguments (iterators) into lists that yield the same items,
         # so that it and the host both see them.
         prepare = getattr(handler, "prepare_args", None)
@@ -372,7 +373,7 @@ class Probe:
                 local.active.discard(key)
                 if composite:
                     busy[id(obj)] -= 1
-                if ok:
+                if ok and has_finally:
                     try:
                         handler.finally_(probe, ctx)
                     except Exception as exc:
@@ -504,6 +505,9 @@ def _group_open(obj: Any, hooks: ClassHooks) -> bool:
 class AllocHandler(Handler):
     only_page_starts = False
 
+    def prefix_lens(self, args, kwargs):  # noqa: ANN001
+        return None
+
     def before(self, probe, obj, args, kwargs, hooks, positions, site):
         ledger = probe.ledger_for(obj)
         if probe.census_pending:
@@ -540,7 +544,7 @@ class AllocHandler(Handler):
             else:
                 probe.fixed("recompute-last-loc", 0)
         if "clamp-last-loc" in probe.fixes:
-            clamped = fixes.clamp_last_loc(fixed, ledger.rows)
+            clamped = fixes.clamp_last_loc(fixed, ledger.rows, ledger.page_size, self.prefix_lens(args, kwargs))
             if ledger.xp.sync_free_branching:
                 changed = int((clamped != fixed).sum())
                 if changed:
@@ -565,6 +569,17 @@ class AllocHandler(Handler):
 
 class ExtendHandler(AllocHandler):
     only_page_starts = True
+
+    def prefix_lens(self, args, kwargs):  # noqa: ANN001
+        """alloc_extend(prefix_lens, ...): the tokens before last_loc + 1."""
+        return _arg(args, kwargs, "prefix_lens", 0)
+
+
+class DecodeHandler(ExtendHandler):
+    def prefix_lens(self, args, kwargs):  # noqa: ANN001
+        """alloc_decode(seq_lens, ...): seq_lens counts the new token."""
+        seq_lens = _arg(args, kwargs, "seq_lens", 0)
+        return None if seq_lens is None else seq_lens - 1
 
 
 class FreeHandler(Handler):
@@ -755,7 +770,7 @@ class ReqClearHandler(Handler):
 HANDLERS: dict[str, Handler] = {
     "alloc": AllocHandler(),
     "alloc_extend": ExtendHandler(),
-    "alloc_decode": ExtendHandler(),
+    "alloc_decode": DecodeHandler(),
     "free": FreeHandler(),
     "free_segment": FreeHandler(),
     "free_pages": FreePagesHandler(),

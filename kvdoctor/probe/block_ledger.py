@@ -1,0 +1,276 @@
+"""The ledger of one vLLM `BlockPool`: our own reference count per KV block, who holds it, and
+where it was allocated.
+
+vLLM's blocks are shared: a prefix-cache hit (`touch`) adds a reference to a block another
+request already holds, and a block whose count falls to 0 stays cached (hashed) in the free queue
+until it is handed out again. So the ledger keeps a count per block, not an owner: +1 for each
+block `get_new_blocks` hands out and for each block `touch` hits, -1 for each block `free_blocks`
+(or `unpin_blocks`) returns. Its rules:
+
+- `double_alloc`: `get_new_blocks` hands out a block whose count is not 0;
+- `double_free`: a free would take a block's count below 0 (vLLM's `free_blocks` does not check);
+- at a census (the engine idle, or exiting): orphan blocks are blocks with a count above 0 that no
+  live request holds (when idle: every such block); and vLLM's own `ref_cnt` and free queue are
+  compared with the ledger (`refcount_disagrees`).
+
+Memory is bounded: counts and allocation sites are two arrays of the pool's size; the requests
+holding a block are kept only while its count is above 0, at most `MAX_HOLDERS` names per block.
+Slot counts in events are blocks x block_size, so detectors written for slots read them as is.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from kvdoctor import schema
+
+MAX_HOLDERS = 4            # request ids remembered per block (a block may be shared by many)
+MAX_IDS_IN_EVIDENCE = 64   # ids listed in one event
+MAX_NAMED = 4096           # blocks whose sites/requests are tallied in one event
+MANY = "(more requests)"
+REFCOUNT_DISAGREES = "refcount_disagrees"
+
+
+class BlockLedger:
+    def __init__(
+        self,
+        *,
+        name: str,
+        num_blocks: int,
+        block_size: int,
+        null_block_id: int | None,
+        emit: Callable[..., None],
+        site_name: Callable[[int], str],
+    ) -> None:
+        self.name = name
+        self.num_blocks = int(num_blocks)
+        self.block_size = max(1, int(block_size))
+        self.null_block_id = null_block_id
+        self.emit = emit
+        self.site_name = site_name
+        self.ref = np.zeros(self.num_blocks, dtype=np.int32)
+        self.alloc_site = np.zeros(self.num_blocks, dtype=np.int32)
+        self.holders: dict[int, list[str]] = {}
+        self.lock = threading.Lock()
+        self.stats = {"allocated_blocks": 0, "touched_blocks": 0, "freed_blocks": 0, "evicted_blocks": 0,
+                      "cached_blocks": 0, "double_free_blocks": 0, "double_alloc_blocks": 0}
+        self.census_count = 0
+
+    # ----- helpers -----
+
+    def _ids(self, blocks: list[Any], pool: Any) -> list[int]:
+        """Block ids of this pool's blocks in `blocks` (the null block and other pools' blocks skipped)."""
+        out = []
+        n = self.num_blocks
+        for block in blocks:
+            if getattr(block, "is_null", False):
+                continue
+            owner = getattr(block, "pool", None)
+            if owner is not None and owner is not pool:
+                continue
+            bid = block.block_id
+            if 0 <= bid < n:
+                out.append(bid)
+        return out
+
+    def _slot_ids(self, block_ids: list[int] | np.ndarray) -> list[int]:
+        bs = self.block_size
+        out: list[int] = []
+        for bid in list(block_ids)[: max(1, MAX_IDS_IN_EVIDENCE // bs)]:
+            out.extend(range(int(bid) * bs, int(bid) * bs + bs))
+        return out[:MAX_IDS_IN_EVIDENCE]
+
+    def _tally(self, block_ids: list[int] | np.ndarray) -> tuple[dict[str, int], dict[str, int]]:
+        sites: dict[str, int] = {}
+        reqs: dict[str, int] = {}
+        bs = self.block_size
+        for bid in list(block_ids)[:MAX_NAMED]:
+            bid = int(bid)
+            site = self.site_name(int(self.alloc_site[bid]))
+            sites[site] = sites.get(site, 0) + bs
+            names = self.holders.get(bid) or ["unknown request"]
+            for rid in [n for n in names if n != MANY] or names:
+                reqs[rid] = reqs.get(rid, 0) + bs
+        return sites, reqs
+
+    def _violation(self, kind: str, block_ids: list[int], site: int, request: str | None, note: str) -> None:
+        sites, reqs = self._tally(block_ids)
+        self.emit(schema.VIOLATION, {
+            "kind": kind,
+            "allocator": self.name,
+            "count": len(block_ids) * self.block_size,
+            "blocks": len(block_ids),
+            "block_size": self.block_size,
+            "site": self.site_name(site),
+            "slot_ids": self._slot_ids(block_ids),
+            "block_ids": [int(b) for b in block_ids[:MAX_IDS_IN_EVIDENCE]],
+            "requests": {request: len(block_ids) * self.block_size} if request else reqs,
+            "allocated_at": sites,
+            "note": note,
+        })
+
+    # ----- events from the hooks (callers hold self.lock) -----
+
+    def on_alloc(self, blocks: list[Any], pool: Any, site: int, request: str | None) -> None:
+        ids = self._ids(blocks, pool)
+        if not ids:
+            return
+        ref = self.ref
+        bad = [b for b in ids if ref[b] != 0]
+        if bad:
+            self.stats["double_alloc_blocks"] += len(bad)
+            self._violation(schema.DOUBLE_ALLOC, bad, site, request,
+                            "get_new_blocks handed out block(s) the ledger counts as still referenced")
+        holder = request or "unattributed"
+        for bid in ids:
+            ref[bid] = 1
+            self.alloc_site[bid] = site
+            self.holders[bid] = [holder]
+        self.stats["allocated_blocks"] += len(ids)
+
+    def on_touch(self, blocks: list[Any], pool: Any, request: str | None) -> None:
+        ids = self._ids(blocks, pool)
+        ref = self.ref
+        holder = request or "unattributed"
+        for bid in ids:
+            ref[bid] += 1
+            held = self.holders.get(bid)
+            if held is None:
+                self.holders[bid] = [holder]
+            elif holder not in held:
+                if len(held) < MAX_HOLDERS:
+                    held.append(holder)
+                elif held[-1] != MANY:
+                    held[-1] = MANY
+        self.stats["touched_blocks"] += len(ids)
+
+    def on_free(self, blocks: list[Any], pool: Any, site: int, request: str | None) -> None:
+        ids = self._ids(blocks, pool)
+        ref = self.ref
+        bad = []
+        for bid in ids:
+            if ref[bid] <= 0:
+                bad.append(bid)
+                continue
+            ref[bid] -= 1
+            if ref[bid] == 0:
+                self.holders.pop(bid, None)
+            elif request is not None:
+                held = self.holders.get(bid)
+                if held and request in held and len(held) > 1:
+                    held.remove(request)
+        self.stats["freed_blocks"] += len(ids) - len(bad)
+        if bad:
+            self.stats["double_free_blocks"] += len(bad)
+            self._violation(schema.DOUBLE_FREE, bad, site, request,
+                            "free_blocks returned block(s) whose reference count was already 0")
+
+    def on_evict(self, evicted: bool) -> None:
+        if evicted:
+            self.stats["evicted_blocks"] += 1
+
+    def on_cache(self, count: int) -> None:
+        self.stats["cached_blocks"] += max(0, int(count))
+
+    # ----- census -----
+
+    def census(self, *, reason: str, live_requests: set[str], pool: Any = None) -> dict[str, Any]:
+        """Counts every block; `pool` (vLLM's own) is read for the cross-check when given."""
+        with self.lock:
+            self.census_count += 1
+            ref = self.ref.copy()
+            body = np.ones(self.num_blocks, dtype=bool)
+            if self.null_block_id is not None and 0 <= self.null_block_id < self.num_blocks:
+                body[self.null_block_id] = False
+            held = (ref > 0) & body
+            idle = not live_requests
+            if idle:
+                orphan = np.nonzero(held)[0]
+            else:
+                orphan_list = []
+                for bid in np.nonzero(held)[0][:MAX_NAMED * 4]:
+                    names = self.holders.get(int(bid)) or []
+                    if MANY in names or any(n in live_requests for n in names):
+                        continue
+                    orphan_list.append(int(bid))
+                orphan = np.asarray(orphan_list, dtype=np.int64)
+            sites, reqs = self._tally(orphan)
+            bs = self.block_size
+            free_blocks = int(np.count_nonzero((ref == 0) & body))
+            args: dict[str, Any] = {
+                "allocator": self.name,
+                "reason": reason,
+                "idle": idle,
+                "engine": "vllm",
+                "block_size": bs,
+                "page_size": bs,
+                "live_requests": len(live_requests),
+                "total_blocks": int(np.count_nonzero(body)),
+                "total_slots": int(np.count_nonzero(body)) * bs,
+                "free_blocks": free_blocks,
+                "free_slots": free_blocks * bs,
+                "held_blocks": int(np.count_nonzero(held)),
+                "owned_slots": int(np.count_nonzero(held)) * bs,
+                "shared_blocks": int(np.count_nonzero((ref > 1) & body)),
+                "orphan_blocks": int(orphan.size),
+                "orphan_slots": int(orphan.size) * bs,
+                "orphan_slot_ids": self._slot_ids(orphan),
+                "orphan_block_ids": [int(b) for b in orphan[:MAX_IDS_IN_EVIDENCE]],
+                "orphan_allocated_at": sites,
+                "orphan_requests": reqs,
+                **self.stats,
+            }
+            if pool is not None:
+                args.update(self._compare_with_host(ref, body, pool))
+        bad = args.pop("_disagree_ids", [])
+        self.emit(schema.CENSUS, args)
+        if args.get("refcount_disagrees_blocks"):
+            self.emit(schema.VIOLATION, {
+                "kind": REFCOUNT_DISAGREES,
+                "allocator": self.name,
+                "count": args["ledger_disagrees_slots"],
+                "blocks": args["refcount_disagrees_blocks"],
+                "block_size": bs,
+                "site": f"{reason} census",
+                "slot_ids": self._slot_ids(bad),
+                "block_ids": bad[:MAX_IDS_IN_EVIDENCE],
+                "host_free_blocks": args.get("host_free_blocks"),
+                "ledger_free_blocks": free_blocks,
+                "note": "vLLM's own block.ref_cnt differs from the ledger's count: a path kvdoctor does not "
+                        "hook changed reference counts, or vLLM's count went wrong",
+            })
+        return args
+
+    def _compare_with_host(self, ref: np.ndarray, body: np.ndarray, pool: Any) -> dict[str, Any]:
+        """vLLM's `ref_cnt` per block and its free queue's length, against the ledger."""
+        try:
+            blocks = pool.blocks
+            host = np.fromiter((b.ref_cnt for b in blocks), dtype=np.int64, count=len(blocks))
+            host_free = int(pool.free_block_queue.num_free_blocks)
+        except Exception:
+            return {}
+        if host.size != ref.size:
+            return {}
+        differ = np.nonzero((host != ref) & body)[0]
+        ledger_free = int(np.count_nonzero((ref == 0) & body))
+        bs = self.block_size
+        return {
+            "host_free_blocks": host_free,
+            "host_free_slots": host_free * bs,
+            "free_queue_disagrees_blocks": abs(host_free - ledger_free),
+            "refcount_disagrees_blocks": int(differ.size),
+            "ledger_disagrees_slots": int(differ.size) * bs if differ.size else abs(host_free - ledger_free) * bs,
+            "_disagree_ids": [int(b) for b in differ[:MAX_IDS_IN_EVIDENCE]],
+        }
+
+    def counter_args(self) -> dict[str, Any]:
+        body_free = int(np.count_nonzero(self.ref == 0)) - (1 if self.null_block_id is not None else 0)
+        return {
+            "allocator": self.name,
+            "total_slots": (self.num_blocks - (1 if self.null_block_id is not None else 0)) * self.block_size,
+            "free_slots": max(0, body_free) * self.block_size,
+            "owned_slots": int(np.count_nonzero(self.ref > 0)) * self.block_size,
+        }

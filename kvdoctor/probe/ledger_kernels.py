@@ -1,0 +1,181 @@
+"""The slot ledger's GPU path as two Triton kernels per hooked call instead of ~40 torch ops.
+
+Each ledger rule is elementwise over the call's indices, so it fits one kernel: `_check` reads the
+state every index had before the call and records violations (atomic counters, per-page bits and
+call site, the worst out-of-range value); `_write` then applies the state change. Two launches,
+because a free of a paged request lists every token of a page and a single kernel would see its
+own writes. Every transition is idempotent for repeated indices of one call, so `_write` needs no
+ordering. Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+FREE = 1
+OWNED = 2
+TREE = 4
+
+OP_ALLOC = 0
+OP_FREE = 1
+OP_TREE_INSERT = 3
+OP_LAST_LOC = 4
+BLOCK = 512
+
+
+@triton.jit
+def _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES: tl.constexpr, ALLOW_MINUS_ONE: tl.constexpr):
+    if AS_PAGES:
+        bad = m & ((v < 1) | (v > num_pages))
+        page = tl.where(bad, sink, v)
+    else:
+        bad = m & ((v < 0) | (v >= rows))
+        if ALLOW_MINUS_ONE:
+            bad = bad & (v != -1)
+        page = tl.where(bad | (v < 0), sink, v // page_size)
+    return bad, page
+
+
+@triton.jit
+def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+           rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
+           WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+           OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, OP == 4)
+    n_bad = tl.sum(bad.to(tl.int64), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(counters_ptr + OOR_SLOT, n_bad * WEIGHT)
+        tl.atomic_max(oor_ptr, tl.max(tl.where(bad & (v >= 0), v, 0), axis=0))
+        tl.atomic_min(oor_ptr + 1, tl.min(tl.where(bad & (v < 0), v, 0), axis=0))
+        tl.atomic_or(flags_ptr + sink, OOR_BIT)
+        tl.store(vsite_ptr + sink, site)
+    live = m & (page != sink)
+    st = tl.load(state_ptr + page, mask=m, other=0).to(tl.int32)
+    if OP == 0:
+        new = live
+        if PAGE_STARTS:
+            new = new & ((v % page_size) == 0)
+        viol = new & (st != 1)
+    elif OP == 4:
+        viol = live & (((st & 1) != 0) | ((st & 6) == 0))
+        if HAS_REQ:
+            own = tl.load(owner_ptr + page, mask=m, other=-1).to(tl.int64)
+            req = tl.load(req_ptr + offs, mask=m, other=-1).to(tl.int64)
+            viol = viol | (live & (st == 2) & (own >= 0) & (own != req))
+    else:
+        viol = live & ((st & 1) != 0)
+    n_viol = tl.sum(viol.to(tl.int64), axis=0)
+    if n_viol > 0:
+        tl.atomic_add(counters_ptr + KIND_SLOT, n_viol * WEIGHT)
+        tl.atomic_or(flags_ptr + page, tl.full(page.shape, KIND_BIT, tl.int32), mask=viol)
+        tl.store(vsite_ptr + page, tl.full(page.shape, site, tl.int32), mask=viol)
+
+
+@triton.jit
+def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
+           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, False)
+    live = m & (page != sink)
+    if OP == 0:
+        if PAGE_STARTS:
+            live = live & ((v % page_size) == 0)
+        tl.store(state_ptr + page, tl.full(page.shape, 2, tl.int8), mask=live)
+        tl.store(owner_ptr + page, tl.full(page.shape, -1, tl.int32), mask=live)
+        tl.store(alloc_site_ptr + page, tl.full(page.shape, site, tl.int32), mask=live)
+    elif OP == 1:
+        if EVICTING:
+            tl.store(state_ptr + page, tl.full(page.shape, 1, tl.int8), mask=live)
+        else:
+            st = tl.load(state_ptr + page, mask=live, other=0).to(tl.int32)
+            tl.store(state_ptr + page, ((st & 4) | 1).to(tl.int8), mask=live)
+    else:
+        tl.store(state_ptr + page, tl.full(page.shape, 4, tl.int8), mask=live)
+        tl.store(owner_ptr + page, tl.full(page.shape, -1, tl.int32), mask=live)
+
+
+@triton.jit
+def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink,
+           REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    ok = m & (v >= 0) & (v < rows)
+    page = tl.where(ok, v // page_size, sink)
+    st = tl.load(state_ptr + page, mask=ok, other=0).to(tl.int32)
+    if REQ_TENSOR:
+        req = tl.load(req_ptr + offs, mask=m, other=-1).to(tl.int32)
+    else:
+        req = tl.full(page.shape, req_value, tl.int32)
+    tl.store(owner_ptr + page, req, mask=ok & (st == 2))
+
+
+class LedgerKernels:
+    """Binds the kernels to one ledger's tensors."""
+
+    def __init__(self, ledger: Any, kind_slot: dict, kind_bits: dict) -> None:
+        self.led = ledger
+        self.slot = kind_slot
+        self.bits = kind_bits
+
+    def _grid(self, n: int) -> tuple:
+        return (triton.cdiv(n, BLOCK),)
+
+    def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts=False, as_pages=False, req=None, weight=1):
+        led = self.led
+        n = idx.numel()
+        _check[self._grid(n)](
+            idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value,
+            req if req is not None else idx,
+            led.rows, led.page_size, led.num_pages, led.sink, site,
+            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, HAS_REQ=req is not None, WEIGHT=weight,
+            KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
+            OOR_SLOT=self.slot["index_out_of_range"], OOR_BIT=self.bits["index_out_of_range"], BLOCK=BLOCK,
+        )
+
+    def _write(self, idx: Any, site: int, op: int, *, page_starts=False, as_pages=False, evicting=False):
+        led = self.led
+        n = idx.numel()
+        _write[self._grid(n)](
+            idx, n, led.state, led.owner, led.alloc_site, led.rows, led.page_size, led.num_pages, led.sink, site,
+            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, EVICTING=evicting, BLOCK=BLOCK,
+        )
+
+    def alloc(self, idx: Any, site: int, page_starts: bool) -> None:
+        if idx.numel():
+            self._check(idx, site, OP_ALLOC, "double_alloc", page_starts=page_starts)
+            self._write(idx, site, OP_ALLOC, page_starts=page_starts)
+
+    def free(self, idx: Any, site: int, evicting: bool, as_pages: bool) -> None:
+        if idx.numel():
+            weight = self.led.page_size if as_pages else 1
+            self._check(idx, site, OP_FREE, "double_free", as_pages=as_pages, weight=weight)
+            self._write(idx, site, OP_FREE, as_pages=as_pages, evicting=evicting)
+
+    def tree_insert(self, idx: Any, site: int) -> None:
+        if idx.numel():
+            self._check(idx, site, OP_TREE_INSERT, "use_after_free")
+            self._write(idx, site, OP_TREE_INSERT)
+
+    def last_loc(self, idx: Any, site: int, req: Any) -> None:
+        if idx.numel():
+            self._check(idx, site, OP_LAST_LOC, "stale_last_loc", req=req)
+
+    def owner(self, idx: Any, req: Any) -> None:
+        led = self.led
+        n = idx.numel()
+        if not n:
+            return
+        tensor = not isinstance(req, int)
+        _owner[self._grid(n)](idx, n, led.state, led.owner, req if tensor else idx, 0 if tensor else req,
+                              led.rows, led.page_size, led.sink, REQ_TENSOR=tensor, BLOCK=BLOCK)

@@ -1,0 +1,333 @@
+"""vLLM's roles for the probe: imported by `Probe.select_map` when a vLLM map is in force
+(`probes/vllm-*.toml` names this module), it registers its handlers into `runtime.HANDLERS`.
+
+The roles (what a hooked method means to the block ledger, `block_ledger.BlockLedger`):
+
+- `vllm_alloc`     `BlockPool.get_new_blocks(n)`: the returned blocks go from count 0 to 1;
+- `vllm_touch`     `BlockPool.touch(blocks)`: a prefix-cache hit, +1 per block;
+- `vllm_free`      `BlockPool.free_blocks(blocks)` / `unpin_blocks(blocks, ...)`: -1 per block;
+- `vllm_cache`     `BlockPool.cache_full_blocks(...)`: full blocks enter the prefix cache (counted);
+- `vllm_evict`     `BlockPool._maybe_evict_cached_block(block)`: a cached block's hash dropped (counted);
+- `vllm_req_alloc` `KVCacheManager.allocate_slots(request, ...)`: the blocks touched and handed out
+  inside it are the request's; a request that got slots is live;
+- `vllm_req_free`  `KVCacheManager.free(request)`: the blocks freed inside it were the request's;
+  the request is no longer live, and when none is left the engine is idle: a census;
+- `vllm_req_pop`   `KVCacheManager.pop_blocks_for_free(request)`: the request is no longer live (its
+  blocks come back later through `free_blocks`);
+- `vllm_exit`      `EngineCore.shutdown()`: the exit census.
+
+The census runs when the last live request is freed (at most one per
+`KVDOCTOR_IDLE_CENSUS_INTERVAL_S`; one that was due but rate-limited runs before the next
+allocation, or from the writer thread once the engine has been quiet for a second) and at exit.
+vLLM's API server sends its engine core SIGTERM and force-kills it moments later, so the exit
+census runs (and is flushed to the trace) when `EngineCore.shutdown` begins; multiprocessing's
+finalizers and `atexit` run it too where the process gets that far.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import Any
+
+from kvdoctor import schema
+from kvdoctor.probe import runtime
+from kvdoctor.probe.block_ledger import BlockLedger
+
+QUIET_S = 1.0   # the writer thread takes a due idle census only after this long without a hooked call
+
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.request: str | None = None
+
+
+class VllmState:
+    """Per process: the block ledgers (one per pool), the live requests, the census schedule."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.ledgers: dict[int, BlockLedger] = {}
+        self.pools: dict[int, Any] = {}
+        self.live: set[str] = set()
+        self.current = _Current()
+        self.census_due = False
+        self.last_census = -1e9
+        self.last_call = time.monotonic()
+        self.exit_done = False
+        self.lock = threading.Lock()
+        probe.emitter.periodic.append(self.periodic)
+        atexit.register(self.exit_census)
+        try:
+            from multiprocessing import util
+
+            util.Finalize(None, self.exit_census, exitpriority=101)  # ahead of the probe's own (100)
+        except Exception:
+            pass
+
+    # ----- ledgers -----
+
+    def ledger_for(self, pool: Any) -> BlockLedger:
+        ledger = self.ledgers.get(id(pool))
+        if ledger is not None:
+            return ledger
+        num_blocks = getattr(pool, "num_gpu_blocks", None)
+        block_size = getattr(pool, "hash_block_size", None)
+        if not isinstance(num_blocks, int) or num_blocks <= 0 or not isinstance(block_size, int) or block_size <= 0:
+            raise TypeError(f"{type(pool).__name__} has no usable num_gpu_blocks/hash_block_size ({num_blocks!r}, {block_size!r})")
+        null = getattr(pool, "null_block", None)
+        probe = self.probe
+        ledger = BlockLedger(
+            name=f"{type(pool).__name__}#{len(self.ledgers)}",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            null_block_id=getattr(null, "block_id", None),
+            emit=probe.emitter.emit,
+            site_name=probe.sites.name,
+        )
+        self.ledgers[id(pool)] = ledger
+        self.pools[id(pool)] = pool
+        probe.status("on", f"block ledger for {ledger.name}", allocator=ledger.name, engine="vllm",
+                     blocks=num_blocks, block_size=block_size, caching=bool(getattr(pool, "enable_caching", False)))
+        return ledger
+
+    def set_block_size(self, manager: Any) -> None:
+        """The manager knows the block size; the pool only its hash block size (equal for one group)."""
+        pool = getattr(manager, "block_pool", None)
+        ledger = self.ledgers.get(id(pool)) if pool is not None else None
+        if ledger is None or getattr(ledger, "_size_checked", False):
+            return
+        ledger._size_checked = True  # type: ignore[attr-defined]
+        managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None) or ()
+        sizes = {getattr(m, "block_size", None) for m in managers}
+        if len(sizes) == 1:
+            size = sizes.pop()
+            if isinstance(size, int) and size > 0:
+                ledger.block_size = size
+
+    # ----- census -----
+
+    def census(self, reason: str) -> None:
+        probe = self.probe
+        if not probe.ledger_on:
+            return
+        with self.lock:
+            self.census_due = False
+            self.last_census = time.monotonic()
+            live = set(self.live)
+        for key, ledger in list(self.ledgers.items()):
+            try:
+                ledger.census(reason=reason, live_requests=live, pool=self.pools.get(key))
+            except Exception as exc:
+                probe.fail("vllm_census", exc)
+
+    def idle(self) -> None:
+        """The last live request was freed: a census now, or as soon as the rate limit allows."""
+        if time.monotonic() - self.last_census >= self.probe.idle_census_interval_s:
+            self.census("idle")
+        else:
+            self.census_due = True
+
+    def periodic(self) -> None:
+        probe = self.probe
+        if not probe.ledger_on:
+            return
+        try:
+            if (self.census_due and not self.live and time.monotonic() - self.last_call >= QUIET_S
+                    and time.monotonic() - self.last_census >= probe.idle_census_interval_s):
+                self.census("idle")
+            for ledger in list(self.ledgers.values()):
+                probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+        except Exception as exc:
+            probe.fail("vllm_poll", exc)
+
+    def exit_census(self) -> None:
+        if self.exit_done:
+            return
+        self.exit_done = True
+        if not self.ledgers:
+            return
+        try:
+            self.census("exit")
+            for ledger in list(self.ledgers.values()):
+                self.probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+            self.probe.emitter.flush()  # on disk now: the process may be killed before its exit hooks
+        except Exception as exc:
+            self.probe.fail("vllm_exit", exc)
+
+
+_STATES: dict[int, VllmState] = {}
+
+
+def state(probe: Any) -> VllmState:
+    found = _STATES.get(id(probe))
+    if found is None or found.probe is not probe:
+        found = _STATES[id(probe)] = VllmState(probe)
+    return found
+
+
+def _request_id(args: tuple, kwargs: dict) -> str | None:
+    request = kwargs.get("request", args[0] if args else None)
+    rid = getattr(request, "request_id", None)
+    return str(rid) if rid is not None else None
+
+
+def _listify(value: Any) -> Any:
+    if value is None or isinstance(value, (list, tuple)):
+        return value
+    return list(value)
+
+
+# ----- handlers -----
+
+
+class _BlocksArg(runtime.Handler):
+    """Roles whose first argument is an iterable of blocks: one-shot iterators become lists."""
+
+    def prepare_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (_listify(args[0]),) + tuple(args[1:]), kwargs
+        if "ordered_blocks" in kwargs or "blocks" in kwargs:
+            kwargs = dict(kwargs)
+            for key in ("ordered_blocks", "blocks"):
+                if key in kwargs:
+                    kwargs[key] = _listify(kwargs[key])
+        return args, kwargs
+
+    @staticmethod
+    def blocks(args: tuple, kwargs: dict) -> Any:
+        if args:
+            return args[0]
+        return kwargs.get("ordered_blocks", kwargs.get("blocks"))
+
+
+class AllocHandler(runtime.Handler):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.last_call = time.monotonic()
+        return (st, st.ledger_for(obj), site)
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st, ledger, site = ctx
+        if result:
+            with ledger.lock:
+                ledger.on_alloc(result, obj, site, st.current.request)
+
+
+class TouchHandler(_BlocksArg):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.last_call = time.monotonic()
+        return (st, st.ledger_for(obj))
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st, ledger = ctx
+        blocks = self.blocks(args, kwargs)
+        if blocks:
+            with ledger.lock:
+                ledger.on_touch(blocks, obj, st.current.request)
+
+
+class FreeHandler(_BlocksArg):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.last_call = time.monotonic()
+        return (st, st.ledger_for(obj), site)
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st, ledger, site = ctx
+        blocks = self.blocks(args, kwargs)
+        if blocks:
+            with ledger.lock:
+                ledger.on_free(blocks, obj, site, st.current.request)
+
+
+class CacheHandler(runtime.Handler):
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        try:
+            cached = runtime._arg(args, kwargs, "num_cached_blocks", 2)
+            full = runtime._arg(args, kwargs, "num_full_blocks", 3)
+            count = int(full) - int(cached)
+        except (TypeError, ValueError):
+            return
+        ledger = state(probe).ledgers.get(id(obj))
+        if ledger is not None and count > 0:
+            ledger.on_cache(count)
+
+
+class EvictHandler(runtime.Handler):
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        ledger = state(probe).ledgers.get(id(obj))
+        if ledger is not None:
+            ledger.on_evict(bool(result))
+
+
+class ReqAllocHandler(runtime.Handler):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.last_call = time.monotonic()
+        if st.census_due and not st.live and time.monotonic() - st.last_census >= probe.idle_census_interval_s:
+            st.census("idle")  # the one the rate limit held back, before this request changes anything
+        rid = _request_id(args, kwargs)
+        previous = st.current.request
+        st.current.request = rid
+        return (st, rid, previous)
+
+    def finally_(self, probe, ctx):
+        if ctx is not None:
+            ctx[0].current.request = ctx[2]
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st, rid, _ = ctx
+        st.set_block_size(obj)
+        if result is not None and rid is not None:
+            st.live.add(rid)
+
+
+class ReqFreeHandler(ReqAllocHandler):
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = state(probe)
+        st.last_call = time.monotonic()
+        rid = _request_id(args, kwargs)
+        previous = st.current.request
+        st.current.request = rid
+        return (st, rid, previous)
+
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st, rid, _ = ctx
+        if rid is not None:
+            st.live.discard(rid)
+        if not st.live and st.ledgers:
+            st.idle()
+
+
+class ReqPopHandler(ReqFreeHandler):
+    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+        st, rid, _ = ctx
+        if rid is not None:
+            st.live.discard(rid)
+
+
+class ExitHandler(runtime.Handler):
+    """`EngineCore.shutdown`: the exit census, before the teardown that may end in SIGKILL."""
+
+    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+        st = _STATES.get(id(probe))
+        if st is not None and st.probe is probe:
+            st.exit_census()
+        return None
+
+
+runtime.HANDLERS.update({
+    "vllm_alloc": AllocHandler(),
+    "vllm_touch": TouchHandler(),
+    "vllm_free": FreeHandler(),
+    "vllm_cache": CacheHandler(),
+    "vllm_evict": EvictHandler(),
+    "vllm_req_alloc": ReqAllocHandler(),
+    "vllm_req_free": ReqFreeHandler(),
+    "vllm_req_pop": ReqPopHandler(),
+    "vllm_exit": ExitHandler(),
+})
+runtime.ROLES_WITH_SITE.update({"vllm_alloc", "vllm_free"})

@@ -1,0 +1,58 @@
+"""Drives vLLM's real `BlockPool` (no server, no model) with the probe on, one case per run, and
+ends with the exit census; the test replays the trace. Run with .venv-vllm's Python:
+
+    python tests/support/vllm_ledger_cases.py CASE TRACE
+
+Cases: clean (alloc, prefix-cache touch, frees through a one-shot iterator), double_free,
+double_alloc (a block put back on vLLM's free queue behind the pool's back), leak (blocks never
+freed), unhooked (vLLM's ref_cnt changed by a path kvdoctor does not hook).
+"""
+
+import json
+import sys
+
+case, trace = sys.argv[1], sys.argv[2]
+
+from kvdoctor.probe import runtime  # noqa: E402
+
+probe = runtime.activate(trace)
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402  (imported after the probe: hooked)
+
+from kvdoctor.probe import vllm_handlers  # noqa: E402
+
+pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
+out = {"case": case}
+
+a = pool.get_new_blocks(4)
+pool.touch(a[:2])                      # a prefix-cache hit shares two of them
+pool.free_blocks(reversed(a))          # one-shot iterator, as vLLM's own callers pass it
+pool.free_blocks(iter(a[:2]))          # the sharer lets go
+
+if case == "double_free":
+    b = pool.get_new_blocks(3)
+    pool.free_blocks(b)
+    pool.free_blocks(b[1:2])           # vLLM does not check: its ref_cnt goes to -1
+    out["block_ids"] = [b[1].block_id]
+elif case == "double_alloc":
+    b = pool.get_new_blocks(1)[0]
+    b.ref_cnt = 0                      # an unhooked path "frees" it while it is still in use ...
+    pool.free_block_queue.append(b)
+    rest = pool.get_new_blocks(pool.get_num_free_blocks())   # ... and it is handed out again
+    out["block_ids"] = [b.block_id]
+    pool.free_blocks(rest)
+elif case == "leak":
+    b = pool.get_new_blocks(5)
+    pool.free_blocks(b[:2])
+    out["block_ids"] = sorted(x.block_id for x in b[2:])
+elif case == "unhooked":
+    b = pool.get_new_blocks(2)
+    b[0].ref_cnt += 1                  # vLLM's count moves, the ledger never hears of it
+    pool.free_blocks(b)
+    out["block_ids"] = [b[0].block_id]
+
+vllm_handlers.state(probe).exit_census()
+out["hooked_calls"] = probe.calls
+out["ledger_on"] = probe.ledger_on
+runtime.deactivate()
+print("RESULT " + json.dumps(out))
