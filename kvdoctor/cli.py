@@ -85,8 +85,8 @@ def replay(
 @app.command()
 @_guarded
 def demo(
-    fault: str = typer.Option("leak", "--fault", help="none, leak, double-free, stale-last-loc, index-out-of-range, double-alloc"),
-    page_size: Optional[int] = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc)"),
+    fault: str = typer.Option("leak", "--fault", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"),
+    page_size: Optional[int] = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc and relocate)"),
     trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace"),
     output_format: str = typer.Option("text", "--format", help="text or json"),
 ) -> int:
@@ -110,6 +110,25 @@ def watch(
     from kvdoctor.commands.watch import watch as do_watch
 
     return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_guarded
+def gate(
+    ctx: typer.Context,
+    max_growth: str = typer.Option("500MiB/h", "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"),
+    max_orphan_slots: int = typer.Option(0, "--max-orphan-slots", help="fail if more KV slots are orphaned at the census"),
+    fail_on: str = typer.Option("double_free,double_alloc,stale_last_loc,index_out_of_range", "--fail-on", help="finding kinds that fail the gate (comma-separated)"),
+    junit: Optional[str] = typer.Option(None, "--junit", help="write a JUnit XML report here"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="a previous trace; fail on regressions over it"),
+    html: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace when running a command"),
+) -> int:
+    """Judge TRACE.json, or run CMD (after --) under the probe, against budgets: exit 0 pass, 1 fail, 2 could not judge."""
+    from kvdoctor.commands.gate import gate as do_gate
+
+    return do_gate(list(ctx.args), max_growth=max_growth, max_orphan_slots=max_orphan_slots, fail_on=fail_on,
+                   junit=junit, baseline=baseline, html=html, trace=trace)
 
 
 @app.command()

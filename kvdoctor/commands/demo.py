@@ -14,6 +14,7 @@ EXPECTED_KIND = {
     "leak": "orphan_slots",
     "double-free": "double_free",
     "stale-last-loc": "stale_last_loc",
+    "relocate": "stale_last_loc",
     "index-out-of-range": "index_out_of_range",
     "double-alloc": "double_alloc",
 }
@@ -23,9 +24,9 @@ def run_demo(fault: str, page_size: int | None, trace_path: str | None, output_f
     if fault not in FAULTS:
         raise KvdoctorError(f"unknown fault {fault!r}", f"choose one of {', '.join(FAULTS)}")
     if page_size is None:
-        page_size = 4 if fault == "stale-last-loc" else 1
-    if fault == "stale-last-loc" and page_size == 1:
-        raise KvdoctorError("stale-last-loc needs --page-size > 1", "SGLang passes last_loc only to the paged allocator")
+        page_size = 4 if fault in ("stale-last-loc", "relocate") else 1
+    if fault in ("stale-last-loc", "relocate") and page_size == 1:
+        raise KvdoctorError(f"{fault} needs --page-size > 1", "SGLang passes last_loc only to the paged allocator")
     warnings.filterwarnings("ignore")
     from kvdoctor.commands.run import default_trace_path, start_trace
     from kvdoctor.probe import runtime

@@ -38,7 +38,7 @@ class ViolationDetector:
             group["count"] += count
             group["events"] += 1
             merged = as_list(group["first"].get("slot_ids")) + as_list(args.get("slot_ids"))
-            group["first"]["slot_ids"] = merged[:64]
+            group["first"]["slot_ids"] = list(dict.fromkeys(i for i in merged if isinstance(i, (int, str))))[:64]
             for name in ("requests", "sites", "allocated_at"):
                 mine = group["first"].get(name)
                 if not isinstance(mine, dict):
