@@ -50,6 +50,7 @@ def run(
     trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace (default: ./kvdoctor-<time>.kvtrace.json)"),
     fix: List[str] = typer.Option([], "--fix", help="turn on an optional fix by name (see `kvdoctor fixes`)"),
     output_format: str = typer.Option("text", "--format", help="summary format: text or json"),
+    sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
 ) -> int:
     """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
     from kvdoctor.commands.replay import analyze_trace
@@ -60,7 +61,7 @@ def run(
 
     if unknown(list(fix)):
         raise KvdoctorError(f"unknown fix {', '.join(unknown(list(fix)))}", f"`kvdoctor fixes` lists them: {', '.join(FIXES)}")
-    code, trace_path = run_command(list(ctx.args), trace, list(fix))
+    code, trace_path = run_command(list(ctx.args), trace, list(fix), sample_interval)
     analysis = analyze_trace(trace_path)
     print(render(analysis, "json" if output_format == "json" else "text"), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
@@ -105,11 +106,29 @@ def watch(
     trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace"),
     output_format: str = typer.Option("auto", "--format", help="auto (live view on a TTY), text or json"),
     attach: bool = typer.Option(False, "--attach", help="also put the probe into the running process"),
+    prometheus: Optional[str] = typer.Option(None, "--prometheus", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics there while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)"),
+    prometheus_public: bool = typer.Option(False, "--prometheus-public", help="allow --prometheus on an address that is not loopback"),
 ) -> int:
     """Watch a live server's process tree: memory by class over time, growth and its rate."""
     from kvdoctor.commands.watch import watch as do_watch
 
+    if prometheus is not None:
+        return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach,
+                        prometheus=prometheus, prometheus_public=prometheus_public)
     return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach)
+
+
+@app.command()
+@_guarded
+def export(
+    trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
+    output_format: str = typer.Option("csv", "--format", help="csv or parquet"),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"),
+) -> int:
+    """Write a trace's counters (kv_slots, memory, hicache, probe_stats) as a CSV or Parquet table, one row per event."""
+    from kvdoctor.commands.export import export as do_export
+
+    return do_export(trace, output_format, output)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -44,8 +44,10 @@ def test_run_reaches_spawn_children(tmp_path, fault, errors):
     assert proc.returncode == 3, proc.stderr[-2000:]  # CMD's own exit code
     with open(trace) as fh:
         doc = json.load(fh)  # a cleanly finished trace is strict JSON (and Trace Event Format)
-    pids = {e["pid"] for e in doc if e.get("name") == "kvdoctor_header"}
+    pids = {e["pid"] for e in doc if e.get("name") == "kvdoctor_header" and e["args"].get("source") != "sampler"}
     assert len(pids) == 1 and os.getpid() not in pids  # the probe spoke from the spawned child only
+    sampled = {e["pid"] for e in doc if e.get("name") == "memory"}
+    assert pids <= sampled  # and the sampler followed CMD's process tree down to that child
     replay = kvdoctor("replay", str(trace), "--format", "json")
     report = json.loads(replay.stdout)
     assert replay.returncode == (1 if errors else 0)

@@ -147,3 +147,19 @@ def test_planted_leak_is_named_with_its_exact_size(planted):
     assert any(r.startswith("cmpl-") for r in finding["evidence"]["requests"]), finding["evidence"]
     # the leak is not mistaken for a bookkeeping disagreement: vLLM's own counts hold the blocks too
     assert censuses[-1]["refcount_disagrees_blocks"] == 0, censuses[-1]
+
+
+@pytest.mark.parametrize("run,expected", [("clean", 0), ("planted", 1)])
+def test_gate_judges_the_server_benchmark(request, tmp_path, run, expected):
+    """`kvdoctor gate TRACE` on the benchmark run of a real vLLM server: clean passes, the leak fails
+    and the JUnit file names the broken budget."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+
+    session = request.getfixturevalue(run)
+    junit = tmp_path / "gate.xml"
+    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "gate", "--junit", str(junit), session["server"].trace],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == expected, proc.stdout + proc.stderr
+    failed = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
+    assert failed == ([] if expected == 0 else ["max-orphan-slots"]), failed

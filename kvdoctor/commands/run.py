@@ -50,7 +50,31 @@ def start_trace(trace_path: str, command: list[str], extra: dict | None = None) 
     writer.close()
 
 
-def run_command(command: list[str], trace_path: str | None, fixes: list[str]) -> tuple[int, str]:
+def _start_sampler(pid: int, trace_path: str, interval_s: float):
+    """Samples CMD's process tree from outside (memory by class) into the same trace, so growth is
+    judged for every process, probed or not."""
+    import threading
+
+    from kvdoctor.sampler import Sampler
+
+    stop = threading.Event()
+    writer = TraceWriter(trace_path)
+    sampler = Sampler(pid, interval_s=interval_s, emit=writer)
+
+    def loop() -> None:
+        try:
+            sampler.run(stop=stop)
+        except Exception:
+            pass  # the sampler never takes the run down with it
+        finally:
+            writer.close()
+
+    thread = threading.Thread(target=loop, name="kvdoctor-sampler", daemon=True)
+    thread.start()
+    return stop, thread
+
+
+def run_command(command: list[str], trace_path: str | None, fixes: list[str], sample_interval_s: float = 1.0) -> tuple[int, str]:
     if not command:
         raise KvdoctorError("no command given", "usage: kvdoctor run [--trace PATH] -- CMD ...")
     executable = shutil.which(command[0])
@@ -66,6 +90,7 @@ def run_command(command: list[str], trace_path: str | None, fixes: list[str]) ->
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
         raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
+    sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
     forwarded = {}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         forwarded[sig] = signal.signal(sig, lambda s, _f: child.send_signal(s))
@@ -74,5 +99,8 @@ def run_command(command: list[str], trace_path: str | None, fixes: list[str]) ->
     finally:
         for sig, handler in forwarded.items():
             signal.signal(sig, handler)
+        if sampling is not None:
+            sampling[0].set()
+            sampling[1].join(timeout=5)
     finish_trace(trace_path, os.getpid())
     return (code if code >= 0 else 128 - code), trace_path

@@ -295,11 +295,15 @@ def watch(
     attach: bool = False,
     *,
     growth_params: growth.GrowthParams | None = None,
+    prometheus: str | None = None,
+    prometheus_public: bool = False,
 ) -> int:
     """Samples `pid` and its descendants until `duration_s`, Ctrl-C or the root's exit.
 
     `growth_params` tunes the growth test (warm-up, windows, minimum rate); the defaults suit
-    watches of minutes to days. Returns 0 without error findings, 1 with, 2 if nothing was sampled.
+    watches of minutes to days. `prometheus` ("HOST:PORT") serves the live metrics there while the
+    watch runs (see kvdoctor.prometheus). Returns 0 without error findings, 1 with, 2 if nothing
+    was sampled.
     """
     if output_format not in OUTPUT_FORMATS:
         raise KvdoctorError(f"unknown format {output_format!r}", "use one of: " + ", ".join(OUTPUT_FORMATS))
@@ -308,6 +312,11 @@ def watch(
     if duration_s is not None and not (duration_s > 0):
         raise KvdoctorError(f"--duration must be a positive number of seconds, not {duration_s}")
     check_process(pid)
+    prometheus_address = None
+    if prometheus is not None:
+        from kvdoctor.prometheus import parse_address
+
+        prometheus_address = parse_address(prometheus, public=prometheus_public)
     probe_tail = None
     attribution = HostGrowthAttributionDetector()
     if attach:
@@ -354,8 +363,27 @@ def watch(
             writer.write_batch(events)
             for event in events:
                 detector.feed(event)
+        if exporter is not None:
+            exporter.feed(events)
+            if time.monotonic() >= next_findings_s[0]:
+                next_findings_s[0] = time.monotonic() + max(LIVE_GROWTH_EVERY_S, interval_s)
+                exporter.set_findings(detector.findings() + attribution.findings())
         if live_view is not None:
             live_view.draw()
+
+    exporter = None
+    next_findings_s = [0.0]
+    if prometheus_address is not None:
+        from kvdoctor.prometheus import PrometheusExporter
+
+        try:
+            exporter = PrometheusExporter(*prometheus_address).start()
+        except KvdoctorError:
+            writer.close()
+            if owned:
+                finish_trace(path, os.getpid())
+            raise
+        print(f"kvdoctor: Prometheus metrics on {exporter.url}", file=sys.stderr)
 
     stop = threading.Event()
     previous_handler = None
@@ -372,6 +400,8 @@ def watch(
     finally:
         if in_main_thread:
             signal.signal(signal.SIGINT, previous_handler if previous_handler is not None else signal.SIG_DFL)
+        if exporter is not None:
+            exporter.stop()
     elapsed_s = time.monotonic() - started_s
     if stop.is_set():
         print("kvdoctor: interrupted; analysing what was sampled", file=sys.stderr)
