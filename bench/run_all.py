@@ -78,8 +78,9 @@ def table(r: dict) -> str:
     ]
     gpu = r.get("gpu_machine")
     if isinstance(gpu, dict):
-        for name, value in gpu.get("table", []):
-            rows.append((name + " (GPU machine)", value, ""))
+        for row in gpu.get("table", []):
+            name, value, target = (list(row) + ["", ""])[:3]
+            rows.append((name + " (GPU machine)", value, target))
     width = max(len(a) for a, _, _ in rows)
     lines = [f"| {'figure':<{width}} | measured | target |", f"|{'-' * (width + 2)}|---|---|"]
     lines += [f"| {a:<{width}} | {b} | {c} |" for a, b, c in rows]
