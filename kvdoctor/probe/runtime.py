@@ -56,9 +56,13 @@ def _arg(args: tuple, kwargs: dict, name: str, pos: int) -> Any:
 
 
 def _short_path(filename: str) -> str:
-    for marker in ("site-packages/", "sglang-0.5.9/", "/work/", "/src/"):
+    """A call site's file as a reader finds it: from the package root, not the machine's layout."""
+    for marker in ("site-packages/", "dist-packages/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
+    for package in ("/sglang/", "/vllm/", "/kvdoctor/", "/bench/", "/tests/"):
+        if package in filename:
+            return package[1:] + filename.rsplit(package, 1)[1]
     return os.path.basename(filename)
 
 
