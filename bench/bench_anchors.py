@@ -3,11 +3,9 @@ each against the plain workload in the same run (fresh interpreters, alternating
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -27,21 +25,20 @@ print("ARM " + json.dumps(times))
 '''
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arms import rounds_parser, run_arm  # noqa: E402
+
+
 def arm(mode: str, repeats: int) -> list[float]:
     cmd = [sys.executable, "-c", ARM, mode, str(repeats)]
     if mode == "memray":
         out_file = tempfile.mktemp(suffix=".bin")
         cmd = [sys.executable, "-m", "memray", "run", "-q", "-o", out_file, "-c", ARM, mode, str(repeats)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads([l for l in out.stdout.splitlines() if l.startswith("ARM ")][-1][4:])
+    return run_arm(cmd)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out")
-    args = parser.parse_args()
+    args = rounds_parser().parse_args()
     modes = ["plain", "tracemalloc"]
     try:
         import memray  # noqa: F401

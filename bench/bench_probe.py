@@ -4,11 +4,9 @@ each arm runs in its own fresh interpreter, alternating, and the medians are com
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -34,26 +32,23 @@ print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls}))
 '''
 
 
-def run_arm(arm: str, page_size: int, repeats: int, trace: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", ARM, arm, str(page_size), trace, str(repeats)],
-                         capture_output=True, text=True, check=True)
-    line = [l for l in out.stdout.splitlines() if l.startswith("ARM ")][-1]
-    return json.loads(line[4:])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arms import rounds_parser, run_arm  # noqa: E402
+
+
+def probe_arm(arm: str, page_size: int, repeats: int, trace: str) -> dict:
+    return run_arm([sys.executable, "-c", ARM, arm, str(page_size), trace, str(repeats)])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out")
-    args = parser.parse_args()
+    args = rounds_parser().parse_args()
     report = {}
     tmp = tempfile.mkdtemp()
     for page_size in (1, 4):
         off_times, on_times, calls = [], [], 0
         for r in range(args.rounds):
-            off_times += run_arm("off", page_size, args.repeats, "")["times_s"]
-            arm = run_arm("on", page_size, args.repeats, os.path.join(tmp, f"p{page_size}-{r}.json"))
+            off_times += probe_arm("off", page_size, args.repeats, "")["times_s"]
+            arm = probe_arm("on", page_size, args.repeats, os.path.join(tmp, f"p{page_size}-{r}.json"))
             on_times += arm["times_s"]
             calls = arm["hooked_calls"] // (args.repeats + 1)
         off, on = statistics.median(off_times), statistics.median(on_times)

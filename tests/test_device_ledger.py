@@ -10,16 +10,8 @@ from kvdoctor.probe import ledger as L
 
 
 def device_ledger(events, size=64, page_size=1):
-    led = L.SlotLedger(name="t", size=size, page_size=page_size, device="cpu", emit=lambda n, a: events.append(a),
-                       requests=L.RequestTable(), sites=L.CallSites())
-    led.xp = arrays.DeviceArrays("cpu")
-    n = led.num_pages + 2
-    led.state, led.owner = led.xp.zeros(n, "int8"), led.xp.full(n, -1, "int32")
-    led.alloc_site, led.flags = led.xp.zeros(n, "int32"), led.xp.zeros(n, "int32")
-    led.violation_site, led.counters = led.xp.zeros(n, "int32"), led.xp.zeros(len(L.KIND_BITS), "int64")
-    led.oor_value = led.xp.zeros(2, "int64")
-    led.reset_all_free()
-    return led
+    return L.SlotLedger(name="t", size=size, page_size=page_size, device="cpu", emit=lambda n, a: events.append(a),
+                        requests=L.RequestTable(), sites=L.CallSites(), xp=arrays.DeviceArrays("cpu"))
 
 
 def test_device_path_finds_what_the_host_path_finds():

@@ -22,15 +22,7 @@ from kvdoctor.probe import ledger as L
 
 def make(kernels, size, ps):
     led = L.SlotLedger(name="t", size=size, page_size=ps, device="cpu", emit=lambda n, a: None,
-                       requests=L.RequestTable(), sites=L.CallSites())
-    led.xp = arrays.DeviceArrays("cpu")
-    n = led.num_pages + 2
-    led.state, led.owner = led.xp.zeros(n, "int8"), led.xp.full(n, -1, "int32")
-    led.alloc_site, led.flags = led.xp.zeros(n, "int32"), led.xp.zeros(n, "int32")
-    led.violation_site, led.counters = led.xp.zeros(n, "int32"), led.xp.zeros(len(L.KIND_BITS), "int64")
-    led.oor_value = led.xp.zeros(2, "int64")
-    led.kernels = None
-    led.reset_all_free()
+                       requests=L.RequestTable(), sites=L.CallSites(), xp=arrays.DeviceArrays("cpu"))
     if kernels:
         assert led.use_kernels()
     return led

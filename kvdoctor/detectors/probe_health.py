@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvdoctor import schema
-from kvdoctor.detectors.base import _count
+from kvdoctor.detectors.base import _count, as_list
 from kvdoctor.findings import INFO, WARNING, Finding
 
 
@@ -53,10 +53,15 @@ class ProbeHealthDetector:
             if pid in self.pids_with_violations:
                 continue  # explained: double frees and double allocations put duplicates in the free list
             n = _count(args.get("ledger_disagrees_slots"))
+            host_only = as_list(args.get("free_only_in_host_slot_ids"))
+            ledger_only = as_list(args.get("free_only_in_ledger_slot_ids"))
             out.append(Finding(
                 "ledger_disagrees", WARNING,
-                f"the ledger of {allocator} disagrees with the allocator's own free list on {n} slot(s): a path kvdoctor does not hook moved slots",
-                n, {"allocator": allocator, "pid": pid}, pid,
+                f"the ledger of {allocator} disagrees with the allocator's own free list on {n} slot(s) at the "
+                f"{args.get('reason', '')} census (free only in the allocator: {host_only[:8]}; free only in the ledger: "
+                f"{ledger_only[:8]}): a path kvdoctor does not hook moved slots, so its slot findings there are not trusted",
+                n, {"allocator": allocator, "pid": pid, "slot_ids": list(host_only) + list(ledger_only),
+                    "free_only_in_host_slot_ids": host_only, "free_only_in_ledger_slot_ids": ledger_only}, pid,
             ))
         for (pid, fix), count in self.fixes.items():
             out.append(Finding("fix_applied", INFO, f"fix {fix} corrected the host {count} time(s) in pid {pid}", count, {"fix": fix, "pid": pid}, pid))

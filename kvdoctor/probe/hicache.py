@@ -118,10 +118,10 @@ class HiCacheState:
 
 
 def state(probe: runtime.Probe) -> HiCacheState:
-    found = getattr(probe, "hicache", None)
+    found = probe.hicache
     if found is None:
         found = HiCacheState()
-        probe.hicache = found  # type: ignore[attr-defined]
+        probe.hicache = found
         probe.extensions.append(found)
     return found
 
@@ -240,7 +240,7 @@ def loads_in_flight(st: HiCacheState) -> tuple[int, list]:
 
 class GraphReplayHandler(runtime.Handler):
     def before(self, probe, obj, args, kwargs, hooks, positions, site):
-        st = getattr(probe, "hicache", None)
+        st = probe.hicache
         if st is None:
             return None
         st.counts["graph_replays"] += 1

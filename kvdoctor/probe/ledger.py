@@ -113,7 +113,10 @@ class SlotLedger:
         emit: Emit,
         requests: RequestTable,
         sites: CallSites,
+        xp: Any = None,
     ) -> None:
+        """`xp` overrides where the ledger lives (arrays_for(device) by default): a torch ledger on
+        CPU tensors exercises the GPU path without a GPU."""
         self.name = name
         self.size = int(size)
         self.page_size = max(1, int(page_size))
@@ -121,7 +124,7 @@ class SlotLedger:
         # SGLang's KV buffer has size + page_size rows: row 0 (page 0) is the padding slot.
         self.rows = self.size + self.page_size
         self.sink = self.num_pages + 1  # where out-of-range indices are parked, never counted
-        self.xp = arrays_for(device)
+        self.xp = xp if xp is not None else arrays_for(device)
         self.emit = emit
         self.requests = requests
         self.sites = sites
@@ -179,33 +182,36 @@ class SlotLedger:
         self._set(self.state, self.sink, RESERVED)
         self._set(self.owner, slice(None), -1)
 
-    def _pages(self, slots: Any, site: int, *, allow_minus_one: bool = False) -> Any:
-        """Slot indices to page ids; out-of-range indices are counted and parked on the sink page."""
+    def _pages(self, idx: Any, site: int, *, allow_minus_one: bool = False, as_pages: bool = False) -> Any:
+        """Slot indices (or page ids, `as_pages`) to page ids; out-of-range entries are counted, in
+        slots, and parked on the sink page. -1 is legal only where `allow_minus_one` (last_loc)."""
         xp = self.xp
-        bad = (slots < 0) | (slots >= self.rows)
-        if allow_minus_one:
-            bad = bad & (slots != -1)
+        if as_pages:
+            bad = (idx < 1) | (idx > self.num_pages)
+            pages = idx
+        else:
+            bad = (idx < 0) | (idx >= self.rows)
+            if allow_minus_one:
+                bad = bad & (idx != -1)
+            pages = idx // self.page_size
+        weight = self.page_size if as_pages else 1
         n_bad = bad.sum()
         if xp.sync_free_branching and not n_bad:
-            pages = slots // self.page_size
-            if allow_minus_one:
-                pages = xp.where(slots < 0, self.sink, pages)
-            return pages
+            return xp.where(idx < 0, self.sink, pages) if allow_minus_one else pages
+        slot = KIND_SLOT[schema.INDEX_OUT_OF_RANGE]
+        self.counters[slot] += n_bad * weight
         if xp.sync_free_branching:
-            values = slots[bad]
-            worst = int(values[np.abs(values).argmax()])
-            self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
-            self._reported[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
-            self.emit(schema.VIOLATION, self._oor_args(int(n_bad), worst, site))
-            return xp.where(bad | (slots < 0), self.sink, slots // self.page_size)
-        self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad
-        worst = xp.where(bad, slots, 0)
-        if worst.shape[0] > 0:
-            pick = worst[abs(worst).argmax().reshape(1)]  # a 1-element index: no value read back
-            self.oor_value[0:1] = xp.where(n_bad > 0, pick, self.oor_value[0:1])
-        self.flags[self.sink : self.sink + 1] |= xp.cast(xp.where(n_bad > 0, KIND_BITS[schema.INDEX_OUT_OF_RANGE], 0), self.flags)
-        self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
-        return xp.where(bad | (slots < 0), self.sink, slots // self.page_size)
+            values = idx[bad]
+            self._reported[slot] += n_bad * weight
+            self.emit(schema.VIOLATION, self._oor_args(int(n_bad) * weight, int(values[np.abs(values).argmax()]), site))
+        else:
+            worst = xp.where(bad, idx, 0)
+            if worst.shape[0] > 0:
+                pick = worst[abs(worst).argmax().reshape(1)]  # a 1-element index: no value read back
+                self.oor_value[0:1] = xp.where(n_bad > 0, pick, self.oor_value[0:1])
+            self.flags[self.sink : self.sink + 1] |= xp.cast(xp.where(n_bad > 0, KIND_BITS[schema.INDEX_OUT_OF_RANGE], 0), self.flags)
+            self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
+        return xp.where(bad | (idx < 0), self.sink, pages)
 
     def _flag(self, pages: Any, mask: Any, kind: str, site: int, weight: int = 1) -> None:
         """Records a broken rule at `pages` where `mask`; `weight` slots per masked entry."""
@@ -280,18 +286,8 @@ class SlotLedger:
             return self.kernels.free(idx, site, evicting, as_pages)
         if xp.sync_free_branching and not as_pages and idx.shape[0] == 1 and self._free_one(int(idx[0]), evicting):
             return
-        if as_pages:
-            bad = (idx < 1) | (idx > self.num_pages)
-            n_bad = bad.sum()
-            if not xp.sync_free_branching or n_bad:
-                self.counters[KIND_SLOT[schema.INDEX_OUT_OF_RANGE]] += n_bad * self.page_size
-                self.flags[self.sink : self.sink + 1] |= xp.cast(xp.where(n_bad > 0, KIND_BITS[schema.INDEX_OUT_OF_RANGE], 0), self.flags)
-                self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
-            pages = xp.where(bad, self.sink, idx)
-            weight = self.page_size
-        else:
-            pages = self._pages(idx, site)
-            weight = 1
+        pages = self._pages(idx, site, as_pages=as_pages)
+        weight = self.page_size if as_pages else 1
         before = self.state[pages]
         already = ((before & FREE) != 0) & (pages != self.sink)
         self._flag(pages, already, schema.DOUBLE_FREE, site, weight)
@@ -524,6 +520,8 @@ class SlotLedger:
         return {
             "host_free_slots": int(host.size) * self.page_size,
             "ledger_disagrees_slots": int(only_host.size + only_ledger.size) * self.page_size,
+            "free_only_in_host_slot_ids": self._slot_ids(only_host),
+            "free_only_in_ledger_slot_ids": self._slot_ids(only_ledger),
         }
 
     def counter_args(self) -> dict[str, Any]:

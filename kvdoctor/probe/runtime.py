@@ -102,6 +102,8 @@ class Probe:
         self.fix_counts: dict[str, int] = {}
         self._fix_unreported: dict[str, int] = {}
         self.extensions: list[Any] = []  # engine add-ons (HiCache) with a periodic() of their own
+        self.tree: Any = None       # the radix tree last seen, for the census's evictable/protected sizes
+        self.hicache: Any = None    # HiCache bookkeeping (kvdoctor.probe.hicache), once a HiCache class is met
         self.local = _LOCAL
         self._site_cache: dict[tuple, int] = {}
         # An idle census reads the whole ledger back: at most one per interval (and one at exit).
@@ -212,7 +214,7 @@ class Probe:
         return out
 
     def _tree_sizes(self) -> dict[str, int]:
-        tree = getattr(self, "tree", None)
+        tree = self.tree
         if tree is None:
             return {}
         try:
@@ -540,20 +542,12 @@ class AllocHandler(Handler):
         ledger, site, source = ctx
         fixed = last_loc
         if "recompute-last-loc" in probe.fixes and source is not None and source[2] is not None:
-            fixed = fixes.recompute_last_loc(source[2], source[1], source[3], like=last_loc)
-            if ledger.xp.sync_free_branching:
-                changed = int((fixed != last_loc).sum())
-                if changed:
-                    probe.fixed("recompute-last-loc", changed, site=probe.sites.name(site), allocator=ledger.name)
-            else:
-                probe.fixed("recompute-last-loc", 0)
+            recomputed = fixes.recompute_last_loc(source[2], source[1], source[3], like=last_loc)
+            _report_fix(probe, ledger, "recompute-last-loc", fixed, recomputed, site)
+            fixed = recomputed
         if "clamp-last-loc" in probe.fixes:
             clamped = fixes.clamp_last_loc(fixed, ledger.rows, ledger.page_size, self.prefix_lens(args, kwargs))
-            if ledger.xp.sync_free_branching:
-                changed = int((clamped != fixed).sum())
-                if changed:
-                    probe.fixed("clamp-last-loc", changed, site=probe.sites.name(site), allocator=ledger.name,
-                                clamped_to=ledger.rows - 1)
+            _report_fix(probe, ledger, "clamp-last-loc", fixed, clamped, site, moved_into_rows=[ledger.rows - ledger.page_size, ledger.rows - 1])
             fixed = clamped
         if fixed is last_loc:
             return args, kwargs
@@ -569,6 +563,17 @@ class AllocHandler(Handler):
         ledger, site = ctx[0], ctx[1]
         with ledger.lock:
             ledger.on_alloc(result, site, only_page_starts=self.only_page_starts)
+
+
+def _report_fix(probe: Probe, ledger: SlotLedger, name: str, before: Any, after: Any, site: int, **evidence: Any) -> None:
+    """Counts what a last_loc fix changed. On the host the changed values are counted; on a GPU
+    that would be a read-back, so the calls it applied to are counted instead, and said so."""
+    if ledger.xp.sync_free_branching:
+        changed = int((after != before).sum())
+        if changed:
+            probe.fixed(name, changed, site=probe.sites.name(site), allocator=ledger.name, **evidence)
+    else:
+        probe.fixed(name, 1, site=probe.sites.name(site), allocator=ledger.name, counted="calls (values are not read back on a GPU)", **evidence)
 
 
 class ExtendHandler(AllocHandler):
@@ -649,7 +654,7 @@ def _tree_ledger(probe: Probe, tree: Any) -> SlotLedger | None:
     allocator = getattr(tree, "token_to_kv_pool_allocator", None)
     if allocator is None:
         return None
-    probe.tree = tree  # type: ignore[attr-defined]
+    probe.tree = tree
     return probe.ledger_for(allocator)
 
 
