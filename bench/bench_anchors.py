@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore")
 mode = sys.argv[1]
 if mode == "tracemalloc":
     import tracemalloc; tracemalloc.start(1)
-from kvdoctor.workload import WorkloadConfig, run_workload
+from kvdoctor.demo.workload import WorkloadConfig, run_workload
 cfg = WorkloadConfig(page_size=1, conversations=32, turns=6, pool_tokens=4096)
 run_workload(cfg)
 times = []

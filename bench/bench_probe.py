@@ -18,7 +18,7 @@ page_size = int(sys.argv[2])
 if with_probe:
     from kvdoctor.probe import runtime
     probe = runtime.activate(sys.argv[3])
-from kvdoctor.workload import Engine, WorkloadConfig, run_workload
+from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
 cfg = WorkloadConfig(page_size=page_size, conversations=32, turns=6, pool_tokens=4096)
 run_workload(cfg)  # warm-up
 times = []

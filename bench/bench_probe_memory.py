@@ -48,7 +48,7 @@ def main() -> None:
 
     trace = tempfile.mktemp(suffix=".kvtrace.json")
     probe = runtime.activate(trace)
-    from kvdoctor.workload import Engine, WorkloadConfig, run_workload
+    from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
 
     cfg = WorkloadConfig(conversations=64, turns=4, batch=8, user_tokens=8, output_tokens=2, pool_tokens=8192)
     engine = Engine(cfg.pool_tokens, cfg.page_size, max_requests=64)

@@ -16,8 +16,8 @@ import time
 
 MAKE = r'''
 import sys, random
-from kvdoctor import schema
-from kvdoctor.trace import TraceWriter, finish_trace
+from kvdoctor.trace import schema
+from kvdoctor.trace.writer import TraceWriter, finish_trace
 path, n = sys.argv[1], int(sys.argv[2])
 w = TraceWriter(path)
 pid = 4242
@@ -65,7 +65,7 @@ def main() -> None:
     path = os.path.join(tmp, "big.kvtrace.json")
     subprocess.run([sys.executable, "-c", MAKE, path, str(args.events)], check=True)
     size = os.path.getsize(path)
-    baseline = subprocess.run([sys.executable, "-c", "import resource; import kvdoctor.commands.replay, kvdoctor.detectors; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
+    baseline = subprocess.run([sys.executable, "-c", "import resource; import kvdoctor.analysis.analyzer; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
                               capture_output=True, text=True, check=True)
     out = subprocess.run([sys.executable, "-c", REPLAY, path], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])

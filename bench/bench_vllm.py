@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 
 import vllm_server  # noqa: E402
 
-from kvdoctor import loadgen  # noqa: E402
+import loadgen  # noqa: E402
 
 
 def round_prompts(args: argparse.Namespace, round_no: int) -> list[list[int]]:

@@ -23,10 +23,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvdoctor import growth, schema  # noqa: E402
-from kvdoctor.detectors.memory_growth import MemoryGrowthDetector  # noqa: E402
-from kvdoctor.sampler import Sampler  # noqa: E402
-from kvdoctor.trace import TraceWriter  # noqa: E402
+from kvdoctor.analysis import growth  # noqa: E402
+from kvdoctor.trace import schema  # noqa: E402
+from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector  # noqa: E402
+from kvdoctor.collect.sampler import Sampler  # noqa: E402
+from kvdoctor.trace.writer import TraceWriter  # noqa: E402
 
 MIB = 1024 * 1024
 GB = 1e9
@@ -89,7 +90,7 @@ def watcher_cpu(seconds: float, hz: float) -> dict:
 
 
 def _descendants(pid: int) -> list[int]:
-    from kvdoctor.sampler import find_process_tree
+    from kvdoctor.collect.sampler import find_process_tree
 
     return [p.pid for p in find_process_tree(pid) if p.pid != pid]
 

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import test_hostile_input as h  # noqa: E402
-from kvdoctor.detectors import analyze  # noqa: E402
+from kvdoctor.analysis.analyzer import analyze  # noqa: E402
 from kvdoctor.errors import TraceError  # noqa: E402
-from kvdoctor.trace import ReadStats, iter_events  # noqa: E402
+from kvdoctor.trace.reader import ReadStats, iter_events  # noqa: E402
 
 
 def main() -> int:

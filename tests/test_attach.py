@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from kvdoctor import attach as attach_module
-from kvdoctor.attach import attach, preflight, target_python_version
-from kvdoctor.commands.attach import TraceTail, attach_for_watch
+from kvdoctor.collect import attach as attach_module
+from kvdoctor.collect.attach import attach, preflight, target_python_version
+from kvdoctor.commands.attach import attach_for_watch
+from kvdoctor.trace.reader import TraceTail
 from kvdoctor.errors import KvdoctorError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,9 +10,9 @@ import textwrap
 import time
 import tracemalloc
 
-from kvdoctor import schema
-from kvdoctor.detectors.host_growth_attribution import HostGrowthAttributionDetector
-from kvdoctor.findings import INFO, WARNING
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
+from kvdoctor.analysis.findings import INFO, WARNING
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,10 +20,10 @@ warnings.filterwarnings("ignore")
 def test_threads_share_one_probe_and_every_ledger_stays_consistent(tmp_path):
     """Four scheduler-like threads, each with its own real allocator, tree and request pool, hit the
     same probe (sites, emitter, request table, writer thread) at once; one of them leaks."""
-    from kvdoctor.detectors import analyze
+    from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.probe import runtime
-    from kvdoctor.trace import iter_events
-    from kvdoctor.workload import Engine, WorkloadConfig, run_workload
+    from kvdoctor.trace.reader import iter_events
+    from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
 
     configs = [WorkloadConfig(fault="leak" if i == 2 else "none", page_size=1 + 3 * (i % 2), seed=i, turns=3) for i in range(4)]
     alone = [run_workload(c).outputs_digest for c in configs]
@@ -54,9 +54,9 @@ def test_threads_share_one_probe_and_every_ledger_stays_consistent(tmp_path):
 
 
 def test_buffers_are_bounded_and_drops_are_reported(tmp_path):
-    from kvdoctor.detectors import analyze
+    from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.probe.emitter import Emitter
-    from kvdoctor.trace import iter_events
+    from kvdoctor.trace.reader import iter_events
 
     path = str(tmp_path / "drops.json")
     emitter = Emitter(path, max_buffered=100, flush_interval_s=3600, header_args={"engine": "sglang"})
@@ -71,7 +71,7 @@ def test_buffers_are_bounded_and_drops_are_reported(tmp_path):
 SERVER = r'''
 import sys, warnings
 warnings.filterwarnings("ignore")
-from kvdoctor.workload import WorkloadConfig, run_workload
+from kvdoctor.demo.workload import WorkloadConfig, run_workload
 run_workload(WorkloadConfig(fault="leak", turns=2))
 print("ready", flush=True)
 while True:
@@ -107,7 +107,7 @@ def _parent(pid):
 
 def test_traces_carry_no_token_ids(tmp_path):
     from kvdoctor.probe import runtime
-    from kvdoctor.workload import WorkloadConfig, run_workload
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
 
     path = str(tmp_path / "private.json")
     runtime.activate(path)

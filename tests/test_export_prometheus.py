@@ -18,12 +18,12 @@ pd = pytest.importorskip("pandas")
 pytest.importorskip("pyarrow")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from kvdoctor import schema  # noqa: E402
+from kvdoctor.trace import schema  # noqa: E402
 from kvdoctor.commands.export import export, iter_frames, scan_columns  # noqa: E402
 from kvdoctor.errors import KvdoctorError  # noqa: E402
-from kvdoctor.findings import ERROR, Finding  # noqa: E402
-from kvdoctor.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
-from kvdoctor.trace import iter_events  # noqa: E402
+from kvdoctor.analysis.findings import ERROR, Finding  # noqa: E402
+from kvdoctor.reporters.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
+from kvdoctor.trace.reader import iter_events  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

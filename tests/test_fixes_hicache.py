@@ -14,10 +14,10 @@ from conftest import REPO, SUPPORT, sglang_env
 CASES = r'''
 import json, os, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
-from kvdoctor.detectors import analyze
+from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.probe import runtime
-from kvdoctor.trace import iter_events
-from kvdoctor.workload import WorkloadConfig, run_workload
+from kvdoctor.trace.reader import iter_events
+from kvdoctor.demo.workload import WorkloadConfig, run_workload
 out = []
 for fault, ps, fixes in json.loads(sys.argv[1]):
     path = tempfile.mktemp(suffix=".json")
@@ -87,7 +87,8 @@ def test_fixes_change_nothing_on_a_clean_run(fixed):
 HOST = r'''
 import sys, warnings
 warnings.filterwarnings("ignore")
-from kvdoctor.probe import runtime, hicache
+from kvdoctor.probe import runtime
+from kvdoctor.probe.sglang import hicache
 hicache.LONG_LIVED_S = 0.0
 probe = runtime.activate(sys.argv[1], fixes=sys.argv[2:])
 import random, torch
@@ -115,8 +116,8 @@ runtime.deactivate()
 
 @pytest.mark.parametrize("fix", [[], ["clone-host-indices"]], ids=["no-fix", "clone-host-indices"])
 def test_retained_views_on_the_real_host_pool(tmp_path, fix):
-    from kvdoctor.detectors import analyze
-    from kvdoctor.trace import iter_events
+    from kvdoctor.analysis.analyzer import analyze
+    from kvdoctor.trace.reader import iter_events
 
     trace = str(tmp_path / "host.json")
     proc = subprocess.run([sys.executable, "-c", HOST, trace, *fix], capture_output=True, text=True,

@@ -19,7 +19,7 @@ import json, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 import torch
 from kvdoctor.probe import runtime
-from kvdoctor.probe.ledger import FREE, OWNED
+from kvdoctor.probe.ledger.slots import FREE, OWNED
 path = tempfile.mktemp(suffix=".json")
 probe = runtime.activate(path)
 try:
@@ -60,8 +60,8 @@ if hasattr(PagedTokenToKVPoolAllocator, "free_page_ids"):  # 0.5.23
     p.merge_and_sort_free()
     out["paged"] = {"mid": mid, "end": end}
 runtime.deactivate()
-from kvdoctor.detectors import analyze
-from kvdoctor.trace import iter_events
+from kvdoctor.analysis.analyzer import analyze
+from kvdoctor.trace.reader import iter_events
 out["findings"] = [[f.kind, f.count] for f in analyze(iter_events(path)).errors]
 print("RESULT " + json.dumps(out))
 '''

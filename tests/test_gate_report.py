@@ -7,12 +7,12 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.commands.gate import Budgets, gate, judge, parse_rate, parse_size
 from kvdoctor.commands.replay import analyze_trace
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.html import render_html
-from kvdoctor.trace import TraceWriter, finish_trace
+from kvdoctor.trace.writer import TraceWriter, finish_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1024 * 1024
@@ -80,7 +80,7 @@ def test_baseline_regression(demo_traces):
     assert not check.passed and "orphaned slots 64 vs baseline 0" in check.detail
 
 
-WORKLOAD = "from kvdoctor.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault={!r}))"
+WORKLOAD = "from kvdoctor.demo.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault={!r}))"
 
 
 @pytest.mark.parametrize("fault,expected", [("leak", 1), ("none", 0)])
@@ -123,13 +123,7 @@ def _memory_trace(path, anon_at):
     return path
 
 
-def _needs_growth_detector():
-    if importlib.util.find_spec("kvdoctor.detectors.memory_growth") is None:
-        pytest.skip("kvdoctor.detectors.memory_growth does not exist yet, so no memory_growth findings to judge")
-
-
 def test_growing_memory_breaks_growth_budget(tmp_path):
-    _needs_growth_detector()
     rate = 10 * GIB / 3600.0
     path = _memory_trace(str(tmp_path / "grow.kvtrace.json"), lambda t: 2 * GIB + rate * t + (int(t) % 5) * MIB)
     analysis = analyze_trace(path)
@@ -142,7 +136,6 @@ def test_growing_memory_breaks_growth_budget(tmp_path):
 
 
 def test_plateau_passes_growth_budget(tmp_path):
-    _needs_growth_detector()
     path = _memory_trace(str(tmp_path / "flat.kvtrace.json"),
                          lambda t: 2 * GIB + min(t, 90.0) * 20 * MIB + (int(t) % 7) * MIB)
     assert gate([path], max_growth="500MiB/h") == 0

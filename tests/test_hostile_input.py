@@ -23,10 +23,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvdoctor import schema
-from kvdoctor.detectors import Analysis, analyze
+from kvdoctor.trace import schema
+from kvdoctor.analysis.analyzer import Analysis, analyze
 from kvdoctor.errors import KvdoctorError, TraceError
-from kvdoctor.trace import ReadStats, TraceWriter, _loads, encode_event, finish_trace, iter_events
+from kvdoctor.trace.reader import ReadStats, iter_events
+from kvdoctor.trace.writer import TraceWriter, encode_event, finish_trace
+from kvdoctor.trace.codec import loads as _loads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = int(os.environ.get("KVDOCTOR_FUZZ_EXAMPLES", "2500"))
@@ -540,8 +542,8 @@ def test_cli_watch_nonexistent_pid(tmp_path):
 CHILD = textwrap.dedent(
     """
     import os, sys, time
-    from kvdoctor import schema
-    from kvdoctor.trace import TraceWriter
+    from kvdoctor.trace import schema
+    from kvdoctor.trace.writer import TraceWriter
     path = sys.argv[1]
     writer = TraceWriter(path)
     writer.write_batch([schema.header_event(pid=os.getpid(), engine="sglang", engine_version="0", process_title="victim")])

@@ -17,8 +17,8 @@ from conftest import REPO
 SCRIPT = r'''
 import json, os, random, sys
 import torch
-from kvdoctor.probe import arrays
-from kvdoctor.probe import ledger as L
+from kvdoctor.probe.ledger import arrays
+from kvdoctor.probe.ledger import slots as L
 
 def make(kernels, size, ps):
     led = L.SlotLedger(name="t", size=size, page_size=ps, device="cpu", emit=lambda n, a: None,

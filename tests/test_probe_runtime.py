@@ -19,7 +19,7 @@ import multiprocessing as mp, sys, warnings
 warnings.filterwarnings("ignore")
 
 def scheduler(fault):
-    from kvdoctor.workload import WorkloadConfig, run_workload
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
     run_workload(WorkloadConfig(fault=fault))
 
 if __name__ == "__main__":
@@ -59,7 +59,7 @@ def test_run_reaches_spawn_children(tmp_path, fault, errors):
 
 
 def _workload_once(fault="none"):
-    from kvdoctor.workload import WorkloadConfig, run_workload
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
 
     out = []
     for page_size in (1, 4):
@@ -73,9 +73,9 @@ ROLES = ["alloc", "alloc_extend", "alloc_decode", "free", "free_segment", "tree_
 
 
 def test_a_failing_hook_never_changes_the_host(tmp_path):
-    from kvdoctor.detectors import analyze
+    from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.probe import runtime
-    from kvdoctor.trace import iter_events
+    from kvdoctor.trace.reader import iter_events
 
     baseline = {fault: _workload_once(fault) for fault in ("none", "leak")}
     survived = 0
@@ -100,10 +100,10 @@ def test_a_failing_hook_never_changes_the_host(tmp_path):
 
 
 def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path, monkeypatch):
-    from kvdoctor.detectors import analyze
+    from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.probe import runtime
-    from kvdoctor.probe.ledger import SlotLedger
-    from kvdoctor.trace import iter_events
+    from kvdoctor.probe.ledger.slots import SlotLedger
+    from kvdoctor.trace.reader import iter_events
 
     baseline = _workload_once("leak")
 
@@ -121,9 +121,9 @@ def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path, monkeypatch):
 
 
 def test_unknown_sglang_version_turns_the_probe_off(tmp_path, monkeypatch):
-    from kvdoctor.detectors import analyze
+    from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.probe import runtime
-    from kvdoctor.trace import iter_events
+    from kvdoctor.trace.reader import iter_events
 
     baseline = _workload_once("leak")
     path = str(tmp_path / "t.json")
@@ -141,12 +141,12 @@ def test_unknown_sglang_version_turns_the_probe_off(tmp_path, monkeypatch):
     assert off and "9.9.9" in off[0].message and "0.5.23" in off[0].message
 
 
-ALLOWED_IN_PROBE = {"kvdoctor.schema", "kvdoctor.trace", "kvdoctor.errors"}
+ALLOWED_IN_PROBE = {"kvdoctor.trace.schema", "kvdoctor.trace.writer"}
 
 
 def test_probe_imports_no_analysis():
     probe_dir = os.path.join(REPO, "kvdoctor", "probe")
-    files = [os.path.join(probe_dir, f) for f in os.listdir(probe_dir) if f.endswith(".py")]
+    files = [os.path.join(d, f) for d, _, names in os.walk(probe_dir) for f in names if f.endswith(".py")]
     files.append(os.path.join(REPO, "kvdoctor", "_inject", "sitecustomize.py"))
     for path in files:
         tree = ast.parse(open(path).read())
@@ -155,7 +155,8 @@ def test_probe_imports_no_analysis():
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] if not node.module == "kvdoctor" else [f"kvdoctor.{a.name}" for a in node.names]
+                packages = ("kvdoctor", "kvdoctor.trace")
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module in packages else [node.module]
             for name in names:
                 if name.startswith("kvdoctor") and not name.startswith("kvdoctor.probe"):
                     assert name in ALLOWED_IN_PROBE, f"{path} imports {name}"

@@ -20,7 +20,7 @@ sys.path.insert(0, SUPPORT)
 
 import vllm_server  # noqa: E402
 
-from kvdoctor import loadgen  # noqa: E402
+import loadgen  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,

@@ -44,9 +44,9 @@ def run_case(case: str, tmp_path) -> tuple[dict, dict, list[dict]]:
 
 def analyze_with_refcount(trace: str) -> dict:
     """Every registered detector, plus refcount_disagrees where the registry does not list it yet."""
-    from kvdoctor.detectors import all_detectors, analyze
-    from kvdoctor.detectors.refcount_disagrees import RefcountDisagreesDetector
-    from kvdoctor.trace import iter_events
+    from kvdoctor.analysis.analyzer import all_detectors, analyze
+    from kvdoctor.analysis.detectors.refcount_disagrees import RefcountDisagreesDetector
+    from kvdoctor.trace.reader import iter_events
 
     detectors = all_detectors()
     if not any(isinstance(d, RefcountDisagreesDetector) for d in detectors):

@@ -21,18 +21,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdoctor import growth, schema
+from kvdoctor.analysis import growth
+from kvdoctor.trace import schema
 from kvdoctor.commands.watch import _LiveView, _sparkline, check_process, watch
-from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.sampler import (
+from kvdoctor.collect.sampler import (
     Sampler,
     find_process_tree,
     guess_role,
     machine_memory_limit_bytes,
     sample_process,
 )
-from kvdoctor.trace import ReadStats, iter_events
+from kvdoctor.trace.reader import ReadStats, iter_events
 
 MIB = 1024 * 1024
 GB = 1e9
@@ -197,7 +198,7 @@ def test_child_exiting_mid_watch_leaves_a_readable_trace(spawn, tmp_path, capsys
 
 
 def test_watch_appends_to_a_trace_that_kvdoctor_run_is_still_writing(spawn, tmp_path, capsys):
-    from kvdoctor.trace import TraceWriter
+    from kvdoctor.trace.writer import TraceWriter
 
     trace = str(tmp_path / "run.kvtrace.json")
     writer = TraceWriter(trace)

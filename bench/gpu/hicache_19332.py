@@ -53,7 +53,8 @@ def main() -> int:
     storage_dir = tempfile.mkdtemp(prefix="hicache-l3-")
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = storage_dir
 
-    from kvdoctor.probe import hicache, runtime
+    from kvdoctor.probe.sglang import hicache
+    from kvdoctor.probe import runtime
 
     if a.long_lived_s is not None:
         hicache.LONG_LIVED_S = a.long_lived_s
@@ -71,7 +72,7 @@ def main() -> int:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from kvdoctor.workload import _Request
+    from kvdoctor.demo.workload import _Request
 
     cc_mod.get_tensor_model_parallel_rank = lambda: 0
     cc_mod.get_tensor_model_parallel_world_size = lambda: 1

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from kvdoctor.probe import arrays
-from kvdoctor.probe import ledger as L
+from kvdoctor.probe.ledger import arrays
+from kvdoctor.probe.ledger import slots as L
 
 
 def make(kernels, size, ps):

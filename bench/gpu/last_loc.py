@@ -45,7 +45,7 @@ def main() -> int:
                           device=dev, enable_memory_saver=False)
     allocator = PagedTokenToKVPoolAllocator(size, ps, dtype=torch.bfloat16, device=dev, kvcache=kv, need_sort=False)
     req_pool = ReqToTokenPool(size=8, max_context_len=1024, device=dev, enable_memory_saver=False)
-    from kvdoctor.workload import _Request
+    from kvdoctor.demo.workload import _Request
 
     req = _Request("r0")
     req_pool.alloc([req])

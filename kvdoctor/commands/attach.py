@@ -12,12 +12,9 @@ import os
 import sys
 from typing import Sequence
 
-from kvdoctor import schema
-from kvdoctor.attach import attach
+from kvdoctor.trace import schema
+from kvdoctor.collect.attach import attach
 from kvdoctor.errors import EXIT_OK, KvdoctorError
-from kvdoctor.trace import _loads
-
-HOST_GROWTH_SITES = "host_growth_sites"
 
 
 def default_trace_path(pid: int) -> str:
@@ -48,37 +45,3 @@ def attach_for_watch(pid: int, watch_trace_path: str, attribution: bool = True) 
     written = status.get("trace_path") or path
     print(f"kvdoctor: probe attached to pid {pid}; its trace: {written}", file=sys.stderr)
     return written
-
-
-class TraceTail:
-    """Reads the events a probe appends to its trace, complete lines only, from where it left off."""
-
-    def __init__(self, path: str, names: tuple[str, ...] = (HOST_GROWTH_SITES, schema.PROBE_STATUS)) -> None:
-        self.path = path
-        self.names = names
-        self.offset = 0
-        self.partial = b""
-
-    def poll(self) -> list[schema.Event]:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read(8 << 20)
-        except OSError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()
-        out = []
-        for line in lines:
-            text = line.strip().rstrip(b",")
-            if not text.startswith(b"{"):
-                continue
-            try:
-                raw = _loads(text)
-            except (ValueError, TypeError):
-                continue
-            if isinstance(raw, dict) and raw.get("name") in self.names:
-                out.append(schema.Event.from_json_dict(raw))
-        return out

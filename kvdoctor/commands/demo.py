@@ -8,7 +8,7 @@ import sys
 import warnings
 
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.workload import FAULTS, WorkloadConfig
+from kvdoctor.demo.workload import FAULTS, WorkloadConfig
 
 EXPECTED_KIND = {
     "leak": "orphan_slots",
@@ -37,14 +37,14 @@ def run_demo(fault: str, page_size: int | None, trace_path: str | None, output_f
     if probe is None:
         raise KvdoctorError("the probe could not start in this process")
     try:
-        from kvdoctor.workload import run_workload
+        from kvdoctor.demo.workload import run_workload
     except ImportError as exc:
         raise KvdoctorError(f"SGLang is not importable here ({exc})", "run the README's first command to create .venv") from None
     result = run_workload(WorkloadConfig(fault=fault, page_size=page_size))
     runtime.deactivate()
     from kvdoctor.commands.replay import analyze_trace, exit_code_for
     from kvdoctor.reporters import render
-    from kvdoctor.trace import finish_trace
+    from kvdoctor.trace.writer import finish_trace
 
     finish_trace(trace_path, os.getpid())
     analysis = analyze_trace(trace_path)

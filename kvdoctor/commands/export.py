@@ -17,12 +17,11 @@ import os
 import sys
 from typing import Any, Iterator
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.errors import EXIT_OK, KvdoctorError
-from kvdoctor.trace import ReadStats, iter_events
+from kvdoctor.trace.reader import ReadStats, iter_events
 
 FORMATS = ("csv", "parquet")
-COUNTER_NAMES = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, "hicache", schema.PROBE_STATS})
 BASE_COLUMNS = ("ts_s", "pid", "name", "allocator")
 CHUNK_ROWS = 50_000
 _INT64_LIMIT = 1 << 63
@@ -63,7 +62,7 @@ def _is_number(value: Any) -> bool:
 
 def _counters(trace: str, stats: ReadStats | None = None) -> Iterator[schema.Event]:
     for event in iter_events(trace, stats):
-        if event.ph == "C" and event.name in COUNTER_NAMES:
+        if event.ph == "C" and event.name in schema.COUNTER_NAMES:
             yield event
 
 

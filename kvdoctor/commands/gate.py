@@ -16,7 +16,7 @@ import sys
 from typing import Any
 from xml.sax.saxutils import escape as _xml_escape, quoteattr as _xml_attr
 
-from kvdoctor.detectors import Analysis
+from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 
 MIB = 1024 * 1024

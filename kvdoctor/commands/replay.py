@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-from kvdoctor.detectors import Analysis, analyze
+from kvdoctor.analysis.analyzer import Analysis, analyze
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.reporters import render
-from kvdoctor.trace import ReadStats, iter_events
+from kvdoctor.trace.reader import ReadStats, iter_events
 
 PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024
 

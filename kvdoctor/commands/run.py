@@ -14,9 +14,9 @@ import signal
 import subprocess
 import time
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.trace import TraceWriter, finish_trace
+from kvdoctor.trace.writer import TraceWriter, finish_trace
 
 INJECT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_inject")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,7 +55,7 @@ def _start_sampler(pid: int, trace_path: str, interval_s: float):
     judged for every process, probed or not."""
     import threading
 
-    from kvdoctor.sampler import Sampler
+    from kvdoctor.collect.sampler import Sampler
 
     stop = threading.Event()
     writer = TraceWriter(trace_path)

@@ -24,13 +24,14 @@ import threading
 import time
 from typing import Any, TextIO
 
-from kvdoctor import growth, schema
-from kvdoctor.detectors.host_growth_attribution import HOST_GROWTH_SITES, HostGrowthAttributionDetector
-from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis import growth
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
+from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
-from kvdoctor.findings import ERROR, Finding
-from kvdoctor.sampler import Sampler, _read_text
-from kvdoctor.trace import TraceWriter, finish_trace, now_us
+from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.collect.sampler import Sampler, _read_text
+from kvdoctor.trace.writer import TraceWriter, finish_trace, now_us
 
 OUTPUT_FORMATS = ("auto", "text", "json")
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -314,16 +315,17 @@ def watch(
     check_process(pid)
     prometheus_address = None
     if prometheus is not None:
-        from kvdoctor.prometheus import parse_address
+        from kvdoctor.reporters.prometheus import parse_address
 
         prometheus_address = parse_address(prometheus, public=prometheus_public)
     probe_tail = None
     attribution = HostGrowthAttributionDetector()
     if attach:
-        from kvdoctor.commands.attach import TraceTail, attach_for_watch
+        from kvdoctor.commands.attach import attach_for_watch
+        from kvdoctor.trace.reader import TraceTail
 
         probe_trace = attach_for_watch(pid, os.path.abspath(trace_path) if trace_path else default_trace_path(pid))
-        probe_tail = TraceTail(probe_trace) if probe_trace else None
+        probe_tail = TraceTail(probe_trace, frozenset({schema.HOST_GROWTH_SITES, schema.PROBE_STATUS})) if probe_trace else None
     detector = MemoryGrowthDetector(growth_params)
     sampler = Sampler(pid, interval_s=interval_s)
     live_view: _LiveView | None = None
@@ -354,7 +356,7 @@ def watch(
             attached = probe_tail.poll()
             for event in attached:
                 attribution.feed(event)
-                if event.name == HOST_GROWTH_SITES and live_view is None:
+                if event.name == schema.HOST_GROWTH_SITES and live_view is None:
                     for finding in attribution.findings():
                         if finding.pid == event.pid:
                             print(f"kvdoctor: {finding.message}", file=sys.stderr)
@@ -374,7 +376,7 @@ def watch(
     exporter = None
     next_findings_s = [0.0]
     if prometheus_address is not None:
-        from kvdoctor.prometheus import PrometheusExporter
+        from kvdoctor.reporters.prometheus import PrometheusExporter
 
         try:
             exporter = PrometheusExporter(*prometheus_address).start()

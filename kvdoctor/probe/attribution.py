@@ -33,7 +33,8 @@ import time
 import tracemalloc
 from typing import Any
 
-HOST_GROWTH_SITES = "host_growth_sites"
+from kvdoctor.trace import schema
+
 ENV_ATTRIBUTION = "KVDOCTOR_ATTRIBUTION"
 ENV_PERIOD_S = "KVDOCTOR_ATTRIBUTION_PERIOD_S"
 ENV_WINDOW_S = "KVDOCTOR_ATTRIBUTION_WINDOW_S"
@@ -128,7 +129,7 @@ class Attribution:
             try:
                 args = self.window()
                 if args is not None:
-                    self.probe.emitter.emit(HOST_GROWTH_SITES, args)
+                    self.probe.emitter.emit(schema.HOST_GROWTH_SITES, args)
             except Exception as exc:
                 _status(self.probe, "off", f"{type(exc).__name__}: {exc}; host growth attribution stopped")
                 return

@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from kvdoctor import schema
-from kvdoctor.trace import TraceWriter, now_us
+from kvdoctor.trace import schema
+from kvdoctor.trace.writer import TraceWriter, now_us
 
 
 def read_process_title(pid: int | str = "self") -> str:

@@ -20,10 +20,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.probe import fixes
 from kvdoctor.probe.emitter import Emitter
-from kvdoctor.probe.ledger import CallSites, RequestTable, SlotLedger
+from kvdoctor.probe.ledger.slots import CallSites, RequestTable, SlotLedger
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, known_versions, map_for
 
 ENV_TRACE = "KVDOCTOR_TRACE"
@@ -103,7 +103,7 @@ class Probe:
         self._fix_unreported: dict[str, int] = {}
         self.extensions: list[Any] = []  # engine add-ons (HiCache) with a periodic() of their own
         self.tree: Any = None       # the radix tree last seen, for the census's evictable/protected sizes
-        self.hicache: Any = None    # HiCache bookkeeping (kvdoctor.probe.hicache), once a HiCache class is met
+        self.hicache: Any = None    # HiCache bookkeeping (kvdoctor.probe.sglang.hicache), once a HiCache class is met
         self.local = _LOCAL
         self._site_cache: dict[tuple, int] = {}
         # An idle census reads the whole ledger back: at most one per interval (and one at exit).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdoctor.detectors import Analysis
+from kvdoctor.analysis.analyzer import Analysis
 
 
 def render(analysis: Analysis, output_format: str) -> str:

@@ -12,8 +12,8 @@ import html
 import math
 from typing import Any, Iterable, Sequence
 
-from kvdoctor.detectors import Analysis
-from kvdoctor.findings import ERROR, INFO, WARNING, Finding
+from kvdoctor.analysis.analyzer import Analysis
+from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 
 MAX_LIST_ITEMS = 16
 MAX_DICT_ITEMS = 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvdoctor.detectors import Analysis
+from kvdoctor.analysis.analyzer import Analysis
 
 
 def render_json(analysis: Analysis) -> str:

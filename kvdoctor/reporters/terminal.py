@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvdoctor.detectors import Analysis
-from kvdoctor.findings import ERROR, WARNING
+from kvdoctor.analysis.analyzer import Analysis
+from kvdoctor.analysis.findings import ERROR, WARNING
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", "info": "info "}
 EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")

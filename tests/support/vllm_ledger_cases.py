@@ -19,7 +19,7 @@ probe = runtime.activate(trace)
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402  (imported after the probe: hooked)
 
-from kvdoctor.probe import vllm_handlers  # noqa: E402
+from kvdoctor.probe.vllm import roles as vllm_handlers  # noqa: E402
 
 pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
 out = {"case": case}

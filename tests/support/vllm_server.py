@@ -83,7 +83,7 @@ class Server:
         return env
 
     def start(self, timeout_s: float = 300.0) -> "Server":
-        from kvdoctor import loadgen
+        import loadgen
 
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), env=self.env(), cwd=REPO, stdout=self._log,

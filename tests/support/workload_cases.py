@@ -15,10 +15,10 @@ warnings.filterwarnings("ignore")
 
 def main() -> None:
     cases = json.loads(sys.argv[1])
-    from kvdoctor.detectors import analyze
+    from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.probe import runtime
-    from kvdoctor.trace import iter_events
-    from kvdoctor.workload import WorkloadConfig, run_workload
+    from kvdoctor.trace.reader import iter_events
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
 
     out = []
     tmp = tempfile.mkdtemp()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvdoctor import growth, schema
-from kvdoctor.findings import ERROR, Finding
-from kvdoctor.sampler import CLASS_ARG, machine_memory_limit_bytes
+from kvdoctor.analysis import growth
+from kvdoctor.trace import schema
+from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.collect.sampler import CLASS_ARG, machine_memory_limit_bytes
 
 MAX_POINTS_PER_SERIES = 20_000
 
@@ -252,4 +253,4 @@ class MemoryGrowthDetector:
             "limit_bytes": limit,
             "time_to_oom_s": tto,
         }
-        return Finding(kind="memory_growth", severity=ERROR, message=message, count=1, evidence=evidence, pid=pid)
+        return Finding(kind=schema.MEMORY_GROWTH, severity=ERROR, message=message, count=1, evidence=evidence, pid=pid)

@@ -1,7 +1,7 @@
 """stale_last_loc: a `last_loc` that points at a slot its request no longer holds."""
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import ViolationDetector, first_request, ids_text
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import ViolationDetector, first_request, ids_text
 
 
 class StaleLastLocDetector(ViolationDetector):

@@ -6,14 +6,13 @@ kvdoctor does not hook changed reference counts (the ledger's verdicts on those 
 trusted), or vLLM's count itself went wrong. A warning: it says where to look, not what leaked.
 """
 
-from kvdoctor.detectors.base import ViolationDetector, as_list
-from kvdoctor.findings import WARNING
-
-REFCOUNT_DISAGREES = "refcount_disagrees"
+from kvdoctor.analysis.detectors.base import ViolationDetector, as_list
+from kvdoctor.analysis.findings import WARNING
+from kvdoctor.trace import schema
 
 
 class RefcountDisagreesDetector(ViolationDetector):
-    kind = REFCOUNT_DISAGREES
+    kind = schema.REFCOUNT_DISAGREES
     severity = WARNING
 
     def message(self, count, allocator, site, evidence):

@@ -5,18 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import Detector
-from kvdoctor.detectors.double_alloc import DoubleAllocDetector
-from kvdoctor.detectors.double_free import DoubleFreeDetector
-from kvdoctor.detectors.graph_replay import GraphReplayDuringLoadDetector
-from kvdoctor.detectors.index_out_of_range import IndexOutOfRangeDetector
-from kvdoctor.detectors.orphan_slots import OrphanSlotsDetector
-from kvdoctor.detectors.probe_health import ProbeHealthDetector
-from kvdoctor.detectors.refcount_disagrees import RefcountDisagreesDetector
-from kvdoctor.detectors.stale_last_loc import StaleLastLocDetector
-from kvdoctor.detectors.tree_misuse import LockUnderflowDetector, UseAfterFreeDetector
-from kvdoctor.findings import ERROR, INFO, WARNING, Finding
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import Detector
+from kvdoctor.analysis.detectors.double_alloc import DoubleAllocDetector
+from kvdoctor.analysis.detectors.double_free import DoubleFreeDetector
+from kvdoctor.analysis.detectors.graph_replay import GraphReplayDuringLoadDetector
+from kvdoctor.analysis.detectors.index_out_of_range import IndexOutOfRangeDetector
+from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
+from kvdoctor.analysis.detectors.probe_health import ProbeHealthDetector
+from kvdoctor.analysis.detectors.refcount_disagrees import RefcountDisagreesDetector
+from kvdoctor.analysis.detectors.stale_last_loc import StaleLastLocDetector
+from kvdoctor.analysis.detectors.tree_misuse import LockUnderflowDetector, UseAfterFreeDetector
+from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
 
@@ -34,9 +34,9 @@ def all_detectors() -> list[Detector]:
         OrphanSlotsDetector(),
         ProbeHealthDetector(),
     ]
-    from kvdoctor.detectors.host_growth_attribution import HostGrowthAttributionDetector
-    from kvdoctor.detectors.memory_growth import MemoryGrowthDetector
-    from kvdoctor.detectors.retained_view import RetainedViewDetector
+    from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
+    from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+    from kvdoctor.analysis.detectors.retained_view import RetainedViewDetector
 
     detectors.append(MemoryGrowthDetector())
     detectors.append(RetainedViewDetector())
@@ -73,7 +73,7 @@ class Analysis:
 class SeriesCollector:
     """Keeps the counters reporters plot (ledger sizes, memory), decimated to bounded size."""
 
-    consumes = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, "hicache"})
+    consumes = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, schema.HICACHE_COUNTER})
 
     MAX_POINTS = 4000
 

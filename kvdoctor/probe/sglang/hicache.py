@@ -15,11 +15,9 @@ import time
 import weakref
 from typing import Any
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.probe import runtime
 
-RETAINED_VIEW = "retained_views"          # ph i: the summary the retained_view detector reads
-HICACHE_COUNTER = "hicache"               # ph C: host ledger, queues, storage traffic
 MAX_TRACKED_VIEWS = 100_000
 LONG_LIVED_S = 5.0
 SCAN_INTERVAL_S = 2.0
@@ -57,7 +55,7 @@ class HiCacheState:
                     args[f"{name}_depth"] = args.get(f"{name}_depth", 0) + len(queue)
         if "host_total_slots" in args:
             args["host_used_slots"] = args["host_total_slots"] - args.get("host_free_slots", 0)
-        probe.emitter.counter(HICACHE_COUNTER, args)
+        probe.emitter.counter(schema.HICACHE_COUNTER, args)
         now = time.monotonic()
         if now - self.last_scan >= SCAN_INTERVAL_S:
             self.last_scan = now
@@ -113,7 +111,7 @@ class HiCacheState:
         key = (live, summary["retained_bytes"])
         if live and (force_report or key != self.last_report):
             self.last_report = key
-            probe.emitter.emit(RETAINED_VIEW, summary)
+            probe.emitter.emit(schema.RETAINED_VIEWS, summary)
         return summary
 
 
@@ -248,7 +246,7 @@ class GraphReplayHandler(runtime.Handler):
         if pending:
             st.counts["graph_replays_during_load"] += 1
             probe.emitter.emit(schema.VIOLATION, {
-                "kind": "graph_replay_during_load", "count": 1, "site": probe.sites.name(site),
+                "kind": schema.GRAPH_REPLAY_DURING_LOAD, "count": 1, "site": probe.sites.name(site),
                 "graph_runner": type(obj).__name__, "loads_in_flight": pending,
                 "note": "the graph reads KV rows a HiCache load is still copying on its side stream",
             })

@@ -1,18 +1,18 @@
-"""Writing and reading traces: appended in batches, readable after a crash, streamed on read.
+"""Reading traces: streamed, never loaded whole, and readable after a crash.
 
-The writer side is imported by the in-process probe, so it uses only the standard library.
+A cut last line is skipped, damaged lines are counted and skipped, and a trace from a newer
+schema is refused with a sentence (`TraceError`). `TraceTail` follows a trace another process is
+still writing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import time
 from typing import Any, Iterator
 
 from kvdoctor.errors import TraceError
-from kvdoctor.schema import (
+from kvdoctor.trace.codec import loads
+from kvdoctor.trace.schema import (
     HEADER,
     RUN_HEADER,
     SCHEMA_NAME,
@@ -20,99 +20,6 @@ from kvdoctor.schema import (
     TRACE_END,
     Event,
 )
-
-try:  # orjson is several times faster; the stdlib is the fallback everywhere.
-    import orjson as _orjson
-
-    def _dumps(obj: Any) -> bytes:
-        try:
-            return _orjson.dumps(obj, option=_orjson.OPT_SERIALIZE_NUMPY, default=_default)
-        except TypeError:  # integers beyond 64 bits and other values orjson refuses
-            return json.dumps(_finite(obj), separators=(",", ":"), default=_default).encode()
-
-    def _loads(data: bytes) -> Any:
-        try:
-            return _orjson.loads(data)
-        except _orjson.JSONDecodeError:
-            return json.loads(data)  # integers beyond 64 bits, which orjson does not read
-
-except ImportError:  # pragma: no cover - depends on the environment
-    _orjson = None
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(_finite(obj), separators=(",", ":"), default=_default).encode()
-
-    _loads = json.loads
-
-
-def _finite(obj: Any) -> Any:
-    """NaN and infinities become null, as orjson writes them: the trace stays strict JSON."""
-    if isinstance(obj, float):
-        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def _default(obj: Any) -> Any:
-    """Numbers from numpy/torch and sets reach the trace as plain JSON values."""
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    return str(obj)
-
-
-def now_us() -> float:
-    return time.time() * 1e6
-
-
-def encode_event(event: Event | dict[str, Any]) -> bytes:
-    raw = event.to_json_dict() if isinstance(event, Event) else event
-    return _dumps(raw) + b",\n"
-
-
-class TraceWriter:
-    """Appends events to a trace file. Safe to share between processes (O_APPEND, whole batches).
-
-    The first writer to create the file writes the opening bracket. `write_batch` issues one
-    `write(2)` per batch, so a crash loses at most the batch in flight, never earlier lines.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-            os.write(fd, b"[\n")
-        except FileExistsError:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._fd: int | None = fd
-
-    def write_batch(self, events: list[Event | dict[str, Any]]) -> int:
-        if self._fd is None or not events:
-            return 0
-        payload = b"".join(encode_event(e) for e in events)
-        view = memoryview(payload)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        return len(payload)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def finish_trace(path: str, pid: int) -> None:
-    """Closes the JSON array so the file is strict JSON too (only when every writer is done)."""
-    end = Event(ph="M", name=TRACE_END, pid=pid, args={"ended_at_us": now_us()}).to_json_dict()
-    with open(path, "ab") as fh:
-        fh.write(_dumps(end) + b"\n]\n")
 
 
 @dataclasses.dataclass
@@ -191,7 +98,7 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
             if text.endswith(b","):
                 text = text[:-1]
             try:
-                raw = _loads(text)
+                raw = loads(text)
             except (ValueError, TypeError, RecursionError):
                 if not complete:
                     stats.truncated_tail = True
@@ -216,3 +123,43 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
             yield event
         if not seen_header:
             raise TraceError(f"{path}: no readable kvdoctor header in the trace", "the file is corrupt or not a kvdoctor trace")
+
+
+class TraceTail:
+    """Follows a trace another process is still writing: complete lines only, from where it left off.
+
+    `names` keeps only those events (None keeps every event); a line that does not parse is
+    skipped, as `iter_events` does, and is never retried.
+    """
+
+    READ_LIMIT_BYTES = 8 << 20
+
+    def __init__(self, path: str, names: frozenset[str] | None = None) -> None:
+        self.path = path
+        self.names = names
+        self.offset = 0
+        self.partial = b""
+
+    def poll(self) -> list[Event]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(self.READ_LIMIT_BYTES)
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            text = line.strip().rstrip(b",")
+            if not text.startswith(b"{"):
+                continue
+            try:
+                raw = loads(text)
+            except (ValueError, TypeError, RecursionError):
+                continue
+            if isinstance(raw, dict) and (self.names is None or raw.get("name") in self.names):
+                out.append(Event.from_json_dict(raw))
+        return out

@@ -1,7 +1,7 @@
 """double_free: a slot returned to the allocator while it was already free."""
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import ViolationDetector, ids_text
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import ViolationDetector, ids_text
 
 
 class DoubleFreeDetector(ViolationDetector):

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvdoctor import schema
-from kvdoctor.probe.arrays import arrays_for
+from kvdoctor.trace import schema
+from kvdoctor.probe.ledger.arrays import arrays_for
 
 FREE = 1
 OWNED = 2
@@ -150,7 +150,7 @@ class SlotLedger:
     def use_kernels(self) -> bool:
         """Two Triton kernels per call instead of ~40 torch ops (GPU ledgers); False if unavailable."""
         try:
-            from kvdoctor.probe.ledger_kernels import LedgerKernels
+            from kvdoctor.probe.ledger.kernels import LedgerKernels
         except Exception:
             return False
         self.kernels = LedgerKernels(self, KIND_SLOT, KIND_BITS)

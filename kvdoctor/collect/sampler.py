@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from kvdoctor import schema
-from kvdoctor.trace import TraceWriter, now_us
+from kvdoctor.trace import schema
+from kvdoctor.trace.writer import TraceWriter, now_us
 
 MEMORY_CLASSES = ("anon", "shmem", "file", "pinned", "gpu", "rss")
 

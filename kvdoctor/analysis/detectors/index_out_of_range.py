@@ -1,7 +1,7 @@
 """index_out_of_range: a slot index outside the KV buffer (an illegal memory access on a GPU)."""
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import ViolationDetector
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import ViolationDetector
 
 
 class IndexOutOfRangeDetector(ViolationDetector):

@@ -1,7 +1,7 @@
 """double_alloc: a slot handed out while a request still owns it or the tree still holds it."""
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import ViolationDetector, ids_text
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import ViolationDetector, ids_text
 
 
 class DoubleAllocDetector(ViolationDetector):

@@ -32,14 +32,21 @@ PROBE_STATUS = "probe_status"       # ph i: probe enabled/disabled/partial, and 
 LEDGER_COUNTER = "kv_slots"         # ph C: free/owned/tree slot counts of one allocator
 MEMORY_COUNTER = "memory"           # ph C: one process's memory by class, in bytes
 PROBE_STATS = "probe_stats"         # ph C: hooked calls, dropped events, probe memory
+HICACHE_COUNTER = "hicache"         # ph C: HiCache host ledger, controller queues, storage traffic
+RETAINED_VIEWS = "retained_views"   # ph i: host-index views kept alive by the tree (sglang#19332)
+HOST_GROWTH_SITES = "host_growth_sites"  # ph i: one attribution window: where host memory grew
 FINDING = "finding"                 # ph i: a finding the analysis made (written by watch/run)
 FIX_APPLIED = "fix_applied"         # ph i: an optional fix changed the host's behaviour
+
+# The counters a trace carries, one row per event when exported as a table.
+COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, HICACHE_COUNTER, PROBE_STATS})
 
 CAT_PROBE = "kvdoctor.probe"
 CAT_SAMPLER = "kvdoctor.sampler"
 CAT_ANALYSIS = "kvdoctor.analysis"
 
-# Violation kinds the probe's ledger can raise.
+# Violation kinds the probe's ledgers raise (`kind` in a VIOLATION event); each is also the kind
+# of the finding its detector makes.
 DOUBLE_FREE = "double_free"
 DOUBLE_ALLOC = "double_alloc"
 ORPHAN_SLOTS = "orphan_slots"
@@ -48,6 +55,8 @@ INDEX_OUT_OF_RANGE = "index_out_of_range"
 USE_AFTER_FREE = "use_after_free"
 TREE_HOLDS_FREE_SLOT = "tree_holds_free_slot"
 LOCK_UNDERFLOW = "lock_ref_underflow"
+GRAPH_REPLAY_DURING_LOAD = "graph_replay_during_load"
+REFCOUNT_DISAGREES = "refcount_disagrees"
 
 VIOLATION_KINDS = (
     DOUBLE_FREE,
@@ -56,6 +65,38 @@ VIOLATION_KINDS = (
     INDEX_OUT_OF_RANGE,
     USE_AFTER_FREE,
     LOCK_UNDERFLOW,
+)
+
+# Finding kinds the analysis makes besides the violation kinds above.
+MEMORY_GROWTH = "memory_growth"
+RETAINED_VIEW = "retained_view"
+HOST_GROWTH = "host_growth_sites"
+PROBE_OFF = "probe_off"
+PROBE_PARTIAL = "probe_partial"
+EVENTS_DROPPED = "events_dropped"
+TRACE_WRITE_FAILED = "trace_write_failed"
+LEDGER_DISAGREES = "ledger_disagrees"
+
+FINDING_KINDS = (
+    ORPHAN_SLOTS,
+    DOUBLE_FREE,
+    DOUBLE_ALLOC,
+    STALE_LAST_LOC,
+    INDEX_OUT_OF_RANGE,
+    USE_AFTER_FREE,
+    TREE_HOLDS_FREE_SLOT,
+    LOCK_UNDERFLOW,
+    GRAPH_REPLAY_DURING_LOAD,
+    REFCOUNT_DISAGREES,
+    MEMORY_GROWTH,
+    RETAINED_VIEW,
+    HOST_GROWTH,
+    PROBE_OFF,
+    PROBE_PARTIAL,
+    EVENTS_DROPPED,
+    TRACE_WRITE_FAILED,
+    LEDGER_DISAGREES,
+    FIX_APPLIED,
 )
 
 

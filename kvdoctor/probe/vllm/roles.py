@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Any
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.probe import runtime
-from kvdoctor.probe.block_ledger import BlockLedger
+from kvdoctor.probe.ledger.blocks import BlockLedger
 
 QUIET_S = 1.0   # the writer thread takes a due idle census only after this long without a hooked call
 

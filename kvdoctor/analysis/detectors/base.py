@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvdoctor import schema
-from kvdoctor.findings import ERROR, Finding
+from kvdoctor.trace import schema
+from kvdoctor.analysis.findings import ERROR, Finding
 
 
 class Detector(Protocol):

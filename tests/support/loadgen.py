@@ -4,7 +4,7 @@ requests), a fixed number of worker threads, a bounded number of requests, stdli
 
 It talks only to localhost: a host other than 127.0.0.1 / ::1 / localhost is refused.
 
-    from kvdoctor import loadgen
+    import loadgen
     prompts = loadgen.make_prompts(300, seed=0)
     stats = loadgen.drive("http://127.0.0.1:8000", prompts, concurrency=8, max_tokens=8)
 """

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import _count, as_list
-from kvdoctor.findings import ERROR, Finding
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import _count, as_list
+from kvdoctor.analysis.findings import ERROR, Finding
 
 
 class OrphanSlotsDetector:

@@ -1,10 +1,11 @@
 """graph_replay_during_load: a CUDA graph replayed while a HiCache load for the batch was in flight."""
 
-from kvdoctor.detectors.base import ViolationDetector
+from kvdoctor.analysis.detectors.base import ViolationDetector
+from kvdoctor.trace import schema
 
 
 class GraphReplayDuringLoadDetector(ViolationDetector):
-    kind = "graph_replay_during_load"
+    kind = schema.GRAPH_REPLAY_DURING_LOAD
 
     def message(self, count, allocator, site, evidence):
         return (

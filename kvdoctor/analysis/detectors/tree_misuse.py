@@ -1,7 +1,7 @@
 """Tree misuse: slots inserted into the radix tree after being freed, and lock-ref underflows."""
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import ViolationDetector, ids_text
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import ViolationDetector, ids_text
 
 
 class UseAfterFreeDetector(ViolationDetector):

@@ -24,7 +24,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 from kvdoctor.errors import KvdoctorError
 
 DEFAULT_HOST = "127.0.0.1"

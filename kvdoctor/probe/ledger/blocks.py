@@ -25,13 +25,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvdoctor import schema
+from kvdoctor.trace import schema
 
 MAX_HOLDERS = 4            # request ids remembered per block (a block may be shared by many)
 MAX_IDS_IN_EVIDENCE = 64   # ids listed in one event
 MAX_NAMED = 4096           # blocks whose sites/requests are tallied in one event
 MANY = "(more requests)"
-REFCOUNT_DISAGREES = "refcount_disagrees"
 
 
 class BlockLedger:
@@ -229,7 +228,7 @@ class BlockLedger:
         self.emit(schema.CENSUS, args)
         if args.get("refcount_disagrees_blocks"):
             self.emit(schema.VIOLATION, {
-                "kind": REFCOUNT_DISAGREES,
+                "kind": schema.REFCOUNT_DISAGREES,
                 "allocator": self.name,
                 "count": args["ledger_disagrees_slots"],
                 "blocks": args["refcount_disagrees_blocks"],

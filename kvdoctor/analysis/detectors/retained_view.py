@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.detectors.base import _count
-from kvdoctor.findings import ERROR, WARNING, Finding
+from kvdoctor.analysis.detectors.base import _count
+from kvdoctor.analysis.findings import ERROR, WARNING, Finding
+from kvdoctor.trace import schema
 
-RETAINED_VIEW = "retained_views"
 MIN_RETAINED_BYTES = 1 << 20
 MIN_RATIO = 8
 
@@ -22,7 +22,7 @@ def _mib(n: int) -> str:
 
 
 class RetainedViewDetector:
-    consumes = frozenset({RETAINED_VIEW})
+    consumes = frozenset({schema.RETAINED_VIEWS})
     def __init__(self) -> None:
         self.latest: dict[int, dict[str, Any]] = {}
         self.peak: dict[int, int] = {}
@@ -30,7 +30,7 @@ class RetainedViewDetector:
         self.last_ts: dict[int, float] = {}
 
     def feed(self, event) -> None:
-        if event.name != RETAINED_VIEW:
+        if event.name != schema.RETAINED_VIEWS:
             return
         retained = _count(event.args.get("retained_bytes"))
         self.latest[event.pid] = event.args
@@ -65,5 +65,5 @@ class RetainedViewDetector:
                         "distinct_storages": args.get("distinct_storages"), "storing_sites": storing,
                         "alloc_sites": alloc_sites, "peak_retained_bytes": self.peak[pid],
                         "retained_bytes_per_hour": round(rate), "pid": pid}
-            out.append(Finding("retained_view", severity, message, views, evidence, pid))
+            out.append(Finding(schema.RETAINED_VIEW, severity, message, views, evidence, pid))
         return out

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor import schema
-from kvdoctor.findings import INFO, WARNING, Finding
+from kvdoctor.trace import schema
+from kvdoctor.analysis.findings import INFO, WARNING, Finding
 
-HOST_GROWTH_SITES = "host_growth_sites"
 MIB = 1024 * 1024
 
 
@@ -24,7 +23,7 @@ def _int(value: Any) -> int:
 
 
 class HostGrowthAttributionDetector:
-    consumes = frozenset({HOST_GROWTH_SITES})
+    consumes = frozenset({schema.HOST_GROWTH_SITES})
     def __init__(self, *, min_bytes: int = 1 * MIB, warn_bytes: int = 64 * MIB) -> None:
         self.min_bytes = min_bytes
         self.warn_bytes = warn_bytes
@@ -32,7 +31,7 @@ class HostGrowthAttributionDetector:
         self.windows: dict[int, int] = {}
 
     def feed(self, event: schema.Event) -> None:
-        if event.name != HOST_GROWTH_SITES:
+        if event.name != schema.HOST_GROWTH_SITES:
             return
         self.latest[event.pid] = event
         self.windows[event.pid] = self.windows.get(event.pid, 0) + 1
@@ -67,5 +66,5 @@ class HostGrowthAttributionDetector:
             if args.get("memray_command"):
                 evidence["memray_command"] = args["memray_command"]
             severity = WARNING if growth_bytes >= self.warn_bytes else INFO
-            out.append(Finding("host_growth_sites", severity, message, growth_bytes, evidence, pid))
+            out.append(Finding(schema.HOST_GROWTH, severity, message, growth_bytes, evidence, pid))
         return out

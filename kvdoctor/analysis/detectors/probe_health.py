@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvdoctor import schema
-from kvdoctor.detectors.base import _count, as_list
-from kvdoctor.findings import INFO, WARNING, Finding
+from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors.base import _count, as_list
+from kvdoctor.analysis.findings import INFO, WARNING, Finding
 
 
 class ProbeHealthDetector:
@@ -41,14 +41,14 @@ class ProbeHealthDetector:
     def findings(self) -> list[Finding]:
         out = []
         for pid, reason in self.off.items():
-            out.append(Finding("probe_off", WARNING, f"the probe turned itself off in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
+            out.append(Finding(schema.PROBE_OFF, WARNING, f"the probe turned itself off in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
         for pid, reason in self.partial.items():
-            out.append(Finding("probe_partial", WARNING, f"the probe hooked only part of the engine in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
+            out.append(Finding(schema.PROBE_PARTIAL, WARNING, f"the probe hooked only part of the engine in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
         for pid, count in self.dropped.items():
             if count:
-                out.append(Finding("events_dropped", WARNING, f"pid {pid} dropped {count} trace event(s) because the writer fell behind; counts may be low", count, {"pid": pid}, pid))
+                out.append(Finding(schema.EVENTS_DROPPED, WARNING, f"pid {pid} dropped {count} trace event(s) because the writer fell behind; counts may be low", count, {"pid": pid}, pid))
         for pid, err in self.write_error.items():
-            out.append(Finding("trace_write_failed", WARNING, f"pid {pid} stopped writing its trace: {err}", 0, {"error": err, "pid": pid}, pid))
+            out.append(Finding(schema.TRACE_WRITE_FAILED, WARNING, f"pid {pid} stopped writing its trace: {err}", 0, {"error": err, "pid": pid}, pid))
         for (pid, allocator), args in self.disagree.items():
             if pid in self.pids_with_violations:
                 continue  # explained: double frees and double allocations put duplicates in the free list
@@ -56,7 +56,7 @@ class ProbeHealthDetector:
             host_only = as_list(args.get("free_only_in_host_slot_ids"))
             ledger_only = as_list(args.get("free_only_in_ledger_slot_ids"))
             out.append(Finding(
-                "ledger_disagrees", WARNING,
+                schema.LEDGER_DISAGREES, WARNING,
                 f"the ledger of {allocator} disagrees with the allocator's own free list on {n} slot(s) at the "
                 f"{args.get('reason', '')} census (free only in the allocator: {host_only[:8]}; free only in the ledger: "
                 f"{ledger_only[:8]}): a path kvdoctor does not hook moved slots, so its slot findings there are not trusted",
@@ -64,5 +64,5 @@ class ProbeHealthDetector:
                     "free_only_in_host_slot_ids": host_only, "free_only_in_ledger_slot_ids": ledger_only}, pid,
             ))
         for (pid, fix), count in self.fixes.items():
-            out.append(Finding("fix_applied", INFO, f"fix {fix} corrected the host {count} time(s) in pid {pid}", count, {"fix": fix, "pid": pid}, pid))
+            out.append(Finding(schema.FIX_APPLIED, INFO, f"fix {fix} corrected the host {count} time(s) in pid {pid}", count, {"fix": fix, "pid": pid}, pid))
         return out

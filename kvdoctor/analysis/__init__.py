@@ -1,0 +1,1 @@
+"""The analysis: detectors turn a trace's events into findings; `gate` judges them against budgets."""

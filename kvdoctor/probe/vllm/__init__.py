@@ -1,0 +1,1 @@
+"""vLLM's roles: what each hooked BlockPool and KVCacheManager method means to the block ledger."""

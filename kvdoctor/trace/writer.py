@@ -1,0 +1,63 @@
+"""Writing traces: appended in whole batches, so a crash loses at most the batch in flight.
+
+Imported by the in-process probe: standard library (and orjson, where installed) only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from kvdoctor.trace.codec import dumps
+from kvdoctor.trace.schema import TRACE_END, Event
+
+
+def now_us() -> float:
+    return time.time() * 1e6
+
+
+def encode_event(event: Event | dict[str, Any]) -> bytes:
+    raw = event.to_json_dict() if isinstance(event, Event) else event
+    return dumps(raw) + b",\n"
+
+
+class TraceWriter:
+    """Appends events to a trace file. Safe to share between processes (O_APPEND, whole batches).
+
+    The first writer to create the file writes the opening bracket. `write_batch` issues one
+    `write(2)` per batch, so a crash loses at most the batch in flight, never earlier lines.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            os.write(fd, b"[\n")
+        except FileExistsError:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._fd: int | None = fd
+
+    def write_batch(self, events: list[Event | dict[str, Any]]) -> int:
+        if self._fd is None or not events:
+            return 0
+        payload = b"".join(encode_event(e) for e in events)
+        view = memoryview(payload)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        return len(payload)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def finish_trace(path: str, pid: int) -> None:
+    """Closes the JSON array so the file is strict JSON too (only when every writer is done)."""
+    end = Event(ph="M", name=TRACE_END, pid=pid, args={"ended_at_us": now_us()}).to_json_dict()
+    with open(path, "ab") as fh:
+        fh.write(dumps(end) + b"\n]\n")
