@@ -17,15 +17,18 @@ warnings.filterwarnings("ignore")
 
 
 def probe_bytes(probe) -> int:
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    sglang = sglang_state(probe)
     total = 0
-    for ledger in probe.ledgers.values():
+    for ledger in sglang.ledgers.values():
         for name in ("state", "owner", "alloc_site", "flags", "violation_site", "counters", "oor_value"):
             arr = getattr(ledger, name)
             total += int(arr.nbytes) if hasattr(arr, "nbytes") else int(arr.numel() * arr.element_size())
     total += sum(len(s) for s in probe.sites.names) + 120 * len(probe.sites.names)
-    total += 100 * (len(probe.requests.live) + len(probe.requests.finished))
-    total += 400 * len(probe.emitter.buffer) + 100 * len(probe._site_cache) + 200 * len(probe.last_loc_sources)
-    views = getattr(getattr(probe, "hicache", None), "views", {})
+    total += 100 * (len(sglang.requests.live) + len(sglang.requests.finished))
+    total += 400 * len(probe.emitter.buffer) + 100 * len(probe.sites._quick) + 200 * len(sglang.last_loc_sources)
+    views = getattr(probe.states.get("hicache"), "views", {})
     total += 200 * len(views)
     return total
 

@@ -19,7 +19,8 @@ import json, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 import torch
 from kvdoctor.probe import runtime
-from kvdoctor.probe.ledger.slots import FREE, OWNED
+from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.probe.ledger.states import FREE, OWNED
 path = tempfile.mktemp(suffix=".json")
 probe = runtime.activate(path)
 try:
@@ -30,7 +31,7 @@ except ImportError:
 out = {}
 
 def state(alloc, slots):
-    led = probe.ledger_for(alloc)
+    led = sglang_state(probe).ledger_for(alloc)
     return [int(led.state[s // led.page_size]) for s in slots]
 
 for need_sort in (False, True):

@@ -48,9 +48,9 @@ def test_page_aware_clamp_keeps_part1_inside(page_size):
 
 
 def test_decode_handler_uses_the_prefix_before_the_new_token():
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.sglang.roles import ROLES
 
     seq_lens = torch.tensor([21, 32])
-    assert torch.equal(runtime.HANDLERS["alloc_decode"].prefix_lens((seq_lens, seq_lens, None), {}), seq_lens - 1)
-    assert runtime.HANDLERS["alloc_extend"].prefix_lens((seq_lens,), {}) is seq_lens
-    assert runtime.HANDLERS["alloc"].prefix_lens((8,), {}) is None
+    assert torch.equal(ROLES["alloc_decode"].prefix_lens((seq_lens, seq_lens, None), {}), seq_lens - 1)
+    assert ROLES["alloc_extend"].prefix_lens((seq_lens,), {}) is seq_lens
+    assert ROLES["alloc"].prefix_lens((8,), {}) is None

@@ -129,10 +129,9 @@ def test_unknown_sglang_version_turns_the_probe_off(tmp_path, monkeypatch):
     path = str(tmp_path / "t.json")
     monkeypatch.setenv("KVDOCTOR_SGLANG_VERSION", "9.9.9")
     probe = runtime.activate(path)
-    probe.map = None
     probe.maps.clear()
     probe.ledger_on = True
-    probe.select_map()
+    probe.select_map("sglang")
     assert _workload_once("leak") == baseline
     runtime.deactivate()
     analysis = analyze(iter_events(path))

@@ -105,12 +105,14 @@ def main() -> int:
         result["gpu_ms_per_step"] = start.elapsed_time(end) / a.steps
         result["host_ms_per_step"] = t_host * 1000 / a.steps
     if probe is not None:
+        from kvdoctor.probe.sglang.state import sglang_state
+
         result["hooked_calls_per_step"] = (probe.calls - calls0) / a.steps
         result["ledger_on"] = probe.ledger_on
         result["failures"] = probe.failures
         result["off_reason"] = probe.off_reason
         result["probe_gpu_bytes"] = sum(
-            t.numel() * t.element_size() for led in probe.ledgers.values()
+            t.numel() * t.element_size() for led in sglang_state(probe).ledgers.values()
             for t in (led.state, led.owner, led.alloc_site, led.flags, led.violation_site, led.counters))
     from sglang.jit_kernel.kvcache import can_use_store_cache
 

@@ -72,7 +72,7 @@ def main() -> int:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from kvdoctor.demo.workload import _Request
+    from kvdoctor.demo.workload import Request
 
     cc_mod.get_tensor_model_parallel_rank = lambda: 0
     cc_mod.get_tensor_model_parallel_world_size = lambda: 1
@@ -152,7 +152,7 @@ def main() -> int:
                 turns[conv] = 0
             turns[conv] += 1
             tokens = histories[conv] + [rng.randrange(1000) for _ in range(a.user_tokens)]
-            req = _Request(f"conv{conv}-req{stats['requests']}")
+            req = Request(f"conv{conv}-req{stats['requests']}")
             stats["requests"] += 1
             # _prefetch_kvcache: start an L3 prefetch for what neither device nor host holds
             m = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))

@@ -32,6 +32,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from kvdoctor.probe import runtime
+    from kvdoctor.probe.sglang.state import sglang_state
 
     probe = runtime.activate(a.trace, fixes=a.fix)
     import torch
@@ -45,9 +46,9 @@ def main() -> int:
                           device=dev, enable_memory_saver=False)
     allocator = PagedTokenToKVPoolAllocator(size, ps, dtype=torch.bfloat16, device=dev, kvcache=kv, need_sort=False)
     req_pool = ReqToTokenPool(size=8, max_context_len=1024, device=dev, enable_memory_saver=False)
-    from kvdoctor.demo.workload import _Request
+    from kvdoctor.demo.workload import Request
 
-    req = _Request("r0")
+    req = Request("r0")
     req_pool.alloc([req])
     idx = req.req_pool_idx
     prefix, extend = 20, 40  # 20 % 16 = 4: part 1 continues the prefix's page with 12 slots
@@ -77,7 +78,7 @@ def main() -> int:
     out = allocator.alloc_extend(pl, pl.cpu(), sl, sl.cpu(), last_loc, extend)
     torch.cuda.synchronize()
     if probe is not None:  # the ledger's findings reach the trace before the KV write is launched
-        for ledger in probe.ledgers.values():
+        for ledger in sglang_state(probe).ledgers.values():
             ledger.poll(force=True)
         probe.emitter.flush()
     out_host = out.cpu().tolist()

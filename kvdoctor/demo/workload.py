@@ -56,7 +56,7 @@ class _KvState:
         return self.req_pool_idx is not None
 
 
-class _Request:
+class Request:
     """The scheduler-side request record handed to ReqToTokenPool (rid and row index only)."""
 
     is_chunked = 0
@@ -178,7 +178,7 @@ class Engine:
 
 
 class _Live:
-    def __init__(self, req: _Request, tokens: list[int], prefix: Any, node: Any) -> None:
+    def __init__(self, req: Request, tokens: list[int], prefix: Any, node: Any) -> None:
         self.req = req
         self.tokens = tokens
         self.prefix_len = int(len(prefix))
@@ -204,7 +204,7 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
         for conv, tokens in batch:
             prefix, node = engine.match(tokens)
             lock = engine.lock(node)
-            req = _Request(f"conv{conv}-req{request_no}")
+            req = Request(f"conv{conv}-req{request_no}")
             request_no += 1
             engine.req_pool.alloc([req])
             item = _Live(req, tokens, prefix, node)

@@ -33,6 +33,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from kvdoctor.probe.callsites import short_path
 from kvdoctor.trace import schema
 
 ENV_ATTRIBUTION = "KVDOCTOR_ATTRIBUTION"
@@ -91,16 +92,10 @@ def start_if_enabled(probe: Any, *, force: bool = False) -> bool:
 
 def _status(probe: Any, state: str, reason: str) -> None:
     try:
-        probe.emitter.emit("probe_status", {"component": "attribution", "state": state, "reason": reason})
+        probe.emitter.emit(schema.PROBE_STATUS, {"component": "attribution", "state": state, "reason": reason})
     except Exception:
         pass
 
-
-def _short(filename: str) -> str:
-    for marker in ("site-packages/", "/work/", "/src/"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    return filename
 
 
 class Attribution:
@@ -173,7 +168,7 @@ class Attribution:
             if len(sites) < self.top:
                 best = max(threads, key=threads.get) if threads else ""
                 sites.append({
-                    "site": f"{_short(frame.filename)}:{frame.lineno}",
+                    "site": f"{short_path(frame.filename)}:{frame.lineno}",
                     "file": frame.filename,
                     "line": frame.lineno,
                     "size_diff_bytes": stat.size_diff,

@@ -39,7 +39,6 @@ class ProbeMap:
     functions: list[FunctionHook]
     source: str
     dist_names: list[str] = dataclasses.field(default_factory=list)
-    handlers_module: str = ""
 
     def modules(self) -> set[str]:
         return {c.module for c in self.classes} | {f.module for f in self.functions}
@@ -76,7 +75,7 @@ def load_map(path: str) -> ProbeMap:
     functions = [FunctionHook(f["module"], f["function"], f["role"]) for f in raw.get("functions", [])]
     return ProbeMap(
         raw["engine"], list(raw["versions"]), classes, functions, os.path.basename(path),
-        dist_names=list(raw.get("dist_names", [raw["engine"]])), handlers_module=str(raw.get("handlers", "")),
+        dist_names=list(raw.get("dist_names", [raw["engine"]])),
     )
 
 

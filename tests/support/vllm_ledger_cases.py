@@ -19,7 +19,7 @@ probe = runtime.activate(trace)
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402  (imported after the probe: hooked)
 
-from kvdoctor.probe.vllm import roles as vllm_handlers  # noqa: E402
+from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
 
 pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
 out = {"case": case}
@@ -51,7 +51,7 @@ elif case == "unhooked":
     pool.free_blocks(b)
     out["block_ids"] = [b[0].block_id]
 
-vllm_handlers.state(probe).exit_census()
+vllm_roles.state(probe).exit_census()
 out["hooked_calls"] = probe.calls
 out["ledger_on"] = probe.ledger_on
 runtime.deactivate()

@@ -28,7 +28,7 @@ def main() -> None:
         path = os.path.join(tmp, f"{page_size}-{fault}-{tree}.json")
         probe = runtime.activate(path)
         result = run_workload(WorkloadConfig(page_size=page_size, fault=fault, tree=tree))
-        version = probe.version
+        version = probe.version_of("sglang")
         runtime.deactivate()
         analysis = analyze(iter_events(path))
         out.append({

@@ -15,14 +15,18 @@ from typing import Any
 import triton
 import triton.language as tl
 
-FREE = 1
-OWNED = 2
-TREE = 4
+from kvdoctor.probe.ledger import states
+from kvdoctor.probe.ledger.states import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
+from kvdoctor.trace import schema
 
-OP_ALLOC = 0
-OP_FREE = 1
-OP_TREE_INSERT = 3
-OP_LAST_LOC = 4
+# The kernels read the shared state bits and op codes as compile-time constants.
+FREE: tl.constexpr = tl.constexpr(states.FREE)
+OWNED: tl.constexpr = tl.constexpr(states.OWNED)
+TREE: tl.constexpr = tl.constexpr(states.TREE)
+HELD: tl.constexpr = tl.constexpr(states.OWNED | states.TREE)
+ALLOC: tl.constexpr = tl.constexpr(OP_ALLOC)
+FREEING: tl.constexpr = tl.constexpr(OP_FREE)
+LAST_LOC: tl.constexpr = tl.constexpr(OP_LAST_LOC)
 BLOCK = 512
 
 
@@ -48,7 +52,7 @@ def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr,
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
-    bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, OP == 4)
+    bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, OP == LAST_LOC)
     n_bad = tl.sum(bad.to(tl.int64), axis=0)
     if n_bad > 0:
         tl.atomic_add(counters_ptr + OOR_SLOT, n_bad * WEIGHT)
@@ -58,19 +62,19 @@ def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr,
         tl.store(vsite_ptr + sink, site)
     live = m & (page != sink)
     st = tl.load(state_ptr + page, mask=m, other=0).to(tl.int32)
-    if OP == 0:
+    if OP == ALLOC:
         new = live
         if PAGE_STARTS:
             new = new & ((v % page_size) == 0)
-        viol = new & (st != 1)
-    elif OP == 4:
-        viol = live & (((st & 1) != 0) | ((st & 6) == 0))
+        viol = new & (st != FREE)
+    elif OP == LAST_LOC:
+        viol = live & (((st & FREE) != 0) | ((st & HELD) == 0))
         if HAS_REQ:
             own = tl.load(owner_ptr + page, mask=m, other=-1).to(tl.int64)
             req = tl.load(req_ptr + offs, mask=m, other=-1).to(tl.int64)
-            viol = viol | (live & (st == 2) & (own >= 0) & (own != req))
+            viol = viol | (live & (st == OWNED) & (own >= 0) & (own != req))
     else:
-        viol = live & ((st & 1) != 0)
+        viol = live & ((st & FREE) != 0)
     n_viol = tl.sum(viol.to(tl.int64), axis=0)
     if n_viol > 0:
         tl.atomic_add(counters_ptr + KIND_SLOT, n_viol * WEIGHT)
@@ -87,20 +91,20 @@ def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, nu
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
     bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, False)
     live = m & (page != sink)
-    if OP == 0:
+    if OP == ALLOC:
         if PAGE_STARTS:
             live = live & ((v % page_size) == 0)
-        tl.store(state_ptr + page, tl.full(page.shape, 2, tl.int8), mask=live)
+        tl.store(state_ptr + page, tl.full(page.shape, OWNED, tl.int8), mask=live)
         tl.store(owner_ptr + page, tl.full(page.shape, -1, tl.int32), mask=live)
         tl.store(alloc_site_ptr + page, tl.full(page.shape, site, tl.int32), mask=live)
-    elif OP == 1:
+    elif OP == FREEING:
         if EVICTING:
-            tl.store(state_ptr + page, tl.full(page.shape, 1, tl.int8), mask=live)
+            tl.store(state_ptr + page, tl.full(page.shape, FREE, tl.int8), mask=live)
         else:
             st = tl.load(state_ptr + page, mask=live, other=0).to(tl.int32)
-            tl.store(state_ptr + page, ((st & 4) | 1).to(tl.int8), mask=live)
+            tl.store(state_ptr + page, ((st & TREE) | FREE).to(tl.int8), mask=live)
     else:
-        tl.store(state_ptr + page, tl.full(page.shape, 4, tl.int8), mask=live)
+        tl.store(state_ptr + page, tl.full(page.shape, TREE, tl.int8), mask=live)
         tl.store(owner_ptr + page, tl.full(page.shape, -1, tl.int32), mask=live)
 
 
@@ -117,16 +121,16 @@ def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size
         req = tl.load(req_ptr + offs, mask=m, other=-1).to(tl.int32)
     else:
         req = tl.full(page.shape, req_value, tl.int32)
-    tl.store(owner_ptr + page, req, mask=ok & (st == 2))
+    tl.store(owner_ptr + page, req, mask=ok & (st == OWNED))
 
 
 class LedgerKernels:
     """Binds the kernels to one ledger's tensors."""
 
-    def __init__(self, ledger: Any, kind_slot: dict, kind_bits: dict) -> None:
+    def __init__(self, ledger: Any) -> None:
         self.led = ledger
-        self.slot = kind_slot
-        self.bits = kind_bits
+        self.slot = KIND_SLOT
+        self.bits = KIND_BITS
 
     def _grid(self, n: int) -> tuple:
         return (triton.cdiv(n, BLOCK),)
@@ -140,7 +144,7 @@ class LedgerKernels:
             led.rows, led.page_size, led.num_pages, led.sink, site,
             OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, HAS_REQ=req is not None, WEIGHT=weight,
             KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
-            OOR_SLOT=self.slot["index_out_of_range"], OOR_BIT=self.bits["index_out_of_range"], BLOCK=BLOCK,
+            OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE], OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE], BLOCK=BLOCK,
         )
 
     def _write(self, idx: Any, site: int, op: int, *, page_starts=False, as_pages=False, evicting=False):
@@ -153,23 +157,23 @@ class LedgerKernels:
 
     def alloc(self, idx: Any, site: int, page_starts: bool) -> None:
         if idx.numel():
-            self._check(idx, site, OP_ALLOC, "double_alloc", page_starts=page_starts)
+            self._check(idx, site, OP_ALLOC, schema.DOUBLE_ALLOC, page_starts=page_starts)
             self._write(idx, site, OP_ALLOC, page_starts=page_starts)
 
     def free(self, idx: Any, site: int, evicting: bool, as_pages: bool) -> None:
         if idx.numel():
             weight = self.led.page_size if as_pages else 1
-            self._check(idx, site, OP_FREE, "double_free", as_pages=as_pages, weight=weight)
+            self._check(idx, site, OP_FREE, schema.DOUBLE_FREE, as_pages=as_pages, weight=weight)
             self._write(idx, site, OP_FREE, as_pages=as_pages, evicting=evicting)
 
     def tree_insert(self, idx: Any, site: int) -> None:
         if idx.numel():
-            self._check(idx, site, OP_TREE_INSERT, "use_after_free")
+            self._check(idx, site, OP_TREE_INSERT, schema.USE_AFTER_FREE)
             self._write(idx, site, OP_TREE_INSERT)
 
     def last_loc(self, idx: Any, site: int, req: Any) -> None:
         if idx.numel():
-            self._check(idx, site, OP_LAST_LOC, "stale_last_loc", req=req)
+            self._check(idx, site, OP_LAST_LOC, schema.STALE_LAST_LOC, req=req)
 
     def owner(self, idx: Any, req: Any) -> None:
         led = self.led

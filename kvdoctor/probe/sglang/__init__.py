@@ -1,2 +1,7 @@
 """SGLang's roles: what each hooked allocator, radix tree, request pool and HiCache method means
-to the slot ledger."""
+to the slot ledger (`roles`, `hicache`), and the per-process bookkeeping they share (`state`)."""
+
+from kvdoctor.probe.hooks import Role
+from kvdoctor.probe.sglang import hicache, roles
+
+ROLES: dict[str, Role] = {**roles.ROLES, **hicache.ROLES}

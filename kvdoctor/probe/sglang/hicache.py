@@ -1,7 +1,6 @@
 """HiCache: the host (L2) pool and the storage (L3) backend, the views the tree retains, and CUDA
 graph replays during a host-to-device load.
 
-Registers its roles into the runtime's handler table when an SGLang map names this module.
 Host pools hand out index tensors; a tensor that is a small view into a much larger array, kept
 alive by a long-lived tree node, pins that whole array (sglang#19332). We keep weak references to
 the views the host pool hands out (bounded), and every few seconds count the ones still alive,
@@ -13,10 +12,14 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, argument
+from kvdoctor.probe.sglang.state import sglang_state
 from kvdoctor.trace import schema
-from kvdoctor.probe import runtime
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.runtime import Probe
 
 MAX_TRACKED_VIEWS = 100_000
 LONG_LIVED_S = 5.0
@@ -27,7 +30,7 @@ VIEW_RATIO = 4                            # storage at least this many times the
 class HiCacheState:
     """Per-process HiCache bookkeeping: host pools, controller queues, storage traffic, views."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Probe | None = None) -> None:
         self.hosts: dict[int, Any] = {}
         self.controllers: dict[int, Any] = {}
         self.views: dict[int, tuple] = {}
@@ -40,7 +43,7 @@ class HiCacheState:
         self.last_scan = 0.0
         self.last_report: tuple = ()
 
-    def periodic(self, probe: runtime.Probe) -> None:
+    def periodic(self, probe: Probe) -> None:
         args: dict[str, Any] = dict(self.counts)
         for host in list(self.hosts.values()):
             try:
@@ -78,7 +81,7 @@ class HiCacheState:
             key = id(tensor)
             self.views[key] = (weakref.ref(tensor, lambda _r, k=key: self.views.pop(k, None)), storage_bytes, own_bytes, site, time.monotonic())
 
-    def scan_views(self, probe: runtime.Probe, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
+    def scan_views(self, probe: Probe, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
         now = time.monotonic() if now is None else now
         live = 0
         own = 0
@@ -115,45 +118,46 @@ class HiCacheState:
         return summary
 
 
-def state(probe: runtime.Probe) -> HiCacheState:
-    found = probe.hicache
-    if found is None:
-        found = HiCacheState()
-        probe.hicache = found
-        probe.extensions.append(found)
-    return found
+    def close(self, probe: Probe, reason: str) -> None:
+        return None
 
 
-class HostAllocHandler(runtime.Handler):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+def state(probe: Probe) -> HiCacheState:
+    return probe.state("hicache", HiCacheState)
+
+
+class HostAllocRole(Role):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.hosts[id(obj)] = obj
         return site
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         st.counts["host_allocs"] += 1
         if result is not None and "clone-host-indices" not in probe.fixes:
             st.track_view(result, probe.sites.name(ctx))
 
-    def rewrite_result(self, probe, obj, result):
+    def rewrite_result(self, probe: Probe, obj: Any, result: Any) -> Any:
         if result is not None and "clone-host-indices" in probe.fixes and getattr(result, "_base", None) is not None:
             probe.fixed("clone-host-indices", 1)
             return result.clone()
         return result
 
 
-class HostFreeHandler(runtime.Handler):
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+class HostFreeRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         st.hosts[id(obj)] = obj
         st.counts["host_frees"] += 1
 
 
-class ControllerHandler(runtime.Handler):
+class ControllerRole(Role):
     counter = ""
 
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.controllers[id(obj)] = obj
         host = getattr(obj, "mem_pool_host", None)
@@ -164,19 +168,19 @@ class ControllerHandler(runtime.Handler):
         return site
 
 
-class BackupHandler(ControllerHandler):
+class BackupRole(ControllerRole):
     counter = "backups"
 
 
-class LoadHandler(ControllerHandler):
+class LoadRole(ControllerRole):
     counter = "loads"
 
 
-class TreeBackupHandler(runtime.Handler):
+class TreeBackupRole(Role):
     """`write_backup` stores the host indices on the node: name that as the storing site."""
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
-        node = runtime._arg(args, kwargs, "node", 0)
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        node = argument(args, kwargs, "node", 0)
         value = getattr(node, "host_value", None)
         if value is not None and getattr(value, "_base", None) is not None:
             st = state(probe)
@@ -184,39 +188,41 @@ class TreeBackupHandler(runtime.Handler):
             st.storing_sites[name] = st.storing_sites.get(name, 0) + 1
 
 
-class TreeLoadHandler(runtime.Handler):
+class TreeLoadRole(Role):
     """`load_back` gives freshly allocated device slots to evicted tree nodes: they are the tree's
     now, not a request's (without this every loaded page would look orphaned at a census)."""
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    wants_site = True
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if result is None or not hasattr(result, "numel") or result.numel() == 0:
             return
-        ledger = runtime._tree_ledger(probe, obj)
+        ledger = sglang_state(probe).tree_ledger(obj)
         if ledger is not None:
             with ledger.lock:
                 ledger.on_tree_insert(result, ctx or 0)
 
 
-class StorageHandler(runtime.Handler):
+class StorageRole(Role):
     kind = ""
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
-        keys = runtime._arg(args, kwargs, "keys", 0)
+        keys = argument(args, kwargs, "keys", 0)
         st.counts[f"storage_{self.kind}s"] += 1
         if isinstance(keys, (list, tuple)):
             st.counts[f"storage_{self.kind}_pages"] += len(keys)
 
 
-class StorageSetHandler(StorageHandler):
+class StorageSetRole(StorageRole):
     kind = "set"
 
 
-class StorageGetHandler(StorageHandler):
+class StorageGetRole(StorageRole):
     kind = "get"
 
 
-def loads_in_flight(st: HiCacheState) -> tuple[int, list]:
+def loads_in_flight(st: HiCacheState) -> tuple[int, list[Any]]:
     """Loads queued or copying on the load stream; never blocks (cudaEventQuery)."""
     pending = 0
     events = []
@@ -236,10 +242,12 @@ def loads_in_flight(st: HiCacheState) -> tuple[int, list]:
     return pending, events
 
 
-class GraphReplayHandler(runtime.Handler):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
-        st = probe.hicache
-        if st is None:
+class GraphReplayRole(Role):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        st = probe.states.get("hicache")
+        if not isinstance(st, HiCacheState):
             return None
         st.counts["graph_replays"] += 1
         pending, events = loads_in_flight(st)
@@ -252,7 +260,7 @@ class GraphReplayHandler(runtime.Handler):
             })
         return events
 
-    def rewrite(self, probe, obj, args, kwargs, hooks, positions, ctx):
+    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         if "graph-guard" in probe.fixes and ctx:
             import torch
 
@@ -263,15 +271,14 @@ class GraphReplayHandler(runtime.Handler):
         return args, kwargs
 
 
-runtime.HANDLERS.update({
-    "host_alloc": HostAllocHandler(),
-    "host_free": HostFreeHandler(),
-    "hicache_write": BackupHandler(),
-    "hicache_load": LoadHandler(),
-    "tree_backup": TreeBackupHandler(),
-    "tree_load": TreeLoadHandler(),
-    "storage_set": StorageSetHandler(),
-    "storage_get": StorageGetHandler(),
-    "graph_replay": GraphReplayHandler(),
-})
-runtime.ROLES_WITH_SITE.update({"host_alloc", "graph_replay", "tree_load"})
+ROLES: dict[str, Role] = {
+    "host_alloc": HostAllocRole(),
+    "host_free": HostFreeRole(),
+    "hicache_write": BackupRole(),
+    "hicache_load": LoadRole(),
+    "tree_backup": TreeBackupRole(),
+    "tree_load": TreeLoadRole(),
+    "storage_set": StorageSetRole(),
+    "storage_get": StorageGetRole(),
+    "graph_replay": GraphReplayRole(),
+}

@@ -1,7 +1,6 @@
-"""vLLM's roles for the probe: imported by `Probe.select_map` when a vLLM map is in force
-(`probes/vllm-*.toml` names this module), it registers its handlers into `runtime.HANDLERS`.
+"""vLLM's roles for the probe: loaded (as `kvdoctor.probe.vllm.ROLES`) when a vLLM map is in force.
 
-The roles (what a hooked method means to the block ledger, `block_ledger.BlockLedger`):
+The roles (what a hooked method means to the block ledger, `ledger.blocks.BlockLedger`):
 
 - `vllm_alloc`     `BlockPool.get_new_blocks(n)`: the returned blocks go from count 0 to 1;
 - `vllm_touch`     `BlockPool.touch(blocks)`: a prefix-cache hit, +1 per block;
@@ -29,11 +28,14 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvdoctor.trace import schema
-from kvdoctor.probe import runtime
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, argument
 from kvdoctor.probe.ledger.blocks import BlockLedger
+from kvdoctor.trace import schema
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.runtime import Probe
 
 QUIET_S = 1.0   # the writer thread takes a due idle census only after this long without a hooked call
 
@@ -46,7 +48,7 @@ class _Current(threading.local):
 class VllmState:
     """Per process: the block ledgers (one per pool), the live requests, the census schedule."""
 
-    def __init__(self, probe: Any) -> None:
+    def __init__(self, probe: Probe) -> None:
         self.probe = probe
         self.ledgers: dict[int, BlockLedger] = {}
         self.pools: dict[int, Any] = {}
@@ -57,7 +59,6 @@ class VllmState:
         self.last_call = time.monotonic()
         self.exit_done = False
         self.lock = threading.Lock()
-        probe.emitter.periodic.append(self.periodic)
         atexit.register(self.exit_census)
         try:
             from multiprocessing import util
@@ -129,8 +130,7 @@ class VllmState:
         else:
             self.census_due = True
 
-    def periodic(self) -> None:
-        probe = self.probe
+    def periodic(self, probe: Probe) -> None:
         if not probe.ledger_on:
             return
         try:
@@ -156,18 +156,15 @@ class VllmState:
         except Exception as exc:
             self.probe.fail("vllm_exit", exc)
 
-
-_STATES: dict[int, VllmState] = {}
-
-
-def state(probe: Any) -> VllmState:
-    found = _STATES.get(id(probe))
-    if found is None or found.probe is not probe:
-        found = _STATES[id(probe)] = VllmState(probe)
-    return found
+    def close(self, probe: Probe, reason: str) -> None:
+        self.exit_census()
 
 
-def _request_id(args: tuple, kwargs: dict) -> str | None:
+def state(probe: Probe) -> VllmState:
+    return probe.state("vllm", VllmState)
+
+
+def _request_id(args: Args, kwargs: Kwargs) -> str | None:
     request = kwargs.get("request", args[0] if args else None)
     rid = getattr(request, "request_id", None)
     return str(rid) if rid is not None else None
@@ -179,13 +176,13 @@ def _listify(value: Any) -> Any:
     return list(value)
 
 
-# ----- handlers -----
+# ----- roles -----
 
 
-class _BlocksArg(runtime.Handler):
+class _BlocksArg(Role):
     """Roles whose first argument is an iterable of blocks: one-shot iterators become lists."""
 
-    def prepare_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def prepare_args(self, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
         if args:
             return (_listify(args[0]),) + tuple(args[1:]), kwargs
         if "ordered_blocks" in kwargs or "blocks" in kwargs:
@@ -196,32 +193,34 @@ class _BlocksArg(runtime.Handler):
         return args, kwargs
 
     @staticmethod
-    def blocks(args: tuple, kwargs: dict) -> Any:
+    def blocks(args: Args, kwargs: Kwargs) -> Any:
         if args:
             return args[0]
         return kwargs.get("ordered_blocks", kwargs.get("blocks"))
 
 
-class AllocHandler(runtime.Handler):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+class AllocRole(Role):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         return (st, st.ledger_for(obj), site)
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger, site = ctx
         if result:
             with ledger.lock:
                 ledger.on_alloc(result, obj, site, st.current.request)
 
 
-class TouchHandler(_BlocksArg):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+class TouchRole(_BlocksArg):
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         return (st, st.ledger_for(obj))
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger = ctx
         blocks = self.blocks(args, kwargs)
         if blocks:
@@ -229,13 +228,15 @@ class TouchHandler(_BlocksArg):
                 ledger.on_touch(blocks, obj, st.current.request)
 
 
-class FreeHandler(_BlocksArg):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+class FreeRole(_BlocksArg):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         return (st, st.ledger_for(obj), site)
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger, site = ctx
         blocks = self.blocks(args, kwargs)
         if blocks:
@@ -243,11 +244,11 @@ class FreeHandler(_BlocksArg):
                 ledger.on_free(blocks, obj, site, st.current.request)
 
 
-class CacheHandler(runtime.Handler):
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+class CacheRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         try:
-            cached = runtime._arg(args, kwargs, "num_cached_blocks", 2)
-            full = runtime._arg(args, kwargs, "num_full_blocks", 3)
+            cached = argument(args, kwargs, "num_cached_blocks", 2)
+            full = argument(args, kwargs, "num_full_blocks", 3)
             count = int(full) - int(cached)
         except (TypeError, ValueError):
             return
@@ -256,15 +257,15 @@ class CacheHandler(runtime.Handler):
             ledger.on_cache(count)
 
 
-class EvictHandler(runtime.Handler):
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+class EvictRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = state(probe).ledgers.get(id(obj))
         if ledger is not None:
             ledger.on_evict(bool(result))
 
 
-class ReqAllocHandler(runtime.Handler):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+class ReqAllocRole(Role):
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         if st.census_due and not st.live and time.monotonic() - st.last_census >= probe.idle_census_interval_s:
@@ -274,19 +275,19 @@ class ReqAllocHandler(runtime.Handler):
         st.current.request = rid
         return (st, rid, previous)
 
-    def finally_(self, probe, ctx):
+    def finally_(self, probe: Probe, ctx: Any) -> None:
         if ctx is not None:
             ctx[0].current.request = ctx[2]
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         st.set_block_size(obj)
         if result is not None and rid is not None:
             st.live.add(rid)
 
 
-class ReqFreeHandler(ReqAllocHandler):
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
+class ReqFreeRole(ReqAllocRole):
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         rid = _request_id(args, kwargs)
@@ -294,7 +295,7 @@ class ReqFreeHandler(ReqAllocHandler):
         st.current.request = rid
         return (st, rid, previous)
 
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         if rid is not None:
             st.live.discard(rid)
@@ -302,32 +303,31 @@ class ReqFreeHandler(ReqAllocHandler):
             st.idle()
 
 
-class ReqPopHandler(ReqFreeHandler):
-    def after(self, probe, obj, args, kwargs, result, ctx, hooks, positions):
+class ReqPopRole(ReqFreeRole):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         if rid is not None:
             st.live.discard(rid)
 
 
-class ExitHandler(runtime.Handler):
+class ExitRole(Role):
     """`EngineCore.shutdown`: the exit census, before the teardown that may end in SIGKILL."""
 
-    def before(self, probe, obj, args, kwargs, hooks, positions, site):
-        st = _STATES.get(id(probe))
-        if st is not None and st.probe is probe:
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        st = probe.states.get("vllm")
+        if isinstance(st, VllmState):
             st.exit_census()
         return None
 
 
-runtime.HANDLERS.update({
-    "vllm_alloc": AllocHandler(),
-    "vllm_touch": TouchHandler(),
-    "vllm_free": FreeHandler(),
-    "vllm_cache": CacheHandler(),
-    "vllm_evict": EvictHandler(),
-    "vllm_req_alloc": ReqAllocHandler(),
-    "vllm_req_free": ReqFreeHandler(),
-    "vllm_req_pop": ReqPopHandler(),
-    "vllm_exit": ExitHandler(),
-})
-runtime.ROLES_WITH_SITE.update({"vllm_alloc", "vllm_free"})
+ROLES: dict[str, Role] = {
+    "vllm_alloc": AllocRole(),
+    "vllm_touch": TouchRole(),
+    "vllm_free": FreeRole(),
+    "vllm_cache": CacheRole(),
+    "vllm_evict": EvictRole(),
+    "vllm_req_alloc": ReqAllocRole(),
+    "vllm_req_free": ReqFreeRole(),
+    "vllm_req_pop": ReqPopRole(),
+    "vllm_exit": ExitRole(),
+}

@@ -1,0 +1,82 @@
+"""Call sites: the few frames above a hooked call, interned as small integers.
+
+A violation names the code path that caused it; walking frames and formatting them on every
+call would cost more than the ledger itself, so a site is keyed by the (code object, line) of
+the hooked call's caller and its caller, walked once, and turned into text once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import FrameType
+from typing import Any, Callable
+
+SITE_DEPTH = 3                # frames named per site
+MAX_SITES = 65535             # interned sites per process (bounded); beyond it, "unknown"
+MAX_QUICK_KEYS = 65536        # (caller, caller's caller) pairs remembered
+PROBE_FRAMES = os.sep + os.path.join("kvdoctor", "probe")
+
+
+def short_path(filename: str) -> str:
+    """A file as a reader finds it: from the package root, not this machine's layout."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    for package in ("/sglang/", "/vllm/", "/kvdoctor/", "/bench/", "/tests/"):
+        if package in filename:
+            return package[1:] + filename.rsplit(package, 1)[1]
+    return os.path.basename(filename)
+
+
+class CallSites:
+    """Interns call sites as small integers; id 0 is "unknown"."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[Any, ...], int] = {}
+        self._quick: dict[tuple[Any, ...], int] = {}
+        self.names: list[str] = ["unknown"]
+        self._lock = threading.Lock()
+
+    def intern(self, key: tuple[Any, ...], describe: Callable[[], str]) -> int:
+        found = self._ids.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            if key not in self._ids:
+                if len(self.names) >= MAX_SITES:
+                    return 0
+                self._ids[key] = len(self.names)
+                self.names.append(describe())
+            return self._ids[key]
+
+    def name(self, site_id: int) -> str:
+        return self.names[site_id] if 0 <= site_id < len(self.names) else "unknown"
+
+    def at(self, frame: FrameType) -> int:
+        """The site of a call made from `frame` (the hooked method's caller)."""
+        caller = frame.f_back
+        quick = (frame.f_code, frame.f_lineno, caller.f_code if caller else None, caller.f_lineno if caller else 0)
+        found = self._quick.get(quick)
+        if found is not None:
+            return found
+        found = self._walk(frame)
+        if len(self._quick) < MAX_QUICK_KEYS:
+            self._quick[quick] = found
+        return found
+
+    def _walk(self, frame: FrameType | None) -> int:
+        frames: list[FrameType] = []
+        while frame is not None and len(frames) < SITE_DEPTH:
+            if PROBE_FRAMES not in frame.f_code.co_filename:
+                frames.append(frame)
+            frame = frame.f_back
+        key = tuple((f.f_code, f.f_lineno) for f in frames)
+
+        def describe() -> str:
+            return " < ".join(f"{f.f_code.co_name} ({short_path(f.f_code.co_filename)}:{f.f_lineno})" for f in frames)
+
+        return self.intern(key, describe)
+
+    def __len__(self) -> int:
+        return len(self.names)

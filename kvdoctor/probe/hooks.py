@@ -1,0 +1,298 @@
+"""How the probe gets between the engine and its own methods: roles, wrappers, the import hook.
+
+A versioned map (`probes/*.toml`) says which method plays which *role* ("alloc", "tree_insert",
+"vllm_free", ...). Each engine package (`kvdoctor.probe.sglang`, `kvdoctor.probe.vllm`) exports
+`ROLES`, a table of `Role` objects; the registry loads that table when the engine's map is
+selected. A wrapper calls the host's original method exactly once, with the host's own
+arguments (or the ones an optional fix rewrote), and returns its result untouched; the role's
+code runs around it in `try` blocks, so a failure turns the probe off and never reaches the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from kvdoctor.probe.maps import ClassHooks
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.runtime import Probe
+
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
+
+def argument(args: Args, kwargs: Kwargs, name: str, position: int) -> Any:
+    """A host call's argument by name, else by position; None when it was not passed."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else None
+
+
+def resolve(obj: Any, dotted: str) -> Any:
+    """`obj.a.b` for "a.b"; None where any step is missing."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """What the map says about one wrapped method: its role, its class's options, and where its
+    arguments are when a release moved them (`positions`, from the map's `args` table)."""
+
+    role: str
+    method: str
+    spec: ClassHooks | None = None
+    positions: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.spec.options if self.spec is not None else {}
+
+
+class Role:
+    """What one kind of hooked call means to a ledger.
+
+    `before` runs ahead of the host's call and returns a context for the others; `after` runs
+    once the call returned. `rewrite` and `rewrite_result` run only with an optional fix on.
+    `composite` roles compose inside one allocator (free_segment -> free_page_ids -> free): only
+    the outermost call on an object is recorded. `wants_site` roles get the call site's id.
+    """
+
+    composite: ClassVar[bool] = False
+    wants_site: ClassVar[bool] = False
+
+    def prepare_args(self, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
+        """Turns one-shot arguments (iterators) into lists that yield the same items, so that the
+        role and the host both see them. Only roles that override it pay for the call."""
+        return args, kwargs
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        return site
+
+    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+        """Only with an optional fix on: the arguments the host's method is called with."""
+        return args, kwargs
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        return None
+
+    def finally_(self, probe: Probe, ctx: Any) -> None:
+        """Runs even when the host's call raised (undo what `before` set up)."""
+        return None
+
+    def rewrite_result(self, probe: Probe, obj: Any, result: Any) -> Any:
+        """Only with an optional fix on: what the host's caller receives."""
+        return result
+
+
+class NoteRole(Role):
+    """A role that changes no ledger (a lock, a free group's begin, a merge of staged pages)."""
+
+
+class RoleRegistry:
+    """Role name -> Role, filled from each engine package's `ROLES` table when its map is used."""
+
+    def __init__(self) -> None:
+        self._roles: dict[str, Role] = {}
+        self._loaded: set[str] = set()
+
+    def register(self, name: str, role: Role) -> None:
+        known = self._roles.get(name)
+        if known is not None and type(known) is not type(role):
+            raise ValueError(f"role {name!r} is already {type(known).__name__}, not {type(role).__name__}")
+        self._roles[name] = role
+
+    def load(self, engine: str) -> None:
+        """Registers `kvdoctor.probe.<engine>.ROLES` (once)."""
+        if engine in self._loaded:
+            return
+        package = importlib.import_module(f"kvdoctor.probe.{engine}")
+        for name, role in package.ROLES.items():
+            self.register(name, role)
+        self._loaded.add(engine)
+
+    def get(self, name: str) -> Role | None:
+        return self._roles.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._roles
+
+
+REGISTRY = RoleRegistry()
+
+
+class _Current:
+    """The probe every wrapper reports to (None: pass through). One attribute read per call, and
+    a probe activated again after `deactivate` is reached by the wrappers already in place."""
+
+    probe: Probe | None = None
+
+
+CURRENT = _Current()
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.busy: dict[int, int] = {}               # id(obj) -> composite calls in progress
+        self.active: set[tuple[int, str]] = set()    # (id(obj), role) in progress: no re-entry
+        self.evicting = 0                            # inside a tree eviction
+
+
+LOCAL = _ThreadState()
+
+
+def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
+    """The host's method with `role` around it. See the module docstring for the guarantees."""
+    name = hook.role
+    composite = role.composite
+    wants_site = role.wants_site
+    local = LOCAL
+    current = CURRENT
+    has_finally = type(role).finally_ is not Role.finally_
+    prepare = role.prepare_args if type(role).prepare_args is not Role.prepare_args else None
+
+    @functools.wraps(original)
+    def wrapper(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = current.probe
+        if probe is None or not probe.ledger_on:
+            return original(obj, *args, **kwargs)
+        key = (id(obj), name)
+        busy = local.busy
+        if key in local.active or (composite and busy.get(id(obj))):
+            return original(obj, *args, **kwargs)
+        ctx = None
+        ok = True
+        try:
+            probe.calls += 1
+            if name in probe.inject:
+                raise RuntimeError(f"fault injected into the {name} hook")
+            site = probe.sites.at(sys._getframe(1)) if wants_site else 0
+            if prepare is not None:
+                args, kwargs = prepare(args, kwargs)
+            ctx = role.before(probe, hook, obj, args, kwargs, site)
+        except Exception as exc:
+            ok = False
+            probe.fail(name, exc)
+        call_args, call_kwargs = args, kwargs
+        if ok and probe.fixes:
+            try:
+                call_args, call_kwargs = role.rewrite(probe, hook, obj, args, kwargs, ctx)
+            except Exception as exc:
+                call_args, call_kwargs = args, kwargs
+                probe.fix_failed(name, exc)
+        local.active.add(key)
+        if composite:
+            busy[id(obj)] = busy.get(id(obj), 0) + 1
+        try:
+            result = original(obj, *call_args, **call_kwargs)
+        finally:
+            local.active.discard(key)
+            if composite:
+                busy[id(obj)] -= 1
+            if ok and has_finally:
+                try:
+                    role.finally_(probe, ctx)
+                except Exception as exc:
+                    ok = False
+                    probe.fail(name, exc)
+        if ok and probe.ledger_on:
+            try:
+                role.after(probe, hook, obj, args, kwargs, result, ctx)
+            except Exception as exc:
+                probe.fail(name, exc)
+            if probe.fixes:
+                try:
+                    result = role.rewrite_result(probe, obj, result)
+                except Exception as exc:
+                    probe.fix_failed(name, exc)
+        return result
+
+    wrapper.__kvdoctor_role__ = name  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
+    """A module-level function with `role.after` run on its result (obj is None)."""
+    current = CURRENT
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        probe = current.probe
+        if probe is not None and probe.ledger_on:
+            try:
+                role.after(probe, hook, None, args, kwargs, result, None)
+            except Exception as exc:
+                probe.fail(hook.role, exc)
+        return result
+
+    wrapper.__kvdoctor_role__ = hook.role  # type: ignore[attr-defined]
+    return wrapper
+
+
+def rebind_imported(original: Callable[..., Any], wrapped: Callable[..., Any], prefixes: tuple[str, ...]) -> None:
+    """Modules that did `from x import f` before we patched x still hold the original."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace or not getattr(module, "__name__", "").startswith(prefixes):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                try:
+                    setattr(module, attr, wrapped)
+                except Exception:
+                    pass
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then lets the probe patch the fresh module."""
+
+    def __init__(self, inner: importlib.abc.Loader, on_loaded: Callable[[ModuleType], None]) -> None:
+        self.inner = inner
+        self.on_loaded = on_loaded
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        self.on_loaded(module)
+
+
+class ImportHook(importlib.abc.MetaPathFinder):
+    """Finds the modules a map names as they are imported, and patches each once loaded."""
+
+    def __init__(self, modules: set[str], on_loaded: Callable[[ModuleType], None]) -> None:
+        self.modules = modules
+        self.on_loaded = on_loaded
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.modules:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, self.on_loaded)
+                return spec
+        return None
+
+    def install(self) -> None:
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]

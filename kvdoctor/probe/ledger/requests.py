@@ -1,0 +1,45 @@
+"""The request rows (SGLang's req_pool_idx) that are live, and the request id each one serves.
+
+The slot ledger names a slot's owner by its row; this table turns a row into "rid X, live" or
+"rid X, finished" for the evidence, with a bounded memory of finished rows.
+"""
+
+from __future__ import annotations
+
+
+class RequestTable:
+    """Which request rows (req_pool_idx) are live, and the request id each one serves."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, str] = {}
+        self.finished: dict[int, str] = {}
+        self.ever_allocated = 0
+
+    def allocated(self, index: int, rid: str) -> None:
+        self.live[index] = rid
+        self.finished.pop(index, None)
+        self.ever_allocated += 1
+
+    def freed(self, index: int) -> None:
+        rid = self.live.pop(index, None)
+        if rid is not None:
+            self.finished[index] = rid
+            if len(self.finished) > 4096:  # bounded: forget the oldest finished rows
+                self.finished.pop(next(iter(self.finished)))
+
+    def cleared(self) -> None:
+        for index in list(self.live):
+            self.freed(index)
+
+    def describe(self, index: int) -> str:
+        if index < 0:
+            return "unknown request"
+        if index in self.live:
+            return f"req_pool_idx {index} (rid {self.live[index]}, live)"
+        if index in self.finished:
+            return f"req_pool_idx {index} (rid {self.finished[index]}, finished)"
+        return f"req_pool_idx {index}"
+
+    @property
+    def idle(self) -> bool:
+        return not self.live

@@ -1,0 +1,331 @@
+"""What each hooked SGLang allocator, radix tree and request pool method means to the slot ledger.
+
+Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a request and check the
+`last_loc` they are given; free roles return slots (or whole pages); tree roles move slots to
+and from the radix tree; request-pool roles say which rows are live and which slots each row
+points at. `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale
+one can be named and, with `recompute-last-loc`, read again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvdoctor.probe import fixes
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument, resolve
+from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.trace import schema
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.runtime import Probe
+
+
+def _group_open(obj: Any, hook: Hook) -> bool:
+    """A free group is open: frees are staged and recorded when the group ends."""
+    attr = hook.options.get("group_attr")
+    if not attr:
+        return False
+    value = getattr(obj, attr, None)
+    if hook.options.get("group_open_when") == "false":
+        return value is False
+    return value is not None
+
+
+class AllocRole(Role):
+    composite = True
+    wants_site = True
+    only_page_starts = False
+
+    def prefix_lens(self, args: Args, kwargs: Kwargs) -> Any:
+        return None
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        state = sglang_state(probe)
+        ledger = state.ledger_for(obj)
+        state.census_if_due()
+        pos = hook.positions.get("last_loc")
+        source = None
+        if pos is not None:
+            last_loc = argument(args, kwargs, "last_loc", pos)
+            if last_loc is not None:
+                source = state.last_loc_source(last_loc)
+                ledger.check_last_loc(last_loc, site, source[1] if source else None)
+        return (ledger, site, source)
+
+    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+        pos = hook.positions.get("last_loc")
+        if pos is None or ctx is None:
+            return args, kwargs
+        last_loc = argument(args, kwargs, "last_loc", pos)
+        if last_loc is None:
+            return args, kwargs
+        ledger, site, source = ctx
+        fixed = last_loc
+        if "recompute-last-loc" in probe.fixes and source is not None and source[2] is not None:
+            recomputed = fixes.recompute_last_loc(source[2], source[1], source[3], like=last_loc)
+            _report_fix(probe, ledger, "recompute-last-loc", fixed, recomputed, site)
+            fixed = recomputed
+        if "clamp-last-loc" in probe.fixes:
+            clamped = fixes.clamp_last_loc(fixed, ledger.rows, ledger.page_size, self.prefix_lens(args, kwargs))
+            _report_fix(probe, ledger, "clamp-last-loc", fixed, clamped, site, moved_into_rows=[ledger.rows - ledger.page_size, ledger.rows - 1])
+            fixed = clamped
+        if fixed is last_loc:
+            return args, kwargs
+        if "last_loc" in kwargs:
+            return args, {**kwargs, "last_loc": fixed}
+        return args[:pos] + (fixed,) + args[pos + 1 :], kwargs
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if result is None or ctx is None:
+            return
+        ledger, site = ctx[0], ctx[1]
+        with ledger.lock:
+            ledger.on_alloc(result, site, only_page_starts=self.only_page_starts)
+
+
+def _report_fix(probe: Probe, ledger: SlotLedger, name: str, before: Any, after: Any, site: int, **evidence: Any) -> None:
+    """Counts what a last_loc fix changed. On the host the changed values are counted; on a GPU
+    that would be a read-back, so the calls it applied to are counted instead, and said so."""
+    if ledger.xp.sync_free_branching:
+        changed = int((after != before).sum())
+        if changed:
+            probe.fixed(name, changed, site=probe.sites.name(site), allocator=ledger.name, **evidence)
+    else:
+        probe.fixed(name, 1, site=probe.sites.name(site), allocator=ledger.name, counted="calls (values are not read back on a GPU)", **evidence)
+
+
+class ExtendRole(AllocRole):
+    only_page_starts = True
+
+    def prefix_lens(self, args: Args, kwargs: Kwargs) -> Any:
+        """alloc_extend(prefix_lens, ...): the tokens before last_loc + 1."""
+        return argument(args, kwargs, "prefix_lens", 0)
+
+
+class DecodeRole(ExtendRole):
+    def prefix_lens(self, args: Args, kwargs: Kwargs) -> Any:
+        """alloc_decode(seq_lens, ...): seq_lens counts the new token."""
+        seq_lens = argument(args, kwargs, "seq_lens", 0)
+        return None if seq_lens is None else seq_lens - 1
+
+
+class FreeRole(Role):
+    composite = True
+    wants_site = True
+    as_pages = False
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        if _group_open(obj, hook):
+            return None  # staged in the group; recorded when the group ends
+        return (sglang_state(probe).ledger_for(obj), site)
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if ctx is None:
+            return
+        ledger, site = ctx
+        index = args[0] if args else next(iter(kwargs.values()), None)
+        if index is None or not hasattr(index, "numel") or index.numel() == 0:
+            return
+        with ledger.lock:
+            ledger.on_free(index, site, evicting=probe.local.evicting > 0, as_pages=self.as_pages)
+
+    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+        if "dedup-free" not in probe.fixes or ctx is None or not args:
+            return args, kwargs
+        ledger, site = ctx
+        kept, dropped = fixes.drop_already_free(ledger, args[0], as_pages=self.as_pages)
+        if dropped:
+            probe.fixed("dedup-free", dropped, site=probe.sites.name(site), allocator=ledger.name)
+            return (kept,) + args[1:], kwargs
+        return args, kwargs
+
+
+class FreePagesRole(FreeRole):
+    as_pages = True
+
+
+class GroupEndRole(Role):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        attr = hook.options.get("group_pages_attr")
+        staged = list(getattr(obj, attr, None) or []) if attr else []
+        return (sglang_state(probe).ledger_for(obj), site, staged)
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        ledger, site, staged = ctx
+        with ledger.lock:
+            for pages in staged:
+                if hasattr(pages, "numel") and pages.numel():
+                    ledger.on_free(pages, site, evicting=probe.local.evicting > 0, as_pages=True)
+
+
+class ClearRole(Role):
+    composite = True
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        ledger = sglang_state(probe).ledger_for(obj)
+        with ledger.lock:
+            ledger.reset_all_free()
+
+
+def _tree_size(tree: Any) -> int:
+    return int(tree.evictable_size()) + int(tree.protected_size())
+
+
+class TreeInsertRole(Role):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        ledger = sglang_state(probe).tree_ledger(obj)
+        if ledger is None:
+            return None
+        return (ledger, site, _tree_size(obj))
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if ctx is None:
+            return
+        ledger, site, size_before = ctx
+        params = argument(args, kwargs, "params", 0)
+        value = getattr(params, "value", None)
+        if value is None or not hasattr(value, "numel"):
+            return
+        grown = _tree_size(obj) - size_before
+        prefix_len = getattr(result, "prefix_len", result if isinstance(result, int) else None)
+        if grown <= 0 or not isinstance(prefix_len, int):
+            return
+        with ledger.lock:
+            ledger.on_tree_insert(value[prefix_len : prefix_len + grown], site)
+
+
+class TreeEvictRole(Role):
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        sglang_state(probe).tree_ledger(obj)
+        probe.local.evicting += 1
+        return True
+
+    def finally_(self, probe: Probe, ctx: Any) -> None:
+        if ctx:
+            probe.local.evicting -= 1
+
+
+class TreeUnlockRole(Role):
+    wants_site = True
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        node = argument(args, kwargs, "node", 0)
+        lock_ref = getattr(node, "lock_ref", None)
+        if isinstance(lock_ref, int) and lock_ref <= 0 and node is not getattr(obj, "root_node", None):
+            probe.emitter.emit(
+                schema.VIOLATION,
+                {"kind": schema.LOCK_UNDERFLOW, "count": 1, "site": probe.sites.name(site),
+                 "note": "dec_lock_ref on a node whose lock_ref is already 0: its slots become evictable while a request still uses them"},
+            )
+        return None
+
+
+class TreeResetRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        ledger = sglang_state(probe).tree_ledger(obj)
+        if ledger is not None:
+            with ledger.lock:
+                ledger.on_tree_reset()
+
+
+class ReqAllocRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if not result:
+            return
+        reqs = argument(args, kwargs, "reqs", 0)
+        reqs = reqs if isinstance(reqs, (list, tuple)) else [None] * len(result)
+        requests = sglang_state(probe).requests
+        for req, index in zip(reqs, result):
+            requests.allocated(int(index), str(getattr(req, "rid", "?")))
+
+
+class ReqFreeRole(Role):
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        req = argument(args, kwargs, "req", 0)
+        index = resolve(req, hook.options.get("req_index_attr", "req_pool_idx"))
+        if index is None and isinstance(req, int):
+            index = req
+        return index
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        state = sglang_state(probe)
+        if isinstance(ctx, int):
+            state.requests.freed(ctx)
+        state.request_rows_freed()
+
+
+class ReqFreeRowsRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        state = sglang_state(probe)
+        for index in argument(args, kwargs, "indices", 0) or []:
+            state.requests.freed(int(index))
+        state.request_rows_freed()
+
+
+class ReqWriteRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        ledger = sglang_state(probe).primary
+        if ledger is None:
+            return
+        indices = argument(args, kwargs, "indices", 0)
+        values = argument(args, kwargs, "values", 1)
+        if not isinstance(indices, tuple) or len(indices) != 2 or not hasattr(values, "numel"):
+            return
+        row = indices[0]
+        if isinstance(row, int):
+            owner: Any = row
+        elif hasattr(row, "numel") and row.numel() == values.numel():
+            owner = row
+        else:
+            return
+        with ledger.lock:
+            ledger.on_owner(values, owner)
+
+
+class ReqClearRole(Role):
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        state = sglang_state(probe)
+        state.requests.cleared()
+        state.census_pending = True
+
+
+class LastLocSourceRole(Role):
+    """`get_last_loc(req_to_token, req_pool_indices, prefix_lens)`: remember which rows it read."""
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        sglang_state(probe).remember_last_loc_source(
+            result,
+            argument(args, kwargs, "req_pool_indices_tensor", 1),
+            argument(args, kwargs, "req_to_token", 0),
+            argument(args, kwargs, "prefix_lens_tensor", 2),
+        )
+
+
+ROLES: dict[str, Role] = {
+    "alloc": AllocRole(),
+    "alloc_extend": ExtendRole(),
+    "alloc_decode": DecodeRole(),
+    "free": FreeRole(),
+    "free_segment": FreeRole(),
+    "free_pages": FreePagesRole(),
+    "group_begin": NoteRole(),
+    "group_end": GroupEndRole(),
+    "merge": NoteRole(),
+    "clear": ClearRole(),
+    "tree_insert": TreeInsertRole(),
+    "tree_evict": TreeEvictRole(),
+    "tree_lock": NoteRole(),
+    "tree_unlock": TreeUnlockRole(),
+    "tree_reset": TreeResetRole(),
+    "req_alloc": ReqAllocRole(),
+    "req_free": ReqFreeRole(),
+    "req_free_rows": ReqFreeRowsRole(),
+    "req_write": ReqWriteRole(),
+    "req_clear": ReqClearRole(),
+    "last_loc_source": LastLocSourceRole(),
+}

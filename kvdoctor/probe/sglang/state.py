@@ -1,0 +1,168 @@
+"""SGLang's per-process bookkeeping: one slot ledger per token-to-KV allocator, the live request
+rows, the radix tree last seen, and when to take a census.
+
+A census reads a whole ledger back, so it runs when the engine is idle (the last request row was
+freed; at most one per `Probe.idle_census_interval_s`, taken before the next allocation) and at
+exit. The allocator's own free list and the tree's evictable/protected sizes go into it, so a
+disagreement between the ledger and SGLang is visible in the same event.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvdoctor.probe.ledger.requests import RequestTable
+from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.trace import schema
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.runtime import Probe
+
+MAX_LAST_LOC_SOURCES = 64   # recent get_last_loc results remembered (to name the rows they read)
+
+
+class SglangState:
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.requests = RequestTable()
+        self.ledgers: dict[int, SlotLedger] = {}
+        self.hosts: dict[int, Any] = {}               # id(ledger) -> its allocator
+        self.primary: SlotLedger | None = None        # the first allocator: req_to_token writes name its slots
+        self.tree: Any = None                         # the radix tree last seen, for the census's sizes
+        # id(last_loc tensor) -> (tensor, req_pool_indices, req_to_token, prefix_lens)
+        self.last_loc_sources: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self.census_pending = False
+        self.last_idle_census = -1e9
+
+    # ----- ledgers -----
+
+    def ledger_for(self, allocator: Any) -> SlotLedger:
+        ledger = self.ledgers.get(id(allocator))
+        if ledger is not None:
+            return ledger
+        size = getattr(allocator, "size", None)
+        page_size = getattr(allocator, "page_size", None)
+        if not isinstance(size, int) or not isinstance(page_size, int) or size <= 0 or page_size <= 0:
+            raise TypeError(f"{type(allocator).__name__} has no usable size/page_size ({size!r}, {page_size!r})")
+        name = f"{type(allocator).__name__}#{len(self.ledgers)}"
+        device = getattr(allocator, "device", "cpu")
+        probe = self.probe
+        ledger = SlotLedger(name=name, size=size, page_size=page_size, device=device, emit=probe.emitter.emit,
+                            requests=self.requests, sites=probe.sites)
+        self.ledgers[id(allocator)] = ledger
+        self.hosts[id(ledger)] = allocator
+        if self.primary is None:
+            self.primary = ledger
+        probe.emitter.emit(
+            schema.PROBE_STATUS,
+            {"component": "ledger", "state": "on", "reason": f"ledger for {name}", "allocator": name,
+             "size": size, "page_size": page_size, "device": str(device)},
+        )
+        return ledger
+
+    def tree_ledger(self, tree: Any) -> SlotLedger | None:
+        """The ledger of the allocator a radix tree frees into (None if the tree names none)."""
+        allocator = getattr(tree, "token_to_kv_pool_allocator", None)
+        if allocator is None:
+            return None
+        self.tree = tree
+        return self.ledger_for(allocator)
+
+    def remember_last_loc_source(self, last_loc: Any, req_indices: Any, req_to_token: Any, prefix_lens: Any) -> None:
+        sources = self.last_loc_sources
+        sources[id(last_loc)] = (last_loc, req_indices, req_to_token, prefix_lens)
+        if len(sources) > MAX_LAST_LOC_SOURCES:
+            sources.pop(next(iter(sources)))
+
+    def last_loc_source(self, last_loc: Any) -> tuple[Any, Any, Any, Any] | None:
+        source = self.last_loc_sources.get(id(last_loc))
+        return source if source is not None and source[0] is last_loc else None
+
+    # ----- censuses -----
+
+    def request_rows_freed(self) -> None:
+        if self.requests.idle:
+            self.census_pending = True
+
+    def census_if_due(self) -> None:
+        """Before an allocation: the idle census the last free asked for, if the rate limit allows."""
+        if not self.census_pending:
+            return
+        self.census_pending = False
+        now = time.monotonic()
+        if now - self.last_idle_census >= self.probe.idle_census_interval_s:
+            self.last_idle_census = now
+            self.census_all("idle")
+
+    def census_all(self, reason: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        probe = self.probe
+        if not probe.ledger_on:
+            return out
+        for ledger in list(self.ledgers.values()):
+            try:
+                out.append(ledger.census(reason=reason, host_free_pages=host_free_pages(self.hosts.get(id(ledger))),
+                                         tree_sizes=self._tree_sizes()))
+            except Exception as exc:
+                probe.fail("census", exc)
+        return out
+
+    def _tree_sizes(self) -> dict[str, int]:
+        tree = self.tree
+        if tree is None:
+            return {}
+        try:
+            return {"tree_evictable_slots": int(tree.evictable_size()), "tree_protected_slots": int(tree.protected_size())}
+        except Exception:
+            return {}
+
+    # ----- EngineState -----
+
+    def periodic(self, probe: Probe) -> None:
+        for ledger in list(self.ledgers.values()):
+            if not probe.ledger_on:
+                break
+            try:
+                ledger.poll()
+                if ledger.xp.sync_free_branching:
+                    probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+                else:
+                    counts = ledger.counter_args_async()
+                    if counts is not None:
+                        probe.emitter.counter(schema.LEDGER_COUNTER, counts)
+            except Exception as exc:
+                probe.fail("poll", exc)
+
+    def close(self, probe: Probe, reason: str) -> None:
+        if self.ledgers:
+            self.census_all(reason)
+            for ledger in self.ledgers.values():
+                probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+
+
+def sglang_state(probe: Probe) -> SglangState:
+    return probe.state("sglang", SglangState)
+
+
+def host_free_pages(allocator: Any) -> Any:
+    """The allocator's own free list (pages), for the census cross-check; None if unreadable."""
+    if allocator is None:
+        return None
+    try:
+        getter = getattr(allocator, "get_all_free_pages", None)
+        if getter is not None:
+            pages = getter()
+        else:
+            parts = [p for p in (getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None))
+                     if p is not None and p.numel() > 0]
+            if not parts:
+                return []
+            import torch
+
+            pages = torch.cat(parts)
+        if pages is None:
+            return []
+        return pages.detach().cpu().numpy()
+    except Exception:
+        return None
