@@ -52,7 +52,7 @@ def run_demo(fault: str, page_size: int | None, trace_path: str | None, output_f
     if output_format == "json":
         print(render(analysis, "json"))
     else:
-        print(f"workload: {result.requests} requests in multi-turn chats through SGLang {probe.version_of("sglang")}'s real "
+        print(f"workload: {result.requests} requests in multi-turn chats through SGLang {probe.version_of('sglang')}'s real "
               f"{'PagedTokenToKVPoolAllocator' if page_size > 1 else 'TokenToKVPoolAllocator'} (page_size {page_size}) "
               f"and RadixCache; {result.evictions} evictions; planted fault: {fault}")
         if check.get("diff"):

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import tracemalloc
+from types import FrameType
 from typing import Any
 
 from kvdoctor.probe.callsites import short_path
@@ -46,9 +47,9 @@ DEFAULT_PERIOD_S = 30.0
 DEFAULT_WINDOW_S = 5.0
 DEFAULT_SAMPLE_HZ = 5.0
 DEFAULT_TOP = 10
-KEEP_SNAPSHOT_FILES = 8           # the newest dumps kept beside the trace
+KEEP_SNAPSHOT_FILES = 8  # the newest dumps kept beside the trace
 MAX_STACK_DEPTH = 128
-MAX_CODES = 20_000                # code objects remembered per window (memory bound)
+MAX_CODES = 20_000  # code objects remembered per window (memory bound)
 TRACEMALLOC_FRAMES = 1
 
 METHOD = (
@@ -61,7 +62,7 @@ NOT_SEEN = (
     "pinned host buffers and other native allocations are not in these numbers"
 )
 
-_STARTED: dict[int, "Attribution"] = {}
+_STARTED: dict[int, Attribution] = {}
 _LOCK = threading.Lock()
 
 
@@ -95,7 +96,6 @@ def _status(probe: Any, state: str, reason: str) -> None:
         probe.emitter.emit(schema.PROBE_STATUS, {"component": "attribution", "state": state, "reason": reason})
     except Exception:
         pass
-
 
 
 class Attribution:
@@ -156,7 +156,7 @@ class Attribution:
             ranges.setdefault(code.co_filename, []).append((code, first, last))
         growing = [s for s in stats if s.size_diff > 0]
         by_thread: dict[str, float] = {}
-        sites = []
+        sites: list[dict[str, Any]] = []
         for stat in growing:
             frame = stat.traceback[0]
             threads = _threads_for(frame.filename, frame.lineno, codes, ranges)
@@ -166,17 +166,21 @@ class Attribution:
             if not threads:
                 by_thread["(not seen in samples)"] = by_thread.get("(not seen in samples)", 0.0) + stat.size_diff
             if len(sites) < self.top:
-                best = max(threads, key=threads.get) if threads else ""
-                sites.append({
-                    "site": f"{short_path(frame.filename)}:{frame.lineno}",
-                    "file": frame.filename,
-                    "line": frame.lineno,
-                    "size_diff_bytes": stat.size_diff,
-                    "count_diff": stat.count_diff,
-                    "size_bytes": stat.size,
-                    "thread": best,
-                    "threads": {name: round(count / total, 3) for name, count in sorted(threads.items(), key=lambda kv: -kv[1])[:8]} if total else {},
-                })
+                best = max(threads, key=lambda name: threads[name]) if threads else ""
+                sites.append(
+                    {
+                        "site": f"{short_path(frame.filename)}:{frame.lineno}",
+                        "file": frame.filename,
+                        "line": frame.lineno,
+                        "size_diff_bytes": stat.size_diff,
+                        "count_diff": stat.count_diff,
+                        "size_bytes": stat.size,
+                        "thread": best,
+                        "threads": {name: round(count / total, 3) for name, count in sorted(threads.items(), key=lambda kv: -kv[1])[:8]}
+                        if total
+                        else {},
+                    }
+                )
         args: dict[str, Any] = {
             "window_index": self.windows,
             "window_s": self.window_s,
@@ -188,7 +192,9 @@ class Attribution:
             "traced_peak_bytes": peak_bytes,
             "tracemalloc_overhead_bytes": overhead_bytes,
             "top_sites": sites,
-            "by_thread": [{"thread": name, "size_diff_bytes": int(size)} for name, size in sorted(by_thread.items(), key=lambda kv: -kv[1])[:16]],
+            "by_thread": [
+                {"thread": name, "size_diff_bytes": int(size)} for name, size in sorted(by_thread.items(), key=lambda kv: -kv[1])[:16]
+            ],
             "thread_samples": samples,
             "sample_hz": self.sample_hz,
             "method": METHOD,
@@ -203,11 +209,13 @@ class Attribution:
 
     def _snapshot(self) -> tracemalloc.Snapshot:
         snapshot = tracemalloc.take_snapshot()
-        return snapshot.filter_traces([
-            tracemalloc.Filter(False, tracemalloc.__file__),
-            tracemalloc.Filter(False, os.path.join(os.path.dirname(os.path.abspath(__file__)), "*")),
-            tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
-        ])
+        return snapshot.filter_traces(
+            [
+                tracemalloc.Filter(False, tracemalloc.__file__),
+                tracemalloc.Filter(False, os.path.join(os.path.dirname(os.path.abspath(__file__)), "*")),
+                tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
+            ]
+        )
 
     def _sample_threads(self, codes: dict[Any, dict[str, int]]) -> int:
         interval_s = 1.0 / self.sample_hz
@@ -215,12 +223,13 @@ class Attribution:
         samples = 0
         while True:
             names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
+            for ident, top in sys._current_frames().items():
                 if ident in self.own_idents:
                     continue
                 name = names.get(ident, f"thread-{ident}")
                 depth = 0
-                seen = set()
+                seen: set[Any] = set()
+                frame: FrameType | None = top
                 while frame is not None and depth < MAX_STACK_DEPTH:
                     code = frame.f_code
                     if code not in seen:
@@ -264,7 +273,9 @@ def _line_range(code: Any) -> tuple[int, int]:
     return (min(lines + [first]), max(lines + [first]))
 
 
-def _threads_for(filename: str, lineno: int, codes: dict[Any, dict[str, int]], ranges: dict[str, list[tuple[Any, int, int]]]) -> dict[str, int]:
+def _threads_for(
+    filename: str, lineno: int, codes: dict[Any, dict[str, int]], ranges: dict[str, list[tuple[Any, int, int]]]
+) -> dict[str, int]:
     """The sample counts per thread of the innermost sampled function that contains file:line."""
     best = None
     best_span = None

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
-SITE_DEPTH = 3                # frames named per site
-MAX_SITES = 65535             # interned sites per process (bounded); beyond it, "unknown"
-MAX_QUICK_KEYS = 65536        # (caller, caller's caller) pairs remembered
+SITE_DEPTH = 3  # frames named per site
+MAX_SITES = 65535  # interned sites per process (bounded); beyond it, "unknown"
+MAX_QUICK_KEYS = 65536  # (caller, caller's caller) pairs remembered
 PROBE_FRAMES = os.sep + os.path.join("kvdoctor", "probe")
 
 

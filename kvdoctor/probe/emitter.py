@@ -11,7 +11,8 @@ import collections
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, now_us
@@ -41,7 +42,7 @@ class Emitter:
         self.max_buffered = max_buffered
         self.flush_interval_s = flush_interval_s
         self.header_args = dict(header_args or {})
-        self.buffer: collections.deque = collections.deque()
+        self.buffer: collections.deque[schema.Event] = collections.deque()
         self.dropped = 0
         self._dropped_reported = 0
         self.written_events = 0

@@ -17,8 +17,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvdoctor.probe.maps import ClassHooks
 
@@ -144,9 +145,9 @@ CURRENT = _Current()
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        self.busy: dict[int, int] = {}               # id(obj) -> composite calls in progress
-        self.active: set[tuple[int, str]] = set()    # (id(obj), role) in progress: no re-entry
-        self.evicting = 0                            # inside a tree eviction
+        self.busy: dict[int, int] = {}  # id(obj) -> composite calls in progress
+        self.active: set[tuple[int, str]] = set()  # (id(obj), role) in progress: no re-entry
+        self.evicting = 0  # inside a tree eviction
 
 
 LOCAL = _ThreadState()
@@ -219,7 +220,6 @@ def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callabl
         return result
 
     wrapper.__kvdoctor_role__ = name  # type: ignore[attr-defined]
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
 
 

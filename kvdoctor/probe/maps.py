@@ -9,7 +9,7 @@ from typing import Any
 try:
     import tomllib
 except ImportError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
 
 MAPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "probes")
 
@@ -46,9 +46,9 @@ class ProbeMap:
 
 def _maps_dir() -> str:
     try:
-        import kvdoctor.probes as pkg
+        import kvdoctor.probes as pkg  # type: ignore[import-not-found,unused-ignore]
 
-        return os.path.dirname(os.path.abspath(pkg.__file__))
+        return os.path.dirname(os.path.abspath(str(pkg.__file__)))
     except ImportError:
         return os.path.abspath(MAPS_DIR)
 
@@ -74,7 +74,11 @@ def load_map(path: str) -> ProbeMap:
         )
     functions = [FunctionHook(f["module"], f["function"], f["role"]) for f in raw.get("functions", [])]
     return ProbeMap(
-        raw["engine"], list(raw["versions"]), classes, functions, os.path.basename(path),
+        raw["engine"],
+        list(raw["versions"]),
+        classes,
+        functions,
+        os.path.basename(path),
         dist_names=list(raw.get("dist_names", [raw["engine"]])),
     )
 

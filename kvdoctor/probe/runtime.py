@@ -14,8 +14,9 @@ import importlib
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvdoctor.probe.callsites import CallSites, short_path
 from kvdoctor.probe.emitter import Emitter
@@ -25,10 +26,10 @@ from kvdoctor.trace import schema
 
 ENV_TRACE = "KVDOCTOR_TRACE"
 ENV_FIXES = "KVDOCTOR_FIXES"
-ENV_INJECT = "KVDOCTOR_INJECT_FAULT"   # tests only: make named roles raise
+ENV_INJECT = "KVDOCTOR_INJECT_FAULT"  # tests only: make named roles raise
 ENV_DISABLE = "KVDOCTOR_DISABLE"
 ENV_IDLE_CENSUS_INTERVAL_S = "KVDOCTOR_IDLE_CENSUS_INTERVAL_S"
-FIXES_DESCRIBED = 16                   # fix_applied events with evidence per fix; then counts only
+FIXES_DESCRIBED = 16  # fix_applied events with evidence per fix; then counts only
 
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
@@ -168,7 +169,9 @@ class Probe:
         label = ENGINE_LABELS.get(engine, engine)
         if probe_map is None:
             self.ledger_on = False
-            self.off_reason = f"{label} {version or 'of unknown version'} is not a version kvdoctor knows (it knows {', '.join(known_versions(engine))})"
+            self.off_reason = (
+                f"{label} {version or 'of unknown version'} is not a version kvdoctor knows (it knows {', '.join(known_versions(engine))})"
+            )
             self.status("off", self.off_reason + "; the probe stays out of this process and the server runs untouched")
             return None
         REGISTRY.load(engine)
@@ -215,7 +218,8 @@ class Probe:
         label = ENGINE_LABELS.get(probe_map.engine, probe_map.engine)
         self.status(
             "on" if not self.missing else "partial",
-            f"{label} {probe_map.versions[0]}: {len(self.patched)} methods hooked" + (f"; not found: {', '.join(self.missing)}" if self.missing else ""),
+            f"{label} {probe_map.versions[0]}: {len(self.patched)} methods hooked"
+            + (f"; not found: {', '.join(self.missing)}" if self.missing else ""),
             map=probe_map.source,
         )
 
@@ -271,7 +275,6 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
         _IMPORT_HOOK = ImportHook(modules, probe.on_module_loaded)
         _IMPORT_HOOK.install()
         CURRENT.probe = probe
-
 
         for name in sorted(modules):
             module = sys.modules.get(name)

@@ -24,12 +24,12 @@ try:  # orjson is several times faster; the stdlib is the fallback everywhere.
             return json.loads(data)  # integers beyond 64 bits, which orjson does not read
 
 except ImportError:  # pragma: no cover - depends on the environment
-    _orjson = None
 
     def dumps(obj: Any) -> bytes:
         return json.dumps(_finite(obj), separators=(",", ":"), default=_default).encode()
 
-    loads = json.loads
+    def loads(data: bytes) -> Any:
+        return json.loads(data)
 
 
 def _finite(obj: Any) -> Any:

@@ -8,7 +8,8 @@ still writing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from kvdoctor.errors import TraceError
 from kvdoctor.trace.codec import loads

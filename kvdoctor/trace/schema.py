@@ -22,21 +22,21 @@ SCHEMA_VERSION = 1
 SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 
 # Event names (the `name` field) that carry meaning for detectors.
-HEADER = "kvdoctor_header"          # ph M: schema, engine, engine_version, pid, process_title
-RUN_HEADER = "kvdoctor_run"         # ph M: written by `kvdoctor run`/`watch` for the whole trace
-TRACE_END = "kvdoctor_end"          # ph M: a clean end of the trace
-PROCESS_NAME = "process_name"       # ph M: Perfetto's own name for a pid's track
-VIOLATION = "violation"             # ph i: a ledger rule broken at a hooked call (kind in args)
-CENSUS = "census"                   # ph i: an idle/exit count of every slot's state
-PROBE_STATUS = "probe_status"       # ph i: probe enabled/disabled/partial, and why
-LEDGER_COUNTER = "kv_slots"         # ph C: free/owned/tree slot counts of one allocator
-MEMORY_COUNTER = "memory"           # ph C: one process's memory by class, in bytes
-PROBE_STATS = "probe_stats"         # ph C: hooked calls, dropped events, probe memory
-HICACHE_COUNTER = "hicache"         # ph C: HiCache host ledger, controller queues, storage traffic
-RETAINED_VIEWS = "retained_views"   # ph i: host-index views kept alive by the tree (sglang#19332)
+HEADER = "kvdoctor_header"  # ph M: schema, engine, engine_version, pid, process_title
+RUN_HEADER = "kvdoctor_run"  # ph M: written by `kvdoctor run`/`watch` for the whole trace
+TRACE_END = "kvdoctor_end"  # ph M: a clean end of the trace
+PROCESS_NAME = "process_name"  # ph M: Perfetto's own name for a pid's track
+VIOLATION = "violation"  # ph i: a ledger rule broken at a hooked call (kind in args)
+CENSUS = "census"  # ph i: an idle/exit count of every slot's state
+PROBE_STATUS = "probe_status"  # ph i: probe enabled/disabled/partial, and why
+LEDGER_COUNTER = "kv_slots"  # ph C: free/owned/tree slot counts of one allocator
+MEMORY_COUNTER = "memory"  # ph C: one process's memory by class, in bytes
+PROBE_STATS = "probe_stats"  # ph C: hooked calls, dropped events, probe memory
+HICACHE_COUNTER = "hicache"  # ph C: HiCache host ledger, controller queues, storage traffic
+RETAINED_VIEWS = "retained_views"  # ph i: host-index views kept alive by the tree (sglang#19332)
 HOST_GROWTH_SITES = "host_growth_sites"  # ph i: one attribution window: where host memory grew
-FINDING = "finding"                 # ph i: a finding the analysis made (written by watch/run)
-FIX_APPLIED = "fix_applied"         # ph i: an optional fix changed the host's behaviour
+FINDING = "finding"  # ph i: a finding the analysis made (written by watch/run)
+FIX_APPLIED = "fix_applied"  # ph i: an optional fix changed the host's behaviour
 
 # The counters a trace carries, one row per event when exported as a table.
 COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, HICACHE_COUNTER, PROBE_STATS})
@@ -124,7 +124,7 @@ class Event:
         return out
 
     @classmethod
-    def from_json_dict(cls, raw: dict[str, Any]) -> "Event":
+    def from_json_dict(cls, raw: dict[str, Any]) -> Event:
         """Builds an event from untrusted JSON: every field checked, the common types fast."""
         event = object.__new__(cls)
         get = raw.get
@@ -155,9 +155,7 @@ def _as_float(value: Any) -> float:
     return out if out == out and abs(out) != float("inf") else 0.0
 
 
-def header_event(
-    *, pid: int, engine: str, engine_version: str, process_title: str, extra: dict[str, Any] | None = None
-) -> Event:
+def header_event(*, pid: int, engine: str, engine_version: str, process_title: str, extra: dict[str, Any] | None = None) -> Event:
     args: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "engine": engine,

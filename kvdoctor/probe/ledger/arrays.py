@@ -7,7 +7,8 @@ GPU the ledger is torch tensors on that device; reads go through pinned host buf
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,19 +36,20 @@ class HostArrays:
                 arr = tensor.detach().numpy()
             if arr.ndim != 1:
                 arr = arr.reshape(-1)
-            return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+            out: np.ndarray = arr if arr.dtype == np.int64 else arr.astype(np.int64)
+            return out
         return np.asarray(tensor, dtype=np.int64).reshape(-1)
 
-    def where(self, cond: Any, a: Any, b: Any) -> np.ndarray:
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
         return np.where(cond, a, b)
 
-    def cast(self, arr: Any, like: np.ndarray) -> np.ndarray:
+    def cast(self, arr: Any, like: np.ndarray) -> Any:
         return np.asarray(arr).astype(like.dtype, copy=False)
 
     def to_host(self, arr: Any) -> np.ndarray:
         return np.asarray(arr)
 
-    def snapshot(self, arrays: Sequence[Any]) -> "ReadyRead":
+    def snapshot(self, arrays: Sequence[Any]) -> ReadyRead:
         return ReadyRead([np.array(a, copy=True) for a in arrays])
 
 
@@ -111,7 +113,7 @@ class PendingDeviceRead:
 
     def __init__(self, torch: Any, arrays: Sequence[Any]) -> None:
         self._host = [torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in arrays]
-        for host, dev in zip(self._host, arrays):
+        for host, dev in zip(self._host, arrays, strict=False):
             host.copy_(dev, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()

@@ -21,15 +21,16 @@ Slot counts in events are blocks x block_size, so detectors written for slots re
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from kvdoctor.trace import schema
 
-MAX_HOLDERS = 4            # request ids remembered per block (a block may be shared by many)
-MAX_IDS_IN_EVIDENCE = 64   # ids listed in one event
-MAX_NAMED = 4096           # blocks whose sites/requests are tallied in one event
+MAX_HOLDERS = 4  # request ids remembered per block (a block may be shared by many)
+MAX_IDS_IN_EVIDENCE = 64  # ids listed in one event
+MAX_NAMED = 4096  # blocks whose sites/requests are tallied in one event
 MANY = "(more requests)"
 
 
@@ -54,8 +55,15 @@ class BlockLedger:
         self.alloc_site = np.zeros(self.num_blocks, dtype=np.int32)
         self.holders: dict[int, list[str]] = {}
         self.lock = threading.Lock()
-        self.stats = {"allocated_blocks": 0, "touched_blocks": 0, "freed_blocks": 0, "evicted_blocks": 0,
-                      "cached_blocks": 0, "double_free_blocks": 0, "double_alloc_blocks": 0}
+        self.stats = {
+            "allocated_blocks": 0,
+            "touched_blocks": 0,
+            "freed_blocks": 0,
+            "evicted_blocks": 0,
+            "cached_blocks": 0,
+            "double_free_blocks": 0,
+            "double_alloc_blocks": 0,
+        }
         self.census_count = 0
 
     # ----- helpers -----
@@ -97,19 +105,22 @@ class BlockLedger:
 
     def _violation(self, kind: str, block_ids: list[int], site: int, request: str | None, note: str) -> None:
         sites, reqs = self._tally(block_ids)
-        self.emit(schema.VIOLATION, {
-            "kind": kind,
-            "allocator": self.name,
-            "count": len(block_ids) * self.block_size,
-            "blocks": len(block_ids),
-            "block_size": self.block_size,
-            "site": self.site_name(site),
-            "slot_ids": self._slot_ids(block_ids),
-            "block_ids": [int(b) for b in block_ids[:MAX_IDS_IN_EVIDENCE]],
-            "requests": {request: len(block_ids) * self.block_size} if request else reqs,
-            "allocated_at": sites,
-            "note": note,
-        })
+        self.emit(
+            schema.VIOLATION,
+            {
+                "kind": kind,
+                "allocator": self.name,
+                "count": len(block_ids) * self.block_size,
+                "blocks": len(block_ids),
+                "block_size": self.block_size,
+                "site": self.site_name(site),
+                "slot_ids": self._slot_ids(block_ids),
+                "block_ids": [int(b) for b in block_ids[:MAX_IDS_IN_EVIDENCE]],
+                "requests": {request: len(block_ids) * self.block_size} if request else reqs,
+                "allocated_at": sites,
+                "note": note,
+            },
+        )
 
     # ----- events from the hooks (callers hold self.lock) -----
 
@@ -121,8 +132,9 @@ class BlockLedger:
         bad = [b for b in ids if ref[b] != 0]
         if bad:
             self.stats["double_alloc_blocks"] += len(bad)
-            self._violation(schema.DOUBLE_ALLOC, bad, site, request,
-                            "get_new_blocks handed out block(s) the ledger counts as still referenced")
+            self._violation(
+                schema.DOUBLE_ALLOC, bad, site, request, "get_new_blocks handed out block(s) the ledger counts as still referenced"
+            )
         holder = request or "unattributed"
         for bid in ids:
             ref[bid] = 1
@@ -164,8 +176,7 @@ class BlockLedger:
         self.stats["freed_blocks"] += len(ids) - len(bad)
         if bad:
             self.stats["double_free_blocks"] += len(bad)
-            self._violation(schema.DOUBLE_FREE, bad, site, request,
-                            "free_blocks returned block(s) whose reference count was already 0")
+            self._violation(schema.DOUBLE_FREE, bad, site, request, "free_blocks returned block(s) whose reference count was already 0")
 
     def on_evict(self, evicted: bool) -> None:
         if evicted:
@@ -190,7 +201,7 @@ class BlockLedger:
                 orphan = np.nonzero(held)[0]
             else:
                 orphan_list = []
-                for bid in np.nonzero(held)[0][:MAX_NAMED * 4]:
+                for bid in np.nonzero(held)[0][: MAX_NAMED * 4]:
                     names = self.holders.get(int(bid)) or []
                     if MANY in names or any(n in live_requests for n in names):
                         continue
@@ -227,20 +238,23 @@ class BlockLedger:
         bad = args.pop("_disagree_ids", [])
         self.emit(schema.CENSUS, args)
         if args.get("refcount_disagrees_blocks"):
-            self.emit(schema.VIOLATION, {
-                "kind": schema.REFCOUNT_DISAGREES,
-                "allocator": self.name,
-                "count": args["ledger_disagrees_slots"],
-                "blocks": args["refcount_disagrees_blocks"],
-                "block_size": bs,
-                "site": f"{reason} census",
-                "slot_ids": self._slot_ids(bad),
-                "block_ids": bad[:MAX_IDS_IN_EVIDENCE],
-                "host_free_blocks": args.get("host_free_blocks"),
-                "ledger_free_blocks": free_blocks,
-                "note": "vLLM's own block.ref_cnt differs from the ledger's count: a path kvdoctor does not "
-                        "hook changed reference counts, or vLLM's count went wrong",
-            })
+            self.emit(
+                schema.VIOLATION,
+                {
+                    "kind": schema.REFCOUNT_DISAGREES,
+                    "allocator": self.name,
+                    "count": args["ledger_disagrees_slots"],
+                    "blocks": args["refcount_disagrees_blocks"],
+                    "block_size": bs,
+                    "site": f"{reason} census",
+                    "slot_ids": self._slot_ids(bad),
+                    "block_ids": bad[:MAX_IDS_IN_EVIDENCE],
+                    "host_free_blocks": args.get("host_free_blocks"),
+                    "ledger_free_blocks": free_blocks,
+                    "note": "vLLM's own block.ref_cnt differs from the ledger's count: a path kvdoctor does not "
+                    "hook changed reference counts, or vLLM's count went wrong",
+                },
+            )
         return args
 
     def _compare_with_host(self, ref: np.ndarray, body: np.ndarray, pool: Any) -> dict[str, Any]:

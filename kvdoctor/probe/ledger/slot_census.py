@@ -7,7 +7,8 @@ on a later call; a census (idle, exit) is the one place that waits for the devic
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,16 @@ class SlotReadback:
             else:
                 self._emit_violations(*values)
 
-    def _emit_violations(self, counters, oor_value, flags, vsite, owner, alloc_site, state) -> None:
+    def _emit_violations(
+        self,
+        counters: np.ndarray,
+        oor_value: np.ndarray,
+        flags: np.ndarray,
+        vsite: np.ndarray,
+        owner: np.ndarray,
+        alloc_site: np.ndarray,
+        state: np.ndarray,
+    ) -> None:
         for kind, slot in KIND_SLOT.items():
             new = int(counters[slot] - self._reported[slot])
             if new <= 0:
@@ -97,21 +107,31 @@ class SlotReadback:
                 for site_id in vsite[pages][:MAX_NAMED_PAGES]:
                     name = self.sites.name(int(site_id))
                     by_site[name] = by_site.get(name, 0) + 1
-                args["site"] = max(by_site, key=by_site.get) if by_site else "unknown"
+                args["site"] = max(by_site, key=lambda name: by_site[name]) if by_site else "unknown"
                 args["sites"] = by_site
                 args.update(self._page_evidence(pages, owner, alloc_site))
             self.emit(schema.VIOLATION, args)
 
     def _oor_args(self, count: int, bad_index: int, site: int) -> dict[str, Any]:
-        return {"kind": schema.INDEX_OUT_OF_RANGE, "allocator": self.name, "count": count, "page_size": self.page_size,
-                "site": self.sites.name(site), "bad_index": bad_index, "valid_rows": [0, self.rows - 1],
-                "note": "-1 is legal only as last_loc (no prefix); anything else outside the buffer faults on a GPU"}
+        return {
+            "kind": schema.INDEX_OUT_OF_RANGE,
+            "allocator": self.name,
+            "count": count,
+            "page_size": self.page_size,
+            "site": self.sites.name(site),
+            "bad_index": bad_index,
+            "valid_rows": [0, self.rows - 1],
+            "note": "-1 is legal only as last_loc (no prefix); anything else outside the buffer faults on a GPU",
+        }
 
     def _page_evidence(self, pages: np.ndarray, owner: Any, alloc_site: Any) -> dict[str, Any]:
         owner = self.xp.to_host(owner) if not isinstance(owner, np.ndarray) else owner
         alloc_site = self.xp.to_host(alloc_site) if not isinstance(alloc_site, np.ndarray) else alloc_site
-        return {"slot_ids": self._slot_ids(pages), "requests": self._requests(owner, pages),
-                "allocated_at": self._alloc_sites(alloc_site, pages)}
+        return {
+            "slot_ids": self._slot_ids(pages),
+            "requests": self._requests(owner, pages),
+            "allocated_at": self._alloc_sites(alloc_site, pages),
+        }
 
     def _slot_ids(self, pages: np.ndarray) -> list[int]:
         ps = self.page_size

@@ -138,8 +138,14 @@ class SlotLedger(SlotReadback):
                 self.counters[slot] += count
                 self._reported[slot] += count
                 bad = np.unique(pages[mask])
-                args = {"kind": kind, "allocator": self.name, "count": int(count), "page_size": self.page_size,
-                        "site": self.sites.name(site), "sites": {self.sites.name(site): int(bad.size)}}
+                args = {
+                    "kind": kind,
+                    "allocator": self.name,
+                    "count": int(count),
+                    "page_size": self.page_size,
+                    "site": self.sites.name(site),
+                    "sites": {self.sites.name(site): int(bad.size)},
+                }
                 args.update(self._page_evidence(bad, self.owner, self.alloc_site))
                 self.emit(schema.VIOLATION, args)
             return
@@ -154,7 +160,8 @@ class SlotLedger(SlotReadback):
         xp = self.xp
         slots = xp.index(slots_tensor)
         if self.kernels is not None:
-            return self.kernels.alloc(slots, site, only_page_starts and self.page_size > 1)
+            self.kernels.alloc(slots, site, only_page_starts and self.page_size > 1)
+            return
         if xp.sync_free_branching and slots.shape[0] == 1 and self._alloc_one(int(slots[0]), site, only_page_starts):
             return
         pages = self._pages(slots, site)
@@ -198,7 +205,8 @@ class SlotLedger(SlotReadback):
         xp = self.xp
         idx = xp.index(slots_tensor)
         if self.kernels is not None:
-            return self.kernels.free(idx, site, evicting, as_pages)
+            self.kernels.free(idx, site, evicting, as_pages)
+            return
         if xp.sync_free_branching and not as_pages and idx.shape[0] == 1 and self._free_one(int(idx[0]), evicting):
             return
         pages = self._pages(idx, site, as_pages=as_pages)
@@ -217,7 +225,8 @@ class SlotLedger(SlotReadback):
         xp = self.xp
         slots = xp.index(slots_tensor)
         if self.kernels is not None:
-            return self.kernels.tree_insert(slots, site)
+            self.kernels.tree_insert(slots, site)
+            return
         pages = self._pages(slots, site)
         before = self.state[pages]
         freed = ((before & FREE) != 0) & (pages != self.sink)
@@ -238,7 +247,8 @@ class SlotLedger(SlotReadback):
                 req_index = xp.index(req_index)
                 if req_index.shape != slots.shape:
                     return
-            return self.kernels.owner(slots, req_index)
+            self.kernels.owner(slots, req_index)
+            return
         if xp.sync_free_branching and slots.shape[0] == 1 and isinstance(req_index, int):
             slot = int(slots[0])
             if 0 <= slot < self.rows:
@@ -264,7 +274,8 @@ class SlotLedger(SlotReadback):
         last = xp.index(last_loc_tensor)
         if self.kernels is not None:
             req = xp.index(req_indices) if req_indices is not None else None
-            return self.kernels.last_loc(last, site, req if req is not None and req.shape == last.shape else None)
+            self.kernels.last_loc(last, site, req if req is not None and req.shape == last.shape else None)
+            return
         if xp.sync_free_branching and last.shape[0] == 1:
             value = int(last[0])
             if value == -1:

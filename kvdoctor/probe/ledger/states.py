@@ -31,5 +31,5 @@ OP_FREE = 1
 OP_TREE_INSERT = 3
 OP_LAST_LOC = 4
 
-MAX_IDS_IN_EVIDENCE = 64   # slot ids listed in one event
-MAX_NAMED_PAGES = 4096     # pages whose sites/requests are tallied in one event
+MAX_IDS_IN_EVIDENCE = 64  # slot ids listed in one event
+MAX_NAMED_PAGES = 4096  # pages whose sites/requests are tallied in one event

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 MAX_TRACKED_VIEWS = 100_000
 LONG_LIVED_S = 5.0
 SCAN_INTERVAL_S = 2.0
-VIEW_RATIO = 4                            # storage at least this many times the view's own bytes
+VIEW_RATIO = 4  # storage at least this many times the view's own bytes
 
 
 class HiCacheState:
@@ -33,15 +33,25 @@ class HiCacheState:
     def __init__(self, probe: Probe | None = None) -> None:
         self.hosts: dict[int, Any] = {}
         self.controllers: dict[int, Any] = {}
-        self.views: dict[int, tuple] = {}
+        # id(view) -> (weak reference, storage bytes, own bytes, allocating site, monotonic birth time)
+        self.views: dict[int, tuple[weakref.ref[Any], int, int, str, float]] = {}
         self.storing_sites: dict[str, int] = {}
         self.alloc_sites: dict[str, int] = {}
-        self.counts = {"host_allocs": 0, "host_frees": 0, "backups": 0, "loads": 0,
-                       "storage_sets": 0, "storage_set_pages": 0, "storage_gets": 0, "storage_get_pages": 0,
-                       "graph_replays": 0, "graph_replays_during_load": 0}
+        self.counts = {
+            "host_allocs": 0,
+            "host_frees": 0,
+            "backups": 0,
+            "loads": 0,
+            "storage_sets": 0,
+            "storage_set_pages": 0,
+            "storage_gets": 0,
+            "storage_get_pages": 0,
+            "graph_replays": 0,
+            "graph_replays_during_load": 0,
+        }
         self.lock = threading.Lock()
         self.last_scan = 0.0
-        self.last_report: tuple = ()
+        self.last_report: tuple[int, int] = (0, 0)
 
     def periodic(self, probe: Probe) -> None:
         args: dict[str, Any] = dict(self.counts)
@@ -79,7 +89,11 @@ class HiCacheState:
             if len(self.views) >= MAX_TRACKED_VIEWS:
                 return  # bounded: the count below is then a lower bound
             key = id(tensor)
-            self.views[key] = (weakref.ref(tensor, lambda _r, k=key: self.views.pop(k, None)), storage_bytes, own_bytes, site, time.monotonic())
+
+            def forget(_ref: weakref.ref[Any], key: int = key) -> None:
+                self.views.pop(key, None)
+
+            self.views[key] = (weakref.ref(tensor, forget), storage_bytes, own_bytes, site, time.monotonic())
 
     def scan_views(self, probe: Probe, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
         now = time.monotonic() if now is None else now
@@ -100,9 +114,10 @@ class HiCacheState:
             except Exception:
                 continue
             sites[site] = sites.get(site, 0) + 1
-        summary = {
+        retained_bytes = sum(storages.values())
+        summary: dict[str, Any] = {
             "long_lived_views": live,
-            "retained_bytes": sum(storages.values()),
+            "retained_bytes": retained_bytes,
             "distinct_storages": len(storages),
             "own_bytes": own,
             "alloc_sites": sites,
@@ -111,12 +126,11 @@ class HiCacheState:
             "tracking_capped": len(entries) >= MAX_TRACKED_VIEWS,
             "min_age_s": LONG_LIVED_S,
         }
-        key = (live, summary["retained_bytes"])
+        key = (live, retained_bytes)
         if live and (force_report or key != self.last_report):
             self.last_report = key
             probe.emitter.emit(schema.RETAINED_VIEWS, summary)
         return summary
-
 
     def close(self, probe: Probe, reason: str) -> None:
         return None
@@ -253,11 +267,17 @@ class GraphReplayRole(Role):
         pending, events = loads_in_flight(st)
         if pending:
             st.counts["graph_replays_during_load"] += 1
-            probe.emitter.emit(schema.VIOLATION, {
-                "kind": schema.GRAPH_REPLAY_DURING_LOAD, "count": 1, "site": probe.sites.name(site),
-                "graph_runner": type(obj).__name__, "loads_in_flight": pending,
-                "note": "the graph reads KV rows a HiCache load is still copying on its side stream",
-            })
+            probe.emitter.emit(
+                schema.VIOLATION,
+                {
+                    "kind": schema.GRAPH_REPLAY_DURING_LOAD,
+                    "count": 1,
+                    "site": probe.sites.name(site),
+                    "graph_runner": type(obj).__name__,
+                    "loads_in_flight": pending,
+                    "note": "the graph reads KV rows a HiCache load is still copying on its side stream",
+                },
+            )
         return events
 
     def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:

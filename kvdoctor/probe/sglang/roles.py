@@ -68,7 +68,9 @@ class AllocRole(Role):
             fixed = recomputed
         if "clamp-last-loc" in probe.fixes:
             clamped = fixes.clamp_last_loc(fixed, ledger.rows, ledger.page_size, self.prefix_lens(args, kwargs))
-            _report_fix(probe, ledger, "clamp-last-loc", fixed, clamped, site, moved_into_rows=[ledger.rows - ledger.page_size, ledger.rows - 1])
+            _report_fix(
+                probe, ledger, "clamp-last-loc", fixed, clamped, site, moved_into_rows=[ledger.rows - ledger.page_size, ledger.rows - 1]
+            )
             fixed = clamped
         if fixed is last_loc:
             return args, kwargs
@@ -92,7 +94,9 @@ def _report_fix(probe: Probe, ledger: SlotLedger, name: str, before: Any, after:
         if changed:
             probe.fixed(name, changed, site=probe.sites.name(site), allocator=ledger.name, **evidence)
     else:
-        probe.fixed(name, 1, site=probe.sites.name(site), allocator=ledger.name, counted="calls (values are not read back on a GPU)", **evidence)
+        probe.fixed(
+            name, 1, site=probe.sites.name(site), allocator=ledger.name, counted="calls (values are not read back on a GPU)", **evidence
+        )
 
 
 class ExtendRole(AllocRole):
@@ -219,8 +223,12 @@ class TreeUnlockRole(Role):
         if isinstance(lock_ref, int) and lock_ref <= 0 and node is not getattr(obj, "root_node", None):
             probe.emitter.emit(
                 schema.VIOLATION,
-                {"kind": schema.LOCK_UNDERFLOW, "count": 1, "site": probe.sites.name(site),
-                 "note": "dec_lock_ref on a node whose lock_ref is already 0: its slots become evictable while a request still uses them"},
+                {
+                    "kind": schema.LOCK_UNDERFLOW,
+                    "count": 1,
+                    "site": probe.sites.name(site),
+                    "note": "dec_lock_ref on a node whose lock_ref is already 0: its slots become evictable while a request still uses them",
+                },
             )
         return None
 
@@ -240,7 +248,7 @@ class ReqAllocRole(Role):
         reqs = argument(args, kwargs, "reqs", 0)
         reqs = reqs if isinstance(reqs, (list, tuple)) else [None] * len(result)
         requests = sglang_state(probe).requests
-        for req, index in zip(reqs, result):
+        for req, index in zip(reqs, result, strict=False):
             requests.allocated(int(index), str(getattr(req, "rid", "?")))
 
 

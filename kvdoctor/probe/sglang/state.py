@@ -19,7 +19,7 @@ from kvdoctor.trace import schema
 if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
 
-MAX_LAST_LOC_SOURCES = 64   # recent get_last_loc results remembered (to name the rows they read)
+MAX_LAST_LOC_SOURCES = 64  # recent get_last_loc results remembered (to name the rows they read)
 
 
 class SglangState:
@@ -27,9 +27,9 @@ class SglangState:
         self.probe = probe
         self.requests = RequestTable()
         self.ledgers: dict[int, SlotLedger] = {}
-        self.hosts: dict[int, Any] = {}               # id(ledger) -> its allocator
-        self.primary: SlotLedger | None = None        # the first allocator: req_to_token writes name its slots
-        self.tree: Any = None                         # the radix tree last seen, for the census's sizes
+        self.hosts: dict[int, Any] = {}  # id(ledger) -> its allocator
+        self.primary: SlotLedger | None = None  # the first allocator: req_to_token writes name its slots
+        self.tree: Any = None  # the radix tree last seen, for the census's sizes
         # id(last_loc tensor) -> (tensor, req_pool_indices, req_to_token, prefix_lens)
         self.last_loc_sources: dict[int, tuple[Any, Any, Any, Any]] = {}
         self.census_pending = False
@@ -48,16 +48,24 @@ class SglangState:
         name = f"{type(allocator).__name__}#{len(self.ledgers)}"
         device = getattr(allocator, "device", "cpu")
         probe = self.probe
-        ledger = SlotLedger(name=name, size=size, page_size=page_size, device=device, emit=probe.emitter.emit,
-                            requests=self.requests, sites=probe.sites)
+        ledger = SlotLedger(
+            name=name, size=size, page_size=page_size, device=device, emit=probe.emitter.emit, requests=self.requests, sites=probe.sites
+        )
         self.ledgers[id(allocator)] = ledger
         self.hosts[id(ledger)] = allocator
         if self.primary is None:
             self.primary = ledger
         probe.emitter.emit(
             schema.PROBE_STATUS,
-            {"component": "ledger", "state": "on", "reason": f"ledger for {name}", "allocator": name,
-             "size": size, "page_size": page_size, "device": str(device)},
+            {
+                "component": "ledger",
+                "state": "on",
+                "reason": f"ledger for {name}",
+                "allocator": name,
+                "size": size,
+                "page_size": page_size,
+                "device": str(device),
+            },
         )
         return ledger
 
@@ -102,8 +110,9 @@ class SglangState:
             return out
         for ledger in list(self.ledgers.values()):
             try:
-                out.append(ledger.census(reason=reason, host_free_pages=host_free_pages(self.hosts.get(id(ledger))),
-                                         tree_sizes=self._tree_sizes()))
+                out.append(
+                    ledger.census(reason=reason, host_free_pages=host_free_pages(self.hosts.get(id(ledger))), tree_sizes=self._tree_sizes())
+                )
             except Exception as exc:
                 probe.fail("census", exc)
         return out
@@ -154,8 +163,11 @@ def host_free_pages(allocator: Any) -> Any:
         if getter is not None:
             pages = getter()
         else:
-            parts = [p for p in (getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None))
-                     if p is not None and p.numel() > 0]
+            parts = [
+                p
+                for p in (getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None))
+                if p is not None and p.numel() > 0
+            ]
             if not parts:
                 return []
             import torch

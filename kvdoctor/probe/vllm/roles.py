@@ -37,7 +37,7 @@ from kvdoctor.trace import schema
 if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
 
-QUIET_S = 1.0   # the writer thread takes a due idle census only after this long without a hooked call
+QUIET_S = 1.0  # the writer thread takes a due idle census only after this long without a hooked call
 
 
 class _Current(threading.local):
@@ -89,8 +89,15 @@ class VllmState:
         )
         self.ledgers[id(pool)] = ledger
         self.pools[id(pool)] = pool
-        probe.status("on", f"block ledger for {ledger.name}", allocator=ledger.name, engine="vllm",
-                     blocks=num_blocks, block_size=block_size, caching=bool(getattr(pool, "enable_caching", False)))
+        probe.status(
+            "on",
+            f"block ledger for {ledger.name}",
+            allocator=ledger.name,
+            engine="vllm",
+            blocks=num_blocks,
+            block_size=block_size,
+            caching=bool(getattr(pool, "enable_caching", False)),
+        )
         return ledger
 
     def set_block_size(self, manager: Any) -> None:
@@ -134,8 +141,12 @@ class VllmState:
         if not probe.ledger_on:
             return
         try:
-            if (self.census_due and not self.live and time.monotonic() - self.last_call >= QUIET_S
-                    and time.monotonic() - self.last_census >= probe.idle_census_interval_s):
+            if (
+                self.census_due
+                and not self.live
+                and time.monotonic() - self.last_call >= QUIET_S
+                and time.monotonic() - self.last_census >= probe.idle_census_interval_s
+            ):
                 self.census("idle")
             for ledger in list(self.ledgers.values()):
                 probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
