@@ -1,6 +1,6 @@
 import importlib.util
 import os
-import shutil
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -177,6 +177,31 @@ def test_parse_rate_rejects(bad):
 # --- HTML -------------------------------------------------------------------------------------
 
 
+def _chromium(tmp_path, *args):
+    """One headless Chromium run on a fresh profile; returns stdout. Virtual time makes it return once
+    the page has loaded and laid out (the report has no scripts), without wall-clock waits."""
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--hide-scrollbars", "--force-device-scale-factor=1", "--virtual-time-budget=5000",
+         f"--user-data-dir={profile}", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _rendered_text(dom):
+    from html.parser import HTMLParser
+
+    parts = []
+    parser = HTMLParser()
+    parser.handle_data = parts.append
+    parser.feed(re.sub(r"<(style|title)[^>]*>.*?</\1>", " ", dom, flags=re.S))
+    return " ".join(" ".join(parts).split())
+
+
 def test_html_report_and_screenshot(demo_traces, tmp_path):
     analysis = analyze_trace(demo_traces["leak"])
     page = render_html(analysis)
@@ -186,19 +211,25 @@ def test_html_report_and_screenshot(demo_traces, tmp_path):
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is not installed: no screenshot of the report")
+    url = html_path.as_uri()
+
+    # What the browser parsed: the finding's kind, count and message are in the page's text.
+    text = _rendered_text(_chromium(tmp_path, "--dump-dom", url))
+    assert "orphan_slots ×64" in text and "64 KV slot(s) leaked" in text, text[:2000]
+    assert "1 error finding(s)" in text
+
+    # What it drew: a full-size screenshot with text and the ledger plot laid out down the page.
+    width, height = 1280, 1600
     png = tmp_path / "report.png"
-    subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--window-size=1280,2000",
-         f"file://{html_path}"],
-        capture_output=True, timeout=120,
-    )
-    assert png.exists() and png.stat().st_size > 10_000
+    _chromium(tmp_path, f"--screenshot={png}", f"--window-size={width},{height}", url)
     from PIL import Image
 
     image = Image.open(png).convert("RGB")
-    colours = image.getcolors(maxcolors=1 << 16)
-    assert colours is None or len(colours) > 8, "the screenshot is (nearly) a single flat colour"
-    if os.access("/tmp", os.W_OK):
-        shutil.copy(png, "/tmp/kvdoctor-report.png")
+    assert image.size == (width, height)
+    colours = image.getcolors(maxcolors=width * height)
+    background_share = max(colours)[0] / (width * height)
+    assert len(colours) > 64 and background_share < 0.9, f"{len(colours)} colours, background {background_share:.0%}"
+    background = max(colours)[1]
+    ink_rows = [y for y in range(0, height, 4)
+                if sum(1 for x in range(0, width, 4) if image.getpixel((x, y)) != background) > 8]
+    assert ink_rows and ink_rows[0] < 100 and ink_rows[-1] > height // 2, "the report is not laid out down the page"
