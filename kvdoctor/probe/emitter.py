@@ -30,12 +30,7 @@ def read_process_title(pid: int | str = "self") -> str:
 
 class Emitter:
     def __init__(
-        self,
-        path: str | None,
-        *,
-        max_buffered: int = 200_000,
-        flush_interval_s: float = 0.5,
-        header_args: dict[str, Any] | None = None,
+        self, path: str | None, *, max_buffered: int = 200_000, flush_interval_s: float = 0.5, header_args: dict[str, Any] | None = None
     ) -> None:
         self.path = path
         self.pid = os.getpid()

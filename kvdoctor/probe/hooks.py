@@ -37,6 +37,16 @@ def argument(args: Args, kwargs: Kwargs, name: str, position: int) -> Any:
     return args[position] if len(args) > position else None
 
 
+def positive_ints(obj: Any, *names: str) -> tuple[int, ...]:
+    """`obj`'s integer attributes `names`, all > 0, or a TypeError naming what is there instead:
+    an engine object without them is one we do not understand."""
+    values = tuple(getattr(obj, name, None) for name in names)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, values, strict=True))
+        raise TypeError(f"{type(obj).__name__} has no usable {'/'.join(names)} ({shown})")
+    return values  # type: ignore[return-value]
+
+
 def resolve(obj: Any, dotted: str) -> Any:
     """`obj.a.b` for "a.b"; None where any step is missing."""
     for part in dotted.split("."):

@@ -13,14 +13,7 @@ from typing import Any
 
 from kvdoctor.errors import TraceError
 from kvdoctor.trace.codec import loads
-from kvdoctor.trace.schema import (
-    HEADER,
-    RUN_HEADER,
-    SCHEMA_NAME,
-    SCHEMA_VERSION,
-    TRACE_END,
-    Event,
-)
+from kvdoctor.trace.schema import HEADER, RUN_HEADER, SCHEMA_NAME, SCHEMA_VERSION, TRACE_END, Event
 
 
 @dataclasses.dataclass

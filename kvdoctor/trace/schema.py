@@ -58,14 +58,7 @@ LOCK_UNDERFLOW = "lock_ref_underflow"
 GRAPH_REPLAY_DURING_LOAD = "graph_replay_during_load"
 REFCOUNT_DISAGREES = "refcount_disagrees"
 
-VIOLATION_KINDS = (
-    DOUBLE_FREE,
-    DOUBLE_ALLOC,
-    STALE_LAST_LOC,
-    INDEX_OUT_OF_RANGE,
-    USE_AFTER_FREE,
-    LOCK_UNDERFLOW,
-)
+VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
 # Finding kinds the analysis makes besides the violation kinds above.
 MEMORY_GROWTH = "memory_growth"

@@ -44,32 +44,11 @@ def _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES: tl.constexpr, ALLOW
 
 
 @triton.jit
-def _check(
-    idx_ptr,
-    n,
-    state_ptr,
-    owner_ptr,
-    flags_ptr,
-    vsite_ptr,
-    counters_ptr,
-    oor_ptr,
-    req_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    HAS_REQ: tl.constexpr,
-    WEIGHT: tl.constexpr,
-    KIND_SLOT: tl.constexpr,
-    KIND_BIT: tl.constexpr,
-    OOR_SLOT: tl.constexpr,
-    OOR_BIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+           rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
+           WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+           OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -104,23 +83,9 @@ def _check(
 
 
 @triton.jit
-def _write(
-    idx_ptr,
-    n,
-    state_ptr,
-    owner_ptr,
-    alloc_site_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    EVICTING: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
+           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -144,7 +109,8 @@ def _write(
 
 
 @triton.jit
-def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink, REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
+def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink,
+           REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -169,66 +135,26 @@ class LedgerKernels:
     def _grid(self, n: int) -> tuple[int]:
         return (triton.cdiv(n, BLOCK),)
 
-    def _check(
-        self,
-        idx: Any,
-        site: int,
-        op: int,
-        kind: str,
-        *,
-        page_starts: bool = False,
-        as_pages: bool = False,
-        req: Any = None,
-        weight: int = 1,
-    ) -> None:
+    def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
+               req: Any = None, weight: int = 1) -> None:
         led = self.led
         n = idx.numel()
         _check[self._grid(n)](
-            idx,
-            n,
-            led.state,
-            led.owner,
-            led.flags,
-            led.violation_site,
-            led.counters,
-            led.oor_value,
+            idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value,
             req if req is not None else idx,
-            led.rows,
-            led.page_size,
-            led.num_pages,
-            led.sink,
-            site,
-            OP=op,
-            PAGE_STARTS=page_starts,
-            AS_PAGES=as_pages,
-            HAS_REQ=req is not None,
-            WEIGHT=weight,
-            KIND_SLOT=self.slot[kind],
-            KIND_BIT=self.bits[kind],
-            OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE],
-            OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE],
-            BLOCK=BLOCK,
+            led.rows, led.page_size, led.num_pages, led.sink, site,
+            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, HAS_REQ=req is not None, WEIGHT=weight,
+            KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
+            OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE], OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE], BLOCK=BLOCK,
         )
 
-    def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> None:
+    def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False,
+               evicting: bool = False) -> None:
         led = self.led
         n = idx.numel()
         _write[self._grid(n)](
-            idx,
-            n,
-            led.state,
-            led.owner,
-            led.alloc_site,
-            led.rows,
-            led.page_size,
-            led.num_pages,
-            led.sink,
-            site,
-            OP=op,
-            PAGE_STARTS=page_starts,
-            AS_PAGES=as_pages,
-            EVICTING=evicting,
-            BLOCK=BLOCK,
+            idx, n, led.state, led.owner, led.alloc_site, led.rows, led.page_size, led.num_pages, led.sink, site,
+            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, EVICTING=evicting, BLOCK=BLOCK,
         )
 
     def alloc(self, idx: Any, site: int, page_starts: bool) -> None:
@@ -257,16 +183,5 @@ class LedgerKernels:
         if not n:
             return
         tensor = not isinstance(req, int)
-        _owner[self._grid(n)](
-            idx,
-            n,
-            led.state,
-            led.owner,
-            req if tensor else idx,
-            0 if tensor else req,
-            led.rows,
-            led.page_size,
-            led.sink,
-            REQ_TENSOR=tensor,
-            BLOCK=BLOCK,
-        )
+        _owner[self._grid(n)](idx, n, led.state, led.owner, req if tensor else idx, 0 if tensor else req,
+                              led.rows, led.page_size, led.sink, REQ_TENSOR=tensor, BLOCK=BLOCK)

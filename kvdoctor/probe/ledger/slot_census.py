@@ -143,16 +143,16 @@ class SlotReadback:
         return ids[:MAX_IDS_IN_EVIDENCE]
 
     def _requests(self, owner: np.ndarray, pages: np.ndarray) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for req in owner[pages][:MAX_NAMED_PAGES]:
-            name = self.requests.describe(int(req))
-            out[name] = out.get(name, 0) + self.page_size
-        return out
+        return self._tally(owner, pages, self.requests.describe)
 
     def _alloc_sites(self, alloc_site: np.ndarray, pages: np.ndarray) -> dict[str, int]:
+        return self._tally(alloc_site, pages, self.sites.name)
+
+    def _tally(self, per_page: np.ndarray, pages: np.ndarray, name_of: Callable[[int], str]) -> dict[str, int]:
+        """Slots per name (request, site) over the first MAX_NAMED_PAGES of `pages`."""
         out: dict[str, int] = {}
-        for site_id in alloc_site[pages][:MAX_NAMED_PAGES]:
-            name = self.sites.name(int(site_id))
+        for value in per_page[pages][:MAX_NAMED_PAGES]:
+            name = name_of(int(value))
             out[name] = out.get(name, 0) + self.page_size
         return out
 

@@ -28,16 +28,7 @@ class SlotLedger(SlotReadback):
     """The ledger of one token-to-KV allocator, in pages (a page is one slot when page_size is 1)."""
 
     def __init__(
-        self,
-        *,
-        name: str,
-        size: int,
-        page_size: int,
-        device: Any,
-        emit: Emit,
-        requests: RequestTable,
-        sites: CallSites,
-        xp: Any = None,
+        self, *, name: str, size: int, page_size: int, device: Any, emit: Emit, requests: RequestTable, sites: CallSites, xp: Any = None
     ) -> None:
         """`xp` overrides where the ledger lives (arrays_for(device) by default): a torch ledger on
         CPU tensors exercises the GPU path without a GPU."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.trace import schema
@@ -41,10 +42,7 @@ class SglangState:
         ledger = self.ledgers.get(id(allocator))
         if ledger is not None:
             return ledger
-        size = getattr(allocator, "size", None)
-        page_size = getattr(allocator, "page_size", None)
-        if not isinstance(size, int) or not isinstance(page_size, int) or size <= 0 or page_size <= 0:
-            raise TypeError(f"{type(allocator).__name__} has no usable size/page_size ({size!r}, {page_size!r})")
+        size, page_size = positive_ints(allocator, "size", "page_size")
         name = f"{type(allocator).__name__}#{len(self.ledgers)}"
         device = getattr(allocator, "device", "cpu")
         probe = self.probe

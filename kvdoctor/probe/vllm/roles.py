@@ -30,7 +30,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, argument
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, argument, positive_ints
 from kvdoctor.probe.ledger.blocks import BlockLedger
 from kvdoctor.trace import schema
 
@@ -73,10 +73,7 @@ class VllmState:
         ledger = self.ledgers.get(id(pool))
         if ledger is not None:
             return ledger
-        num_blocks = getattr(pool, "num_gpu_blocks", None)
-        block_size = getattr(pool, "hash_block_size", None)
-        if not isinstance(num_blocks, int) or num_blocks <= 0 or not isinstance(block_size, int) or block_size <= 0:
-            raise TypeError(f"{type(pool).__name__} has no usable num_gpu_blocks/hash_block_size ({num_blocks!r}, {block_size!r})")
+        num_blocks, block_size = positive_ints(pool, "num_gpu_blocks", "hash_block_size")
         null = getattr(pool, "null_block", None)
         probe = self.probe
         ledger = BlockLedger(
@@ -190,8 +187,27 @@ def _listify(value: Any) -> Any:
 # ----- roles -----
 
 
-class _BlocksArg(Role):
-    """Roles whose first argument is an iterable of blocks: one-shot iterators become lists."""
+class _PoolRole(Role):
+    """Roles on a `BlockPool`: the call is noted (the engine is not quiet) and the pool's ledger found."""
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        st = state(probe)
+        st.last_call = time.monotonic()
+        return (st, st.ledger_for(obj), site)
+
+
+class AllocRole(_PoolRole):
+    wants_site = True
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        st, ledger, site = ctx
+        if result:
+            with ledger.lock:
+                ledger.on_alloc(result, obj, site, st.current.request)
+
+
+class _BlocksRole(_PoolRole):
+    """Pool roles whose first argument is an iterable of blocks: one-shot iterators become lists."""
 
     def prepare_args(self, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
         if args:
@@ -203,56 +219,27 @@ class _BlocksArg(Role):
                     kwargs[key] = _listify(kwargs[key])
         return args, kwargs
 
-    @staticmethod
-    def blocks(args: Args, kwargs: Kwargs) -> Any:
-        if args:
-            return args[0]
-        return kwargs.get("ordered_blocks", kwargs.get("blocks"))
-
-
-class AllocRole(Role):
-    wants_site = True
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        st = state(probe)
-        st.last_call = time.monotonic()
-        return (st, st.ledger_for(obj), site)
-
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger, site = ctx
-        if result:
-            with ledger.lock:
-                ledger.on_alloc(result, obj, site, st.current.request)
-
-
-class TouchRole(_BlocksArg):
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        st = state(probe)
-        st.last_call = time.monotonic()
-        return (st, st.ledger_for(obj))
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        st, ledger = ctx
-        blocks = self.blocks(args, kwargs)
+        blocks = args[0] if args else kwargs.get("ordered_blocks", kwargs.get("blocks"))
         if blocks:
             with ledger.lock:
-                ledger.on_touch(blocks, obj, st.current.request)
+                self.apply(ledger, blocks, obj, site, st.current.request)
+
+    def apply(self, ledger: BlockLedger, blocks: Any, pool: Any, site: int, request: str | None) -> None:
+        raise NotImplementedError
 
 
-class FreeRole(_BlocksArg):
+class TouchRole(_BlocksRole):
+    def apply(self, ledger: BlockLedger, blocks: Any, pool: Any, site: int, request: str | None) -> None:
+        ledger.on_touch(blocks, pool, request)
+
+
+class FreeRole(_BlocksRole):
     wants_site = True
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        st = state(probe)
-        st.last_call = time.monotonic()
-        return (st, st.ledger_for(obj), site)
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        st, ledger, site = ctx
-        blocks = self.blocks(args, kwargs)
-        if blocks:
-            with ledger.lock:
-                ledger.on_free(blocks, obj, site, st.current.request)
+    def apply(self, ledger: BlockLedger, blocks: Any, pool: Any, site: int, request: str | None) -> None:
+        ledger.on_free(blocks, pool, site, request)
 
 
 class CacheRole(Role):
