@@ -159,3 +159,51 @@ def test_probe_imports_no_analysis():
             for name in names:
                 if name.startswith("kvdoctor") and not name.startswith("kvdoctor.probe"):
                     assert name in ALLOWED_IN_PROBE, f"{path} imports {name}"
+
+
+INJECT_DIR = os.path.join(REPO, "kvdoctor", "_inject")
+
+
+def _under_run(code: str, tmp_path, extra_pythonpath: str = "") -> subprocess.CompletedProcess:
+    """`python -c code` with the environment `kvdoctor run` gives its children."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (INJECT_DIR, extra_pythonpath) if p)
+    env["KVDOCTOR_TRACE"] = str(tmp_path / "t.kvtrace.json")
+    env["KVDOCTOR_PACKAGE_ROOT"] = REPO
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_process_without_an_engine_imports_nothing_of_kvdoctor(tmp_path):
+    """The probe's start-up cost in the many processes that never import an engine is a few lines:
+    no kvdoctor module (and so no numpy, no map parsing) is loaded, and no trace is written."""
+    proc = _under_run("import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.startswith(('kvdoctor', 'numpy')))))", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+    assert proc.stderr == ""
+    assert not (tmp_path / "t.kvtrace.json").exists()
+
+
+def test_importing_an_engine_turns_the_probe_on_before_its_first_module(tmp_path):
+    code = ("import sglang.srt.mem_cache.allocator.token as t; from kvdoctor.probe import runtime; "
+            "print(runtime.current() is not None, hasattr(t.TokenToKVPoolAllocator.alloc, '__kvdoctor_role__'))")
+    proc = _under_run(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_the_environments_own_sitecustomize_still_runs_and_nothing_is_printed(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = '1'\n")
+    proc = _under_run("import os, sys; print(os.environ.get('THEIRS_RAN'), sys.modules['sitecustomize'].__file__)", tmp_path, str(theirs))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    ran, module_file = proc.stdout.split()
+    assert ran == "1" and module_file == str(theirs / "sitecustomize.py")
+
+
+def test_the_engines_watched_at_start_are_the_engines_with_maps():
+    from kvdoctor.probe.maps import available_maps
+
+    source = open(os.path.join(INJECT_DIR, "sitecustomize.py")).read()
+    watched = ast.literal_eval(source.split("ENGINE_PACKAGES = ", 1)[1].split("#", 1)[0].strip())
+    assert set(watched) == {m.engine for m in available_maps()}

@@ -1,32 +1,65 @@
 """Loaded by every Python process started under `kvdoctor run` (this folder is on PYTHONPATH).
 
-It turns the probe on, then hands over to any sitecustomize the environment already had.
-Nothing here may fail the host: every error is swallowed.
+Most of those processes never import an engine (shell helpers, compilers, tokenizer workers), so
+nothing of kvdoctor is imported here: a finder of a few lines waits for an engine's top-level
+package (`import sglang`, `import vllm`) and only then turns the probe on, before the engine's
+first module loads. With attribution asked for, the probe starts at once (it watches the whole
+process). Then this hands over to any sitecustomize the environment already had. Nothing here
+may fail the host: every error is swallowed.
 """
 
 import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
-try:
-    _package_root = os.environ.get("KVDOCTOR_PACKAGE_ROOT")
-    if _package_root and _package_root not in sys.path:
-        sys.path.append(_package_root)  # appended: never shadows the host's own modules
-    from kvdoctor.probe import runtime as _kvdoctor_runtime
+ENGINE_PACKAGES = ("sglang", "vllm")   # the engines kvdoctor ships maps for (a test holds them equal)
 
-    _kvdoctor_runtime.activate()
+
+def _activate():
+    try:
+        package_root = os.environ.get("KVDOCTOR_PACKAGE_ROOT")
+        if package_root and package_root not in sys.path:
+            sys.path.append(package_root)  # appended: never shadows the host's own modules
+        from kvdoctor.probe import runtime
+
+        runtime.activate()
+    except Exception:
+        pass
+
+
+class _EngineWatch:
+    """Turns the probe on when an engine's top-level package is first looked up, then steps aside."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if path is None and name in ENGINE_PACKAGES:
+            try:
+                sys.meta_path.remove(cls)
+            except ValueError:
+                pass
+            _activate()
+        return None
+
+
+try:
+    if os.environ.get("KVDOCTOR_ATTRIBUTION"):
+        _activate()
+    elif not os.environ.get("KVDOCTOR_DISABLE"):
+        sys.meta_path.insert(0, _EngineWatch)
 except Exception:
     pass
 
 try:  # chain to the sitecustomize we shadowed, if there is one
     _saved = list(sys.path)
+    _ours = sys.modules.pop("sitecustomize", None)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-    del sys.modules["sitecustomize"]
     try:
         import sitecustomize  # noqa: F401
     except ImportError:
         pass
     finally:
         sys.path[:] = _saved
+        if "sitecustomize" not in sys.modules and _ours is not None:
+            sys.modules["sitecustomize"] = _ours  # the import system reads it back once we return
 except Exception:
     pass
