@@ -141,3 +141,33 @@ def test_traces_carry_no_token_ids(tmp_path):
     assert len(events) > 10
     walk(events)
     assert not leaked, leaked[:10]
+
+
+FORK_CHILD = r'''
+import json, os, sys
+from kvdoctor.probe import runtime
+probe = runtime.activate(sys.argv[1])
+probe.status("on", "before fork")
+probe.emitter.flush()
+child = os.fork()
+if child == 0:
+    runtime.current().status("on", "in the child")
+    runtime.current().emitter.flush()
+    os._exit(0)
+os.waitpid(child, 0)
+probe.status("on", "parent after fork")
+runtime.deactivate()
+print(json.dumps({"parent": os.getpid(), "child": child}))
+'''
+
+
+def test_a_forked_child_writes_under_its_own_pid(tmp_path):
+    path = tmp_path / "fork.kvtrace.json"
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    events = [json.loads(line.rstrip().rstrip(",")) for line in path.read_text().splitlines() if line.startswith("{")]
+    said = {e["args"].get("reason"): e["pid"] for e in events if e["name"] == "probe_status"}
+    assert said == {"before fork": pids["parent"], "in the child": pids["child"], "parent after fork": pids["parent"]}
+    headers = sorted(e["pid"] for e in events if e["name"] == "kvdoctor_header")
+    assert headers == sorted([pids["parent"], pids["child"]])

@@ -11,6 +11,7 @@ import collections
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,28 @@ class Emitter:
         self._title = ""
         self.periodic: list[Callable[[], None]] = []
         self.listeners: list[Callable[[schema.Event], None]] = []
+        self.header_written = False
+        if hasattr(os, "register_at_fork"):
+            own = weakref.WeakMethod(self._after_fork)
+
+            def after_fork() -> None:
+                method = own()
+                if method is not None:
+                    method()
+
+            os.register_at_fork(after_in_child=after_fork)
+
+    def _after_fork(self) -> None:
+        """A forked child is a process of its own: its own pid and header, a fresh writer thread
+        (threads do not survive fork), and none of the parent's buffered events (the parent writes them)."""
+        self.pid = os.getpid()
+        self.buffer = collections.deque()
+        self.dropped = self._dropped_reported = 0
+        self.written_events = self.written_bytes = 0
+        self._writer = None
+        self._thread = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.header_written = False
 
     def emit(self, name: str, args: dict[str, Any], *, ph: str = "i", cat: str = schema.CAT_PROBE) -> None:
