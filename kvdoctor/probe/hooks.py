@@ -58,17 +58,26 @@ def resolve(obj: Any, dotted: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-    """What the map says about one wrapped method: its role, its class's options, and where its
-    arguments are when a release moved them (`positions`, from the map's `args` table)."""
+    """What the map says about one wrapped method: its role, the ledger it feeds, its class's
+    options, and where each argument the role reads is (`positions`: the role's defaults, with the
+    map's `args` table where a release moved one)."""
 
     role: str
     method: str
+    ledger: str = ""
     spec: ClassHooks | None = None
     positions: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def options(self) -> dict[str, Any]:
         return self.spec.options if self.spec is not None else {}
+
+    def arg(self, args: Args, kwargs: Kwargs, name: str) -> Any:
+        """The host call's argument `name` (by keyword, else at its position); None if not passed."""
+        if name in kwargs:
+            return kwargs[name]
+        position = self.positions.get(name)
+        return args[position] if position is not None and len(args) > position else None
 
 
 class Role:
@@ -82,6 +91,12 @@ class Role:
 
     composite: ClassVar[bool] = False
     wants_site: ClassVar[bool] = False
+    ledger: ClassVar[str] = ""  # the ledger it feeds: off unless all its hooks resolve
+    reads: ClassVar[dict[str, int]] = {}  # arguments read by name -> default position (self not counted)
+
+    def positions(self, moved: dict[str, int] | None) -> dict[str, int]:
+        """Where this role finds its arguments, given a map's `args` entry for the method."""
+        return {**self.reads, **(moved or {})}
 
     def prepare_args(self, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
         """Turns one-shot arguments (iterators) into lists that yield the same items, so that the
@@ -108,7 +123,8 @@ class Role:
 
 
 class NoteRole(Role):
-    """A role that changes no ledger (a lock, a free group's begin, a merge of staged pages)."""
+    """A call that changes no slot's state (a lock, a free group's begin, a merge of staged pages);
+    hooked so that a release which renames it is noticed."""
 
 
 class RoleRegistry:
@@ -166,6 +182,7 @@ LOCAL = _ThreadState()
 def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
     """The host's method with `role` around it. See the module docstring for the guarantees."""
     name = hook.role
+    ledger = hook.ledger
     composite = role.composite
     wants_site = role.wants_site
     local = LOCAL
@@ -176,7 +193,7 @@ def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callabl
     @functools.wraps(original)
     def wrapper(obj: Any, *args: Any, **kwargs: Any) -> Any:
         probe = current.probe
-        if probe is None or not probe.ledger_on:
+        if probe is None or not probe.ledger_on or ledger in probe.ledgers_off:
             return original(obj, *args, **kwargs)
         key = (id(obj), name)
         busy = local.busy
@@ -241,7 +258,7 @@ def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Calla
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         probe = current.probe
-        if probe is not None and probe.ledger_on:
+        if probe is not None and probe.ledger_on and hook.ledger not in probe.ledgers_off:
             try:
                 role.after(probe, hook, None, args, kwargs, result, None)
             except Exception as exc:

@@ -1,10 +1,17 @@
-"""Loads the versioned probe maps shipped in `probes/` (package data `kvdoctor.probes`)."""
+"""Loads the versioned probe maps shipped in `probes/` (package data `kvdoctor.probes`).
+
+A map names, for a range of an engine's releases, which method of which class plays which role.
+`versions` is a list of releases or a range (`">=0.5.10,<0.5.16"`). A release no map covers is
+served by the nearest map whose hooks all resolve in the installed sources (`verify.check_map`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from typing import Any
+
+from kvdoctor.probe.versions import VersionRange, release_distance
 
 try:
     import tomllib
@@ -34,7 +41,7 @@ class FunctionHook:
 @dataclasses.dataclass
 class ProbeMap:
     engine: str
-    versions: list[str]
+    versions: VersionRange
     classes: list[ClassHooks]
     functions: list[FunctionHook]
     source: str
@@ -42,6 +49,12 @@ class ProbeMap:
 
     def modules(self) -> set[str]:
         return {c.module for c in self.classes} | {f.module for f in self.functions}
+
+    def covers(self, version: str) -> bool:
+        return version in self.versions
+
+    def hook_count(self) -> int:
+        return sum(len(c.methods) for c in self.classes) + len(self.functions)
 
 
 def _maps_dir() -> str:
@@ -75,7 +88,7 @@ def load_map(path: str) -> ProbeMap:
     functions = [FunctionHook(f["module"], f["function"], f["role"]) for f in raw.get("functions", [])]
     return ProbeMap(
         raw["engine"],
-        list(raw["versions"]),
+        VersionRange(raw["versions"] if isinstance(raw["versions"], str) else [str(v) for v in raw["versions"]]),
         classes,
         functions,
         os.path.basename(path),
@@ -94,11 +107,17 @@ def available_maps(engine: str | None = None) -> list[ProbeMap]:
 
 
 def map_for(engine: str, version: str) -> ProbeMap | None:
+    """The map tested for `version` (one whose range covers it), or None."""
     for probe_map in available_maps(engine):
-        if version in probe_map.versions:
+        if probe_map.covers(version):
             return probe_map
     return None
 
 
-def known_versions(engine: str = "sglang") -> list[str]:
-    return [v for m in available_maps(engine) for v in m.versions]
+def maps_by_nearness(engine: str, version: str) -> list[ProbeMap]:
+    """The engine's maps, nearest release first (for a release no map covers)."""
+    return sorted(available_maps(engine), key=lambda m: release_distance(version, m.versions.anchor()))
+
+
+def known_versions(engine: str) -> list[str]:
+    return [str(m.versions) for m in available_maps(engine)]

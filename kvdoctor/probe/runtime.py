@@ -21,7 +21,8 @@ from typing import Any, Protocol, TypeVar
 from kvdoctor.probe.callsites import CallSites, short_path
 from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, LOCAL, REGISTRY, Hook, ImportHook, rebind_imported, wrap_function, wrap_method
-from kvdoctor.probe.maps import ProbeMap, available_maps, known_versions, map_for
+from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, known_versions, map_for, maps_by_nearness
+from kvdoctor.probe.verify import MapCheck, check_map, check_signature
 from kvdoctor.trace import schema
 
 ENV_TRACE = "KVDOCTOR_TRACE"
@@ -64,7 +65,10 @@ class Probe:
         self.ledger_on = True
         self.off_reason = ""
         self.maps: dict[str, ProbeMap | None] = {}
+        self.map_notes: dict[str, str] = {}
         self.versions: dict[str, str] = {}
+        self.ledgers_off: set[str] = set()
+        self.patched_modules: set[str] = set()
         self.patched: list[str] = []
         self.missing: list[str] = []
         self.calls = 0
@@ -114,12 +118,21 @@ class Probe:
         self.off_reason = f"{type(exc).__name__} in the {role} hook{at}: {exc}"
         self.status("off", self.off_reason + "; the server's calls go on untouched, ledger findings stop here")
 
+    def ledger_is_on(self, ledger: str) -> bool:
+        """Whether a ledger may be fed and read: the probe is on and all the ledger's hooks resolved."""
+        return self.ledger_on and ledger not in self.ledgers_off
+
     def stats(self) -> dict[str, Any]:
         return {"hooked_calls": self.calls, "probe_failures": self.failures, **self.emitter.stats()}
 
     # ----- the writer thread's round, and the end -----
 
     def _periodic(self) -> None:
+        if self.ledger_on:
+            try:
+                self.sweep()
+            except Exception as exc:
+                self.fail("patch", exc)
         for fix, count in list(self._fix_unreported.items()):
             if count:
                 self._fix_unreported[fix] = 0
@@ -156,78 +169,166 @@ class Probe:
         return self.versions.get(engine, "")
 
     def select_map(self, engine: str) -> ProbeMap | None:
-        """The map for the installed version of `engine`, or None (and the probe off) if unknown."""
+        """The map for the installed release of `engine`: the one tested for it, else the nearest
+        one whose hooks resolve in the installed sources. Ledgers whose hooks do not all resolve
+        stay off; with none left on (or no map at all) the probe stays out of this process."""
         if engine in self.maps:
             return self.maps[engine]
         version = os.environ.get(forced_version_env(engine)) or installed_version(engine)
-        probe_map = map_for(engine, version)
         self.versions[engine] = version
         if not self.emitter.header_args.get("engine"):
             self.emitter.header_args["engine"] = engine
             self.emitter.header_args["engine_version"] = version
+        label = f"{ENGINE_LABELS.get(engine, engine)} {version or '(version unreadable)'}"
+        tested = map_for(engine, version)
+        if tested is not None:
+            # Tested on this release: each hook is still checked against the live code as it is wrapped.
+            REGISTRY.load(engine)
+            self.maps[engine] = tested
+            return tested
+        check = nearest_resolving_map(engine, version)
+        probe_map = check.probe_map if check is not None else None
         self.maps[engine] = probe_map
-        label = ENGINE_LABELS.get(engine, engine)
-        if probe_map is None:
-            self.ledger_on = False
-            self.off_reason = (
-                f"{label} {version or 'of unknown version'} is not a version kvdoctor knows (it knows {', '.join(known_versions(engine))})"
+        if check is None or probe_map is None:
+            self._turn_off(
+                f"{label}: kvdoctor has no map for {ENGINE_LABELS.get(engine, engine)} (it knows {', '.join(known_versions(engine))})"
             )
-            self.status("off", self.off_reason + "; the probe stays out of this process and the server runs untouched")
             return None
-        REGISTRY.load(engine)
+        off = check.ledgers_off()
+        self.ledgers_off |= set(off)
+        self.map_notes[engine] = describe_choice(label, check)
+        if off and set(off) >= set(check.ledgers()):
+            self._turn_off(self.map_notes[engine])
+            return None
+        self.status("partial" if off else "on", self.map_notes[engine], map=probe_map.source, ledgers_off=sorted(off))
+        say(self.map_notes[engine])
         return probe_map
+
+    def _turn_off(self, reason: str) -> None:
+        self.ledger_on = False
+        self.off_reason = reason
+        self.status("off", reason + "; the probe stays out of this process and the server runs untouched")
+        say(reason + "; the probe stays out of this process")
 
     def patch_module(self, module: ModuleType) -> None:
         name = module.__name__
         engine = name.split(".", 1)[0]
         probe_map = self.select_map(engine)
-        if probe_map is None:
+        if probe_map is None or name in self.patched_modules:
             return
+        self.patched_modules.add(name)
         for spec in probe_map.classes:
             if spec.module != name:
                 continue
             cls = getattr(module, spec.cls, None)
-            if cls is None:
-                self.missing.append(f"{name}.{spec.cls}")
-                continue
             for method, role_name in spec.methods.items():
-                original = cls.__dict__.get(method)
-                role = REGISTRY.get(role_name)
-                if original is None or role is None:
-                    self.missing.append(f"{spec.cls}.{method}" + ("" if role else f" (role {role_name!r} unknown)"))
-                    continue
-                if getattr(original, "__kvdoctor_role__", None):
-                    continue
-                hook = Hook(role_name, method, spec, spec.args.get(method, {}))
-                setattr(cls, method, wrap_method(original, role, hook))
-                self.patched.append(f"{spec.cls}.{method}")
+                original = cls.__dict__.get(method) if cls is not None else None
+
+                def patch(wrapped: Callable[..., Any], cls: Any = cls, method: str = method) -> None:
+                    setattr(cls, method, wrapped)
+
+                self._hook(f"{spec.cls}.{method}", original, role_name, spec, method, patch)
         for fn_spec in probe_map.functions:
             if fn_spec.module != name:
                 continue
             original = getattr(module, fn_spec.function, None)
-            role = REGISTRY.get(fn_spec.role)
-            if original is None or role is None:
-                self.missing.append(f"{name}.{fn_spec.function}" + ("" if role else f" (role {fn_spec.role!r} unknown)"))
-                continue
-            if getattr(original, "__kvdoctor_role__", None):
-                continue
-            wrapped = wrap_function(original, role, Hook(fn_spec.role, fn_spec.function))
-            setattr(module, fn_spec.function, wrapped)
-            rebind_imported(original, wrapped, (engine,))
-            self.patched.append(f"{name}.{fn_spec.function}")
+
+            def install(wrapped: Callable[..., Any], original: Any = original, fn: str = fn_spec.function) -> None:
+                setattr(module, fn, wrapped)
+                rebind_imported(original, wrapped, (engine,))
+
+            self._hook(f"{name}.{fn_spec.function}", original, fn_spec.role, None, fn_spec.function, install)
         label = ENGINE_LABELS.get(probe_map.engine, probe_map.engine)
         self.status(
             "on" if not self.missing else "partial",
-            f"{label} {probe_map.versions[0]}: {len(self.patched)} methods hooked"
-            + (f"; not found: {', '.join(self.missing)}" if self.missing else ""),
+            f"{label} {self.version_of(engine)} ({probe_map.source}): {len(self.patched)} methods hooked"
+            + (f"; not hooked: {', '.join(self.missing)}" if self.missing else "")
+            + (f"; ledgers off: {', '.join(sorted(self.ledgers_off))}" if self.ledgers_off else ""),
             map=probe_map.source,
         )
+
+    def _hook(
+        self, where: str, original: Any, role_name: str, spec: ClassHooks | None, method: str, install: Callable[[Callable[..., Any]], None]
+    ) -> None:
+        """Wraps one method or function, after checking it is what the map says it is; a hook
+        that is not switches its ledger off (said once, with the reason)."""
+        role = REGISTRY.get(role_name)
+        if role is None:
+            self.missing.append(f"{where} (role {role_name!r} unknown)")
+            return
+        if role.ledger in self.ledgers_off or getattr(original, "__kvdoctor_role__", None):
+            return
+        hook = Hook(role_name, method, role.ledger, spec, role.positions(spec.args.get(method) if spec else None))
+        problem = "not found" if original is None else check_signature(original, hook.positions, method=spec is not None)
+        if problem:
+            self.missing.append(f"{where} ({problem})")
+            self.ledgers_off.add(role.ledger)
+            reason = f"the {role.ledger} ledger is off: {where} {problem}"
+            self.status("partial", reason, ledgers_off=sorted(self.ledgers_off))
+            say(reason)
+            return
+        install(wrap_method(original, role, hook) if spec is not None else wrap_function(original, role, hook))
+        self.patched.append(where)
 
     def on_module_loaded(self, module: ModuleType) -> None:
         try:
             self.patch_module(module)
+            self.sweep()
         except Exception as exc:
             self.fail("patch", exc)
+
+    def sweep(self) -> None:
+        """Patches mapped modules that were loaded without passing through our import hook (another
+        package's import hook in front of ours loaded them): a ledger must not miss their calls."""
+        for probe_map in list(self.maps.values()):
+            if probe_map is None:
+                continue
+            for name in sorted(probe_map.modules() - self.patched_modules):
+                module = sys.modules.get(name)
+                if module is not None and not still_importing(module):
+                    self.patch_module(module)
+
+
+def nearest_resolving_map(engine: str, version: str) -> MapCheck | None:
+    """For a release no map was tested on: the nearest map whose hooks all resolve in the
+    installed sources; else the nearest with the most resolving (its unresolved ledgers stay off)."""
+    best: MapCheck | None = None
+    for candidate in maps_by_nearness(engine, version):
+        check = check_map(candidate)
+        if not check.unresolved:
+            return check
+        if best is None or check.resolved_count > best.resolved_count:
+            best = check
+    return best
+
+
+def describe_choice(label: str, check: MapCheck) -> str:
+    """One line: which map serves this release, how many hooks resolved, which ledgers are off."""
+    total = len(check.hooks)
+    head = f"{label} has no tested map; using {check.probe_map.source}"
+    if not check.unresolved:
+        return f"{head}, all {total} hooks resolved"
+    off = "; ".join(
+        f"{ledger} ledger off ({', '.join(problems[:3])}{', ...' if len(problems) > 3 else ''})"
+        for ledger, problems in sorted(check.ledgers_off().items())
+    )
+    return f"{head}, {check.resolved_count}/{total} hooks resolved; {off}"
+
+
+def still_importing(module: ModuleType) -> bool:
+    """A module whose body is still running (it imported the one that just loaded): its classes
+    may not exist yet, so it is patched once it is complete."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def say(line: str) -> None:
+    """One line on stderr for what a serving engineer must know (a map not tested for this
+    release, a ledger off); never raises."""
+    try:
+        sys.stderr.write(f"kvdoctor: {line}\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
 
 
 def installed_version(engine: str) -> str:
@@ -278,7 +379,7 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
 
         for name in sorted(modules):
             module = sys.modules.get(name)
-            if module is not None:
+            if module is not None and not still_importing(module):
                 probe.on_module_loaded(module)
         try:
             from kvdoctor.probe import attribution

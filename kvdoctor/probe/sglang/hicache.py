@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, argument
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
 from kvdoctor.probe.sglang.state import sglang_state
 from kvdoctor.trace import schema
 
@@ -54,6 +54,8 @@ class HiCacheState:
         self.last_report: tuple[int, int] = (0, 0)
 
     def periodic(self, probe: Probe) -> None:
+        if not probe.ledger_is_on("hicache"):
+            return
         args: dict[str, Any] = dict(self.counts)
         for host in list(self.hosts.values()):
             try:
@@ -136,11 +138,17 @@ class HiCacheState:
         return None
 
 
+class HiCacheRole(Role):
+    """A role that feeds HiCache's bookkeeping (host pool, controller queues, storage, views)."""
+
+    ledger = "hicache"
+
+
 def state(probe: Probe) -> HiCacheState:
     return probe.state("hicache", HiCacheState)
 
 
-class HostAllocRole(Role):
+class HostAllocRole(HiCacheRole):
     wants_site = True
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -161,14 +169,14 @@ class HostAllocRole(Role):
         return result
 
 
-class HostFreeRole(Role):
+class HostFreeRole(HiCacheRole):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         st.hosts[id(obj)] = obj
         st.counts["host_frees"] += 1
 
 
-class ControllerRole(Role):
+class ControllerRole(HiCacheRole):
     counter = ""
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -190,11 +198,13 @@ class LoadRole(ControllerRole):
     counter = "loads"
 
 
-class TreeBackupRole(Role):
+class TreeBackupRole(HiCacheRole):
     """`write_backup` stores the host indices on the node: name that as the storing site."""
 
+    reads = {"node": 0}
+
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        node = argument(args, kwargs, "node", 0)
+        node = hook.arg(args, kwargs, "node")
         value = getattr(node, "host_value", None)
         if value is not None and getattr(value, "_base", None) is not None:
             st = state(probe)
@@ -202,10 +212,12 @@ class TreeBackupRole(Role):
             st.storing_sites[name] = st.storing_sites.get(name, 0) + 1
 
 
-class TreeLoadRole(Role):
+class TreeLoadRole(HiCacheRole):
     """`load_back` gives freshly allocated device slots to evicted tree nodes: they are the tree's
-    now, not a request's (without this every loaded page would look orphaned at a census)."""
+    now, not a request's (without this every loaded page would look orphaned at a census), so it
+    belongs to the slot ledger."""
 
+    ledger = "slots"
     wants_site = True
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
@@ -217,12 +229,13 @@ class TreeLoadRole(Role):
                 ledger.on_tree_insert(result, ctx or 0)
 
 
-class StorageRole(Role):
+class StorageRole(HiCacheRole):
     kind = ""
+    reads = {"keys": 0}
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
-        keys = argument(args, kwargs, "keys", 0)
+        keys = hook.arg(args, kwargs, "keys")
         st.counts[f"storage_{self.kind}s"] += 1
         if isinstance(keys, (list, tuple)):
             st.counts[f"storage_{self.kind}_pages"] += len(keys)
@@ -256,7 +269,7 @@ def loads_in_flight(st: HiCacheState) -> tuple[int, list[Any]]:
     return pending, events
 
 
-class GraphReplayRole(Role):
+class GraphReplayRole(HiCacheRole):
     wants_site = True
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:

@@ -32,7 +32,17 @@ def _group_open(obj: Any, hook: Hook) -> bool:
     return value is not None
 
 
-class AllocRole(Role):
+class SlotRole(Role):
+    """A role that feeds the slot ledger."""
+
+    ledger = "slots"
+
+
+class SlotNoteRole(NoteRole):
+    ledger = "slots"
+
+
+class AllocRole(SlotRole):
     composite = True
     wants_site = True
     only_page_starts = False
@@ -101,20 +111,23 @@ def _report_fix(probe: Probe, ledger: SlotLedger, name: str, before: Any, after:
 
 class ExtendRole(AllocRole):
     only_page_starts = True
+    reads = {"prefix_lens": 0}
 
     def prefix_lens(self, args: Args, kwargs: Kwargs) -> Any:
         """alloc_extend(prefix_lens, ...): the tokens before last_loc + 1."""
-        return argument(args, kwargs, "prefix_lens", 0)
+        return argument(args, kwargs, "prefix_lens", self.reads["prefix_lens"])
 
 
 class DecodeRole(ExtendRole):
+    reads = {"seq_lens": 0}
+
     def prefix_lens(self, args: Args, kwargs: Kwargs) -> Any:
         """alloc_decode(seq_lens, ...): seq_lens counts the new token."""
-        seq_lens = argument(args, kwargs, "seq_lens", 0)
+        seq_lens = argument(args, kwargs, "seq_lens", self.reads["seq_lens"])
         return None if seq_lens is None else seq_lens - 1
 
 
-class FreeRole(Role):
+class FreeRole(SlotRole):
     composite = True
     wants_site = True
     as_pages = False
@@ -149,7 +162,7 @@ class FreePagesRole(FreeRole):
     as_pages = True
 
 
-class GroupEndRole(Role):
+class GroupEndRole(SlotRole):
     wants_site = True
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -165,7 +178,7 @@ class GroupEndRole(Role):
                     ledger.on_free(pages, site, evicting=probe.local.evicting > 0, as_pages=True)
 
 
-class ClearRole(Role):
+class ClearRole(SlotRole):
     composite = True
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
@@ -178,8 +191,9 @@ def _tree_size(tree: Any) -> int:
     return int(tree.evictable_size()) + int(tree.protected_size())
 
 
-class TreeInsertRole(Role):
+class TreeInsertRole(SlotRole):
     wants_site = True
+    reads = {"params": 0}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         ledger = sglang_state(probe).tree_ledger(obj)
@@ -191,7 +205,7 @@ class TreeInsertRole(Role):
         if ctx is None:
             return
         ledger, site, size_before = ctx
-        params = argument(args, kwargs, "params", 0)
+        params = hook.arg(args, kwargs, "params")
         value = getattr(params, "value", None)
         if value is None or not hasattr(value, "numel"):
             return
@@ -203,7 +217,7 @@ class TreeInsertRole(Role):
             ledger.on_tree_insert(value[prefix_len : prefix_len + grown], site)
 
 
-class TreeEvictRole(Role):
+class TreeEvictRole(SlotRole):
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         sglang_state(probe).tree_ledger(obj)
         probe.local.evicting += 1
@@ -214,11 +228,12 @@ class TreeEvictRole(Role):
             probe.local.evicting -= 1
 
 
-class TreeUnlockRole(Role):
+class TreeUnlockRole(SlotRole):
     wants_site = True
+    reads = {"node": 0}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        node = argument(args, kwargs, "node", 0)
+        node = hook.arg(args, kwargs, "node")
         lock_ref = getattr(node, "lock_ref", None)
         if isinstance(lock_ref, int) and lock_ref <= 0 and node is not getattr(obj, "root_node", None):
             probe.emitter.emit(
@@ -233,7 +248,7 @@ class TreeUnlockRole(Role):
         return None
 
 
-class TreeResetRole(Role):
+class TreeResetRole(SlotRole):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = sglang_state(probe).tree_ledger(obj)
         if ledger is not None:
@@ -241,20 +256,24 @@ class TreeResetRole(Role):
                 ledger.on_tree_reset()
 
 
-class ReqAllocRole(Role):
+class ReqAllocRole(SlotRole):
+    reads = {"reqs": 0}
+
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if not result:
             return
-        reqs = argument(args, kwargs, "reqs", 0)
+        reqs = hook.arg(args, kwargs, "reqs")
         reqs = reqs if isinstance(reqs, (list, tuple)) else [None] * len(result)
         requests = sglang_state(probe).requests
         for req, index in zip(reqs, result, strict=False):
             requests.allocated(int(index), str(getattr(req, "rid", "?")))
 
 
-class ReqFreeRole(Role):
+class ReqFreeRole(SlotRole):
+    reads = {"req": 0}
+
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        req = argument(args, kwargs, "req", 0)
+        req = hook.arg(args, kwargs, "req")
         index = resolve(req, hook.options.get("req_index_attr", "req_pool_idx"))
         if index is None and isinstance(req, int):
             index = req
@@ -267,21 +286,25 @@ class ReqFreeRole(Role):
         state.request_rows_freed()
 
 
-class ReqFreeRowsRole(Role):
+class ReqFreeRowsRole(SlotRole):
+    reads = {"indices": 0}
+
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
-        for index in argument(args, kwargs, "indices", 0) or []:
+        for index in hook.arg(args, kwargs, "indices") or []:
             state.requests.freed(int(index))
         state.request_rows_freed()
 
 
-class ReqWriteRole(Role):
+class ReqWriteRole(SlotRole):
+    reads = {"indices": 0, "values": 1}
+
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = sglang_state(probe).primary
         if ledger is None:
             return
-        indices = argument(args, kwargs, "indices", 0)
-        values = argument(args, kwargs, "values", 1)
+        indices = hook.arg(args, kwargs, "indices")
+        values = hook.arg(args, kwargs, "values")
         if not isinstance(indices, tuple) or len(indices) != 2 or not hasattr(values, "numel"):
             return
         row = indices[0]
@@ -295,22 +318,24 @@ class ReqWriteRole(Role):
             ledger.on_owner(values, owner)
 
 
-class ReqClearRole(Role):
+class ReqClearRole(SlotRole):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         state.requests.cleared()
         state.census_pending = True
 
 
-class LastLocSourceRole(Role):
+class LastLocSourceRole(SlotRole):
     """`get_last_loc(req_to_token, req_pool_indices, prefix_lens)`: remember which rows it read."""
+
+    reads = {"req_to_token": 0, "req_pool_indices_tensor": 1, "prefix_lens_tensor": 2}
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         sglang_state(probe).remember_last_loc_source(
             result,
-            argument(args, kwargs, "req_pool_indices_tensor", 1),
-            argument(args, kwargs, "req_to_token", 0),
-            argument(args, kwargs, "prefix_lens_tensor", 2),
+            hook.arg(args, kwargs, "req_pool_indices_tensor"),
+            hook.arg(args, kwargs, "req_to_token"),
+            hook.arg(args, kwargs, "prefix_lens_tensor"),
         )
 
 
@@ -321,14 +346,15 @@ ROLES: dict[str, Role] = {
     "free": FreeRole(),
     "free_segment": FreeRole(),
     "free_pages": FreePagesRole(),
-    "group_begin": NoteRole(),
+    "group_begin": SlotNoteRole(),
     "group_end": GroupEndRole(),
-    "merge": NoteRole(),
+    "merge": SlotNoteRole(),
     "clear": ClearRole(),
     "tree_insert": TreeInsertRole(),
     "tree_evict": TreeEvictRole(),
-    "tree_lock": NoteRole(),
+    "tree_lock": SlotNoteRole(),
     "tree_unlock": TreeUnlockRole(),
+    "tree_unlock_by_id": SlotNoteRole(),
     "tree_reset": TreeResetRole(),
     "req_alloc": ReqAllocRole(),
     "req_free": ReqFreeRole(),

@@ -104,7 +104,7 @@ class SglangState:
     def census_all(self, reason: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         probe = self.probe
-        if not probe.ledger_on:
+        if not probe.ledger_is_on("slots"):
             return out
         for ledger in list(self.ledgers.values()):
             try:
@@ -128,7 +128,7 @@ class SglangState:
 
     def periodic(self, probe: Probe) -> None:
         for ledger in list(self.ledgers.values()):
-            if not probe.ledger_on:
+            if not probe.ledger_is_on("slots"):
                 break
             try:
                 ledger.poll()
@@ -142,7 +142,7 @@ class SglangState:
                 probe.fail("poll", exc)
 
     def close(self, probe: Probe, reason: str) -> None:
-        if self.ledgers:
+        if self.ledgers and probe.ledger_is_on("slots"):
             self.census_all(reason)
             for ledger in self.ledgers.values():
                 probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, argument, positive_ints
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, positive_ints
 from kvdoctor.probe.ledger.blocks import BlockLedger
 from kvdoctor.trace import schema
 
@@ -115,7 +115,7 @@ class VllmState:
 
     def census(self, reason: str) -> None:
         probe = self.probe
-        if not probe.ledger_on:
+        if not probe.ledger_is_on("blocks"):
             return
         with self.lock:
             self.census_due = False
@@ -135,7 +135,7 @@ class VllmState:
             self.census_due = True
 
     def periodic(self, probe: Probe) -> None:
-        if not probe.ledger_on:
+        if not probe.ledger_is_on("blocks"):
             return
         try:
             if (
@@ -187,7 +187,13 @@ def _listify(value: Any) -> Any:
 # ----- roles -----
 
 
-class _PoolRole(Role):
+class VllmRole(Role):
+    """A role that feeds the block ledger."""
+
+    ledger = "blocks"
+
+
+class _PoolRole(VllmRole):
     """Roles on a `BlockPool`: the call is noted (the engine is not quiet) and the pool's ledger found."""
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -242,11 +248,13 @@ class FreeRole(_BlocksRole):
         ledger.on_free(blocks, pool, site, request)
 
 
-class CacheRole(Role):
+class CacheRole(VllmRole):
+    reads = {"num_cached_blocks": 2, "num_full_blocks": 3}
+
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         try:
-            cached = argument(args, kwargs, "num_cached_blocks", 2)
-            full = argument(args, kwargs, "num_full_blocks", 3)
+            cached = hook.arg(args, kwargs, "num_cached_blocks")
+            full = hook.arg(args, kwargs, "num_full_blocks")
             count = int(full) - int(cached)
         except (TypeError, ValueError):
             return
@@ -255,14 +263,16 @@ class CacheRole(Role):
             ledger.on_cache(count)
 
 
-class EvictRole(Role):
+class EvictRole(VllmRole):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = state(probe).ledgers.get(id(obj))
         if ledger is not None:
             ledger.on_evict(bool(result))
 
 
-class ReqAllocRole(Role):
+class ReqAllocRole(VllmRole):
+    reads = {"request": 0}
+
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
@@ -308,7 +318,7 @@ class ReqPopRole(ReqFreeRole):
             st.live.discard(rid)
 
 
-class ExitRole(Role):
+class ExitRole(VllmRole):
     """`EngineCore.shutdown`: the exit census, before the teardown that may end in SIGKILL."""
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:

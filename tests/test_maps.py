@@ -1,0 +1,99 @@
+"""Maps and the releases they cover: version ranges, the nearest map, and checking a map's hooks
+against the installed SGLang's sources (module, class, method, arguments by name and position)."""
+
+import copy
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from kvdoctor.probe.maps import available_maps, map_for, maps_by_nearness
+from kvdoctor.probe.verify import argument_problem, check_map, module_source
+from kvdoctor.probe.versions import VersionRange, version_key
+
+
+def test_version_order_follows_releases():
+    ordered = ["0.5.9", "0.5.10rc1", "0.5.10", "0.5.10.post1", "0.5.11", "0.5.22", "0.5.23"]
+    keys = [version_key(v) for v in ordered]
+    assert keys == sorted(keys)
+    assert version_key("not a version") is None
+
+
+@pytest.mark.parametrize("spec,inside,outside", [
+    (">=0.5.10,<0.5.16", ["0.5.10", "0.5.13.post1", "0.5.15.post1"], ["0.5.9", "0.5.16", "0.5.23"]),
+    (["0.5.9"], ["0.5.9"], ["0.5.9.post1", "0.5.10"]),
+    ("==0.5.23", ["0.5.23"], ["0.5.22"]),
+])
+def test_version_ranges(spec, inside, outside):
+    covered = VersionRange(spec)
+    assert all(v in covered for v in inside)
+    assert not any(v in covered for v in outside)
+
+
+def test_an_unreadable_range_is_refused():
+    with pytest.raises(ValueError, match="unreadable version range"):
+        VersionRange(">=0.5.10;<0.6")
+
+
+def test_tested_and_nearest_maps():
+    assert map_for("sglang", "0.5.23").source == "sglang-0.5.23.toml"
+    assert map_for("sglang", "0.5.24") is None
+    assert maps_by_nearness("sglang", "0.5.24")[0].source == "sglang-0.5.23.toml"
+    assert maps_by_nearness("sglang", "0.5.8")[0].source == "sglang-0.5.9.toml"
+
+
+def _installed_map():
+    return copy.deepcopy(map_for("sglang", "0.5.23"))
+
+
+def test_every_hook_of_the_tested_map_resolves_in_the_installed_sources():
+    check = check_map(_installed_map())
+    assert check.unresolved == [] and len(check.hooks) == 42
+
+
+def test_a_renamed_method_switches_its_ledger_off_and_names_the_hook():
+    probe_map = _installed_map()
+    tree = next(c for c in probe_map.classes if c.cls == "RadixCache")
+    tree.methods["insert_renamed"] = tree.methods.pop("insert")
+    check = check_map(probe_map)
+    assert [(h.hook, h.problem) for h in check.unresolved] == [("RadixCache.insert_renamed", "RadixCache defines no insert_renamed")]
+    assert list(check.ledgers_off()) == ["slots"]
+
+
+def test_a_moved_argument_is_named_with_where_it_is_now():
+    probe_map = _installed_map()
+    paged = next(c for c in probe_map.classes if c.cls == "PagedTokenToKVPoolAllocator")
+    paged.args["alloc_extend"] = {"last_loc": 1}
+    check = check_map(probe_map)
+    (bad,) = check.unresolved
+    assert bad.hook == "PagedTokenToKVPoolAllocator.alloc_extend" and "argument 'last_loc' is at position 4, not 1" in bad.problem
+
+
+def test_a_module_or_class_that_moved_is_named():
+    probe_map = _installed_map()
+    probe_map.classes[0] = dataclasses.replace(probe_map.classes[0], module="sglang.srt.mem_cache.no_such_module")
+    probe_map.classes[1] = dataclasses.replace(probe_map.classes[1], cls="NoSuchAllocator")
+    problems = {h.problem for h in check_map(probe_map).unresolved}
+    assert "module sglang.srt.mem_cache.no_such_module not found" in problems
+    assert any(p.startswith("class NoSuchAllocator not defined in") for p in problems)
+
+
+def test_argument_problems():
+    assert argument_problem(["prefix_lens", "seq_lens", "last_loc"], {"last_loc": 2}) == ""
+    assert argument_problem(["a", "b"], {"last_loc": 4}) == "no argument 'last_loc' (positions: a, b)"
+    assert argument_problem(["a"], {"x": 3}, has_varargs=True) == ""
+
+
+def test_module_source_finds_files_without_importing_them():
+    before = set(sys.modules)
+    path = module_source("sglang.srt.mem_cache.radix_cache")
+    assert path and path.endswith(os.path.join("sglang", "srt", "mem_cache", "radix_cache.py"))
+    assert module_source("sglang.srt.mem_cache.allocator").endswith(os.path.join("allocator", "__init__.py"))
+    assert module_source("sglang.srt.no_such") is None
+    assert not {m for m in set(sys.modules) - before if m.startswith("sglang.srt")}
+
+
+def test_every_shipped_map_reads_its_ranges():
+    for probe_map in available_maps():
+        assert str(probe_map.versions)
