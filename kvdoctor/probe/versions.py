@@ -42,7 +42,7 @@ def release_distance(a: str, b: str) -> float:
         return float("inf")
     ra, rb = ka[0], kb[0]
     weights = (1e9, 1e6, 1e3, 1.0)
-    distance = sum(abs(x - y) * w for x, y, w in zip(ra[:4], rb[:4], weights))
+    distance = sum(abs(x - y) * w for x, y, w in zip(ra[:4], rb[:4], weights, strict=False))
     return distance + abs(ka[3] - kb[3]) * 1e-3
 
 
