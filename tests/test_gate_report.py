@@ -8,7 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from kvdoctor.trace import schema
-from kvdoctor.commands.gate import Budgets, gate, judge, parse_rate, parse_size
+from kvdoctor.commands.gate import Budgets, gate, judge
+from kvdoctor.units import parse_rate, parse_size
 from kvdoctor.commands.replay import analyze_trace
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.html import render_html

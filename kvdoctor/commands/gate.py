@@ -11,59 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 from typing import Any
 from xml.sax.saxutils import escape as _xml_escape, quoteattr as _xml_attr
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.units import format_rate, parse_rate, parse_size  # noqa: F401 (parse_size: the gate's size unit)
 
 MIB = 1024 * 1024
 DEFAULT_MAX_GROWTH = "500MiB/h"
 DEFAULT_FAIL_ON = "double_free,double_alloc,stale_last_loc,index_out_of_range"
-
-# Binary units (KiB, MiB, ...) are powers of 1024; SI units (KB, MB, ...) powers of 1000; a bare
-# K, M, G, T is binary, as in most memory settings. Case does not matter.
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024 ** 2, "mib": 1024 ** 2, "mb": 1000 ** 2,
-    "g": 1024 ** 3, "gib": 1024 ** 3, "gb": 1000 ** 3,
-    "t": 1024 ** 4, "tib": 1024 ** 4, "tb": 1000 ** 4,
-}
-_TIME_UNITS = {
-    "s": 1.0, "sec": 1.0, "second": 1.0,
-    "m": 60.0, "min": 60.0, "minute": 60.0,
-    "h": 3600.0, "hr": 3600.0, "hour": 3600.0,
-    "d": 86400.0, "day": 86400.0,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """"500MiB", "1.5GiB", "10GB", "0" -> bytes."""
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise KvdoctorError(f"unreadable size {text!r}", "write a number and a unit, e.g. 500MiB, 1.5GiB, 10GB")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit not in _SIZE_UNITS:
-        raise KvdoctorError(f"unknown size unit {match.group(2)!r} in {text!r}", "use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    return int(round(number * _SIZE_UNITS[unit]))
-
-
-def parse_rate(text: str) -> float:
-    """"500MiB/h", "10MB/s", "1GiB/hour" -> bytes per second."""
-    size_text, slash, per = str(text).partition("/")
-    if not slash:
-        raise KvdoctorError(f"unreadable rate {text!r}", "write a size per time, e.g. 500MiB/h, 10MB/s, 1GiB/hour")
-    per = per.strip().lower()
-    unit = per[:-1] if per.endswith("s") and per[:-1] in _TIME_UNITS and per not in _TIME_UNITS else per
-    if unit not in _TIME_UNITS:
-        raise KvdoctorError(f"unknown time unit {per!r} in {text!r}", "use /s, /min, /h or /day")
-    size = parse_size(size_text)
-    return size / _TIME_UNITS[unit]
-
 
 @dataclasses.dataclass
 class Budgets:
@@ -110,9 +68,7 @@ class GateResult:
 
 
 def _rate_text(bytes_per_s: float) -> str:
-    from kvdoctor.reporters.html import human_rate
-
-    return human_rate(bytes_per_s)
+    return format_rate(bytes_per_s, digits=1)
 
 
 def _growth_findings(analysis: Analysis) -> list:

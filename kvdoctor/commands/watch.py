@@ -32,6 +32,7 @@ from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.collect.sampler import Sampler, _read_text
 from kvdoctor.trace.writer import TraceWriter, finish_trace, now_us
+from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
 
 OUTPUT_FORMATS = ("auto", "text", "json")
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -123,14 +124,11 @@ def _sparkline(values: list[float], width: int = 24) -> str:
 
 
 def _bytes(value: float | None) -> str:
-    return "—" if value is None else growth.format_bytes(value)
+    return format_optional_bytes(value)
 
 
 def _rate_text(bytes_per_s: float | None) -> str:
-    if bytes_per_s is None:
-        return "—"
-    sign = "+" if bytes_per_s >= 0 else "-"
-    return f"{sign}{growth.format_bytes(abs(bytes_per_s) * growth.HOUR_S)}/h"
+    return format_rate(bytes_per_s, signed=True)
 
 
 class _LiveView:
@@ -180,7 +178,7 @@ class _LiveView:
 
         elapsed = time.monotonic() - self._started_s
         table = Table(
-            title=f"kvdoctor watch {self.pid} · {self.sampler.rounds} samples · {growth.format_duration(elapsed)} · Ctrl-C to stop",
+            title=f"kvdoctor watch {self.pid} · {self.sampler.rounds} samples · {format_duration(elapsed)} · Ctrl-C to stop",
             title_justify="left",
             box=box.SIMPLE_HEAD,
             pad_edge=False,
@@ -227,20 +225,14 @@ class _LiveView:
             cells += [
                 _sparkline(rss[-48:], width=trend_width),
                 _rate_text(shown_rate) + (" !" if flagged is not None else ""),
-                growth.format_duration(tto) if tto is not None else "—",
+                format_duration(tto) if tto is not None else "—",
             ]
             table.add_row(*cells, style="bold red" if flagged is not None else "")
         return table
 
 
 def display_title(title: str) -> str:
-    """A title fit for one line: whitespace collapsed, an interpreter's path cut to its name."""
-    words = title.split()
-    if not words:
-        return "?"
-    if "/" in words[0] and "::" not in words[0]:
-        words[0] = os.path.basename(words[0])
-    return " ".join(words)
+    return short_title(title) or "?"
 
 
 def _process_summaries(sampler: Sampler, detector: MemoryGrowthDetector) -> list[dict[str, Any]]:
@@ -270,7 +262,7 @@ def _text_summary(
 ) -> None:
     print(
         f"kvdoctor watch {pid}: {len(processes)} process(es), {sampler.rounds} samples over "
-        f"{growth.format_duration(elapsed_s)}; trace: {trace_path}",
+        f"{format_duration(elapsed_s)}; trace: {trace_path}",
         file=out,
     )
     for proc in processes:

@@ -14,10 +14,13 @@ from typing import Any, Iterable, Sequence
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
+from kvdoctor.trace import schema
+from kvdoctor.units import as_float, as_int, format_bytes, format_duration, format_rate
 
 MAX_LIST_ITEMS = 16
 MAX_DICT_ITEMS = 10
 MAX_TEXT = 400
+REPORT_DIGITS = 1   # "1.5 GiB": one decimal everywhere on the page
 
 PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
 SLOT_COLOURS = {"free_slots": "#86efac", "owned_slots": "#93c5fd", "tree_slots": "#fcd34d", "unaccounted_slots": "#fca5a5"}
@@ -82,33 +85,16 @@ footer{color:#9ca3af;font-size:12px;margin-top:32px}
 # units
 
 
-def human_bytes(value: float, digits: int = 1) -> str:
-    sign = "-" if value < 0 else ""
-    value = abs(float(value))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{sign}{value:.0f} B"
-            return f"{sign}{value:.{digits}f} {unit}"
-        value /= 1024
-    return f"{sign}{value:.{digits}f} TiB"  # pragma: no cover
+def human_bytes(value: float) -> str:
+    return format_bytes(value, REPORT_DIGITS)
 
 
 def human_rate(bytes_per_s: float) -> str:
-    return human_bytes(bytes_per_s * 3600.0) + "/h"
+    return format_rate(bytes_per_s, digits=REPORT_DIGITS)
 
 
 def human_duration(seconds: float) -> str:
-    seconds = float(seconds)
-    if seconds < 0:
-        return "-" + human_duration(-seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    return format_duration(seconds, "readable")
 
 
 def _byte_unit(max_value: float) -> tuple[float, str]:
@@ -256,19 +242,7 @@ def _finding_matches_field(finding: Finding, field: str) -> bool:
 
 
 def _finding_pid(finding: Finding) -> int:
-    pid = finding.evidence.get("pid", finding.pid)
-    try:
-        return int(pid)
-    except (TypeError, ValueError):
-        return finding.pid
-
-
-def _float(value: Any) -> float | None:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
+    return as_int(finding.evidence.get("pid", finding.pid), default=finding.pid)
 
 
 def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Finding], title: str) -> str:
@@ -281,7 +255,7 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
         return ""
     trends = []
     for f in growth:
-        rate = _float(f.evidence.get("bytes_per_s"))
+        rate = as_float(f.evidence.get("bytes_per_s"))
         match = next((fld for fld in fields if _finding_matches_field(f, fld)), None)
         if rate is None or match is None:
             continue
@@ -333,7 +307,7 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
         ty = max(frame.py(b[1]) - 8, MARGIN_T + 12)
         body.append(f'<text x="{tx:.1f}" y="{ty:.1f}" font-size="12" font-weight="600" fill="#111827" text-anchor="end">{_e(text)}</text>')
         legend.append(("#111827", f"fitted trend of {_class_name(match)} ({human_rate(rate)})", "dash"))
-        oom = _float(f.evidence.get("time_to_oom_s"))
+        oom = as_float(f.evidence.get("time_to_oom_s"))
         if oom is not None and oom > 0:
             oom_lines.append(f"{_class_name(match)} grows {human_rate(rate)}: projected out of memory in {human_duration(oom)} after the last sample")
         else:
@@ -442,7 +416,7 @@ def _short(value: Any) -> str:
 
 def _evidence_extra(key: str, value: Any) -> str:
     """A human reading beside raw byte counts and rates."""
-    v = _float(value) if not isinstance(value, bool) else None
+    v = as_float(value) if not isinstance(value, bool) else None
     if v is None:
         return ""
     if key.endswith("bytes_per_s"):
@@ -540,15 +514,15 @@ def render_html(analysis: Analysis) -> str:
     plots: list[str] = []
     starts = [e["ts_us"][0] for e in series.values() if e.get("ts_us")]
     t0 = min(starts) if starts else 0.0
-    growth = [f for f in findings if f.kind == "memory_growth"]
-    for label in sorted(series, key=lambda s: (not s.startswith("memory:"), s)):
+    growth = [f for f in findings if f.kind == schema.MEMORY_GROWTH]
+    for label in sorted(series, key=lambda s: (not s.startswith(schema.MEMORY_COUNTER + ":"), s)):
         kind, pid, name = _parse_label(label)
         entry = series[label]
-        title = _process_title(pid, processes) + (f" · {name}" if name and kind != "memory" else "")
-        if kind == "memory":
+        title = _process_title(pid, processes) + (f" · {name}" if name and kind != schema.MEMORY_COUNTER else "")
+        if kind == schema.MEMORY_COUNTER:
             mine = [f for f in growth if _finding_pid(f) == pid]
             plots.append(memory_plot(label, entry, t0, mine, title))
-        elif kind == "kv_slots":
+        elif kind == schema.LEDGER_COUNTER:
             plots.append(slots_plot(label, entry, t0, title))
     plots = [p for p in plots if p]
     out.append("<h2>Over time</h2>")

@@ -24,8 +24,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 
-from kvdoctor.trace import schema
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.trace import schema
+from kvdoctor.units import finite_number, short_title
 
 DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,23 +99,6 @@ def _is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
-def label_title(title: str, limit: int = TITLE_LIMIT) -> str:
-    """A process title fit for a label: whitespace collapsed, an interpreter's path cut to its
-    name, and cut at `limit` characters."""
-    words = title.split()
-    if words and "/" in words[0] and "::" not in words[0]:
-        words[0] = words[0].rsplit("/", 1)[-1]
-    text = " ".join(words)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
 class MetricsState:
     """The latest value of every series, fed from the watch thread, read by the HTTP thread."""
 
@@ -136,15 +120,15 @@ class MetricsState:
                     args = event.args
                     title = args.get("title")
                     if isinstance(title, str) and title:
-                        self._titles[event.pid] = label_title(title)
+                        self._titles[event.pid] = short_title(title, TITLE_LIMIT)
                     for arg, memory_class in MEMORY_ARGS.items():
-                        value = _number(args.get(arg))
+                        value = finite_number(args.get(arg))
                         if value is not None:
                             self._memory[(event.pid, memory_class)] = value
                 elif event.name == schema.LEDGER_COUNTER:
                     allocator = str(event.args.get("allocator", ""))
                     for key, raw in event.args.items():
-                        value = _number(raw)
+                        value = finite_number(raw)
                         if value is not None and key.endswith("_slots"):
                             self._kv[(event.pid, allocator, key[: -len("_slots")])] = value
 
@@ -156,8 +140,8 @@ class MetricsState:
             for finding in findings:
                 evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
                 memory_class = evidence.get("memory_class")
-                if finding.kind == "memory_growth" and isinstance(memory_class, str):
-                    rate = _number(evidence.get("bytes_per_s"))
+                if finding.kind == schema.MEMORY_GROWTH and isinstance(memory_class, str):
+                    rate = finite_number(evidence.get("bytes_per_s"))
                     if rate is not None:
                         growth[(finding.pid, memory_class)] = rate
                 key = (finding.kind, finding.severity, finding.pid, memory_class if isinstance(memory_class, str) else "")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvdoctor.trace import schema
 from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.trace import schema
+from kvdoctor.units import as_count
 
 
 class Detector(Protocol):
@@ -31,7 +32,7 @@ class ViolationDetector:
         args = event.args
         key = (event.pid, str(args.get("allocator", "")), str(args.get("site", "")))
         group = self.groups.get(key)
-        count = _count(args.get("count"))
+        count = as_count(args.get("count"))
         if group is None:
             self.groups[key] = {"count": count, "first": dict(args), "events": 1, "first_ts_us": event.ts}
         else:
@@ -45,7 +46,7 @@ class ViolationDetector:
                     mine = group["first"][name] = {}
                 if isinstance(args.get(name), dict):
                     for k, v in args[name].items():
-                        mine[k] = _count(mine.get(k, 0)) + _count(v)
+                        mine[k] = as_count(mine.get(k, 0)) + as_count(v)
 
     def findings(self) -> list[Finding]:
         out = []
@@ -62,13 +63,6 @@ class ViolationDetector:
         raise NotImplementedError
 
 
-def _count(value: Any) -> int:
-    try:
-        return max(0, int(value))
-    except (TypeError, ValueError, OverflowError):
-        return 0
-
-
 def as_list(value: Any) -> list:
     """Evidence lists from a trace we did not write ourselves may be anything."""
     return list(value) if isinstance(value, list) else []
@@ -77,7 +71,7 @@ def as_list(value: Any) -> list:
 def first_request(evidence: dict[str, Any]) -> str:
     requests = evidence.get("requests")
     if isinstance(requests, dict) and requests:
-        return max(requests, key=lambda k: _count(requests[k]))
+        return max(requests, key=lambda k: as_count(requests[k]))
     return "unknown request"
 
 
