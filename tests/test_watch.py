@@ -23,16 +23,17 @@ from hypothesis import strategies as st
 
 from kvdoctor.analysis import growth
 from kvdoctor.trace import schema
-from kvdoctor.commands.watch import _LiveView, _sparkline, check_process, watch
+from kvdoctor.commands.watch import _LiveView, _sparkline, watch
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.collect.sampler import (
-    Sampler,
+from kvdoctor.collect.procfs import (
+    check_process,
     find_process_tree,
     guess_role,
     machine_memory_limit_bytes,
     sample_process,
 )
+from kvdoctor.collect.sampler import Sampler
 from kvdoctor.trace.reader import ReadStats, iter_events
 
 MIB = 1024 * 1024
@@ -266,7 +267,7 @@ def test_process_of_another_user_is_a_kvdoctor_error_with_a_hint(spawn):
         f"""
         import sys
         sys.path.insert(0, {REPO!r})
-        from kvdoctor.commands.watch import check_process
+        from kvdoctor.collect.procfs import check_process
         from kvdoctor.errors import KvdoctorError
         try:
             check_process({target.pid})

@@ -30,7 +30,8 @@ from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttrib
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.analysis.findings import ERROR, Finding
-from kvdoctor.collect.sampler import Sampler, _read_text
+from kvdoctor.collect.procfs import check_process
+from kvdoctor.collect.sampler import Sampler
 from kvdoctor.trace.writer import TraceWriter, finish_trace, now_us
 from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
 
@@ -43,43 +44,6 @@ LIVE_RATE_WINDOW_S = 60.0     # the table's rate column is the slope over this r
 
 def default_trace_path(pid: int) -> str:
     return os.path.abspath(f"kvdoctor-watch-{pid}.kvtrace.json")
-
-
-def check_process(pid: int) -> None:
-    """Fails with a one-line reason unless `pid` is a live process this user may inspect."""
-    if not isinstance(pid, int) or pid <= 0:
-        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
-    status = None
-    try:
-        status = _read_text(f"/proc/{pid}/status")
-    except PermissionError:
-        pass
-    except OSError:
-        status = None
-    if status is None and not os.path.exists(f"/proc/{pid}"):
-        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
-    if status is not None:
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        state = fields.get("State", "").strip()
-        if state.startswith(("Z", "X")):
-            raise KvdoctorError(f"pid {pid} has already exited (it is a zombie waiting for its parent)", "check the pid with `ps`")
-        uids = fields.get("Uid", "").split()
-        euid = os.geteuid()
-        if uids and euid != 0 and int(uids[0]) != euid:
-            raise KvdoctorError(
-                f"pid {pid} belongs to another user (uid {uids[0]}); its memory maps are closed to uid {euid}",
-                "run kvdoctor as the same user as the server, or as root",
-            )
-    try:
-        with open(f"/proc/{pid}/smaps", "rb") as fh:  # the access check happens at open
-            fh.read(1)
-    except PermissionError:
-        raise KvdoctorError(
-            f"not allowed to read the memory maps of pid {pid}",
-            "run kvdoctor as the same user as the server, or as root",
-        ) from None
-    except (FileNotFoundError, ProcessLookupError):
-        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
 
 
 def _open_trace(path: str | None, pid: int) -> tuple[TraceWriter, str, bool]:
