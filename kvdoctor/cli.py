@@ -53,7 +53,7 @@ def run(
     sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
 ) -> int:
     """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
-    from kvdoctor.commands.replay import analyze_trace
+    from kvdoctor.runner import analyze_recorded as analyze_trace
     from kvdoctor.commands.run import run_command
     from kvdoctor.reporters import render
 

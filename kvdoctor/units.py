@@ -168,7 +168,8 @@ class BoundedSeries(Generic[T]):
         self.max_points = max_points
 
     def add(self, t: float, value: T) -> None:
-        seen, self._seen = self._seen, self._seen + 1
+        seen = self._seen
+        self._seen = seen + 1
         if seen % self.stride:
             return
         self.times.append(t)

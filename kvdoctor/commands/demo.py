@@ -42,7 +42,8 @@ def run_demo(fault: str, page_size: int | None, trace_path: str | None, output_f
         raise KvdoctorError(f"SGLang is not importable here ({exc})", "run the README's first command to create .venv") from None
     result = run_workload(WorkloadConfig(fault=fault, page_size=page_size))
     runtime.deactivate()
-    from kvdoctor.commands.replay import analyze_trace, exit_code_for
+    from kvdoctor.analysis.analyzer import exit_code_for
+    from kvdoctor.runner import analyze_recorded as analyze_trace
     from kvdoctor.reporters import render
     from kvdoctor.trace.writer import finish_trace
 

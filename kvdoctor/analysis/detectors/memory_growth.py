@@ -139,11 +139,7 @@ class MemoryGrowthDetector:
             return self._limit_override
         if self._recorded_limit is not None:
             return self._recorded_limit
-        if self._host_limit is not None:
-            return self._host_limit
-        from kvdoctor.collect.sampler import machine_memory_limit_bytes
-
-        return machine_memory_limit_bytes()
+        return self._host_limit
 
     def host_bytes_in_use(self) -> float:
         """Resident memory of the processes still sampled at the end: what shares the limit."""
