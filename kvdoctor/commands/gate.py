@@ -11,46 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from xml.sax.saxutils import escape as _xml_escape, quoteattr as _xml_attr
 
-from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, Budgets, GateResult, judge
+from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, Budgets, judge
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.reporters.github import github_annotations, in_github_actions
+from kvdoctor.reporters.junit import write_junit
 from kvdoctor.units import parse_rate
-
-
-def write_junit(result: GateResult, path: str) -> None:
-    failures = len(result.failed) if result.judged else 0
-    errors = 0 if result.judged else 1
-    tests = len(result.checks) + errors
-    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
-             f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
-             f'  <testsuite name="kvdoctor-gate" tests="{tests}" failures="{failures}" errors="{errors}" skipped="0">']
-    for check in result.checks:
-        lines.append(f'    <testcase classname="kvdoctor-gate" name={_xml_attr(check.name)}>')
-        if check.passed:
-            lines.append(f"      <system-out>{_xml_escape(check.detail)}</system-out>")
-        else:
-            lines.append(f'      <failure message={_xml_attr(check.detail)} type="budget">{_xml_escape(check.detail)}</failure>')
-        lines.append("    </testcase>")
-    if not result.judged:
-        lines.append('    <testcase classname="kvdoctor-gate" name="judge">')
-        lines.append(f'      <error message={_xml_attr(result.reason)} type="could-not-judge">{_xml_escape(result.reason)}</error>')
-        lines.append("    </testcase>")
-    lines += ["  </testsuite>", "</testsuites>", ""]
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-
-
-def _annotation_text(text: str) -> str:
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-
-
-def github_annotations(result: GateResult) -> list[str]:
-    if not result.judged:
-        return [f"::error title=kvdoctor gate::could not judge: {_annotation_text(result.reason)}"]
-    return [f"::error title=kvdoctor gate::{_annotation_text(c.name + ': ' + c.detail)}" for c in result.failed]
 
 
 def _is_trace_path(args: list[str]) -> bool:
@@ -95,7 +61,7 @@ def gate(
     if command_code is not None:
         print(f"kvdoctor gate: command exited {command_code}; trace {trace_path}")
     print("\n".join(result.summary_lines()))
-    if os.environ.get("GITHUB_ACTIONS") == "true":
+    if in_github_actions():
         for line in github_annotations(result):
             print(line)
     if junit:
