@@ -9,13 +9,15 @@ green, so it is neither pass nor fail.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE
 from kvdoctor.trace import schema
 from kvdoctor.units import HOUR_S, MIB, as_float, as_int, format_rate
+
+if TYPE_CHECKING:  # the CLI reads the defaults below without loading the detectors
+    from kvdoctor.analysis.analyzer import Analysis
 
 DEFAULT_MAX_GROWTH = "500MiB/h"
 DEFAULT_FAIL_ON = (schema.DOUBLE_FREE, schema.DOUBLE_ALLOC, schema.STALE_LAST_LOC, schema.INDEX_OUT_OF_RANGE)
@@ -76,7 +78,7 @@ class GateResult:
         return lines
 
 
-def _growth_findings(analysis: Analysis) -> list[Finding]:
+def _growth_findings(analysis: "Analysis") -> list[Finding]:
     return [f for f in analysis.findings if f.kind == schema.MEMORY_GROWTH]
 
 
@@ -84,15 +86,15 @@ def _rate_of(finding: Finding) -> float:
     return as_float(finding.evidence.get("bytes_per_s", 0.0) or 0.0) or 0.0
 
 
-def _orphans(analysis: Analysis) -> int:
+def _orphans(analysis: "Analysis") -> int:
     return sum(as_int(f.count or 0) for f in analysis.findings if f.kind == schema.ORPHAN_SLOTS)
 
 
-def _max_growth(analysis: Analysis) -> float:
+def _max_growth(analysis: "Analysis") -> float:
     return max((_rate_of(f) for f in _growth_findings(analysis)), default=0.0)
 
 
-def judgeable(analysis: Analysis) -> tuple[bool, str]:
+def judgeable(analysis: "Analysis") -> tuple[bool, str]:
     if analysis.events <= 0:
         return False, "the trace has no events"
     if not analysis.processes:
@@ -103,7 +105,7 @@ def judgeable(analysis: Analysis) -> tuple[bool, str]:
     return True, ""
 
 
-def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
+def _growth_check(analysis: "Analysis", budgets: Budgets) -> Check:
     over = [f for f in _growth_findings(analysis) if _rate_of(f) > budgets.max_growth_bytes_per_s]
     budget_text = _rate_text(budgets.max_growth_bytes_per_s)
     if not over:
@@ -118,7 +120,7 @@ def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
     return Check("max-growth", False, f"over the budget of {budget_text}: " + "; ".join(parts))
 
 
-def _kind_check(analysis: Analysis, kind: str) -> Check:
+def _kind_check(analysis: "Analysis", kind: str) -> Check:
     hits = [f for f in analysis.findings if f.kind == kind]
     if not hits:
         return Check(f"no-{kind}", True, f"no {kind}")
@@ -126,7 +128,7 @@ def _kind_check(analysis: Analysis, kind: str) -> Check:
     return Check(f"no-{kind}", False, f"{sum(max(f.count, 1) for f in hits)} {kind} event(s): {first[:300]}")
 
 
-def _baseline_check(analysis: Analysis, baseline: Analysis, tolerance: float) -> Check:
+def _baseline_check(analysis: "Analysis", baseline: "Analysis", tolerance: float) -> Check:
     pairs: list[tuple[str, float, float, Callable[[float], str]]] = [
         ("error findings", len(analysis.errors), len(baseline.errors), lambda n: str(int(n))),
         ("orphaned slots", _orphans(analysis), _orphans(baseline), lambda n: str(int(n))),
@@ -139,7 +141,7 @@ def _baseline_check(analysis: Analysis, baseline: Analysis, tolerance: float) ->
     return Check("baseline-regression", True, f"no regression over the baseline (tolerance {tolerance:.0%})")
 
 
-def judge(analysis: Analysis, budgets: Budgets, baseline: Analysis | None = None, tolerance: float = DEFAULT_TOLERANCE) -> GateResult:
+def judge(analysis: "Analysis", budgets: Budgets, baseline: "Analysis | None" = None, tolerance: float = DEFAULT_TOLERANCE) -> GateResult:
     result = GateResult(source=analysis.source)
     ok, reason = judgeable(analysis)
     if not ok:

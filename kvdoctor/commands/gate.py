@@ -1,10 +1,8 @@
 """`kvdoctor gate`: judge a trace (or a command run under the probe) against budgets, for CI.
 
-Exit codes: 0 every check passed, 1 a check failed, 2 could not judge. "Could not judge" means
-the analysis has no events, or no process in it was ever probed or sampled: only the run header
-of `kvdoctor run` is there (no probe header with an engine, no memory/KV counters, no findings),
-which is what a command that never started Python, or never imported SGLang with the probe, leaves
-behind. Passing such a run would be a false green, so it is neither pass nor fail.
+Exit codes: 0 every check passed, 1 a check failed, 2 could not judge (see kvdoctor.analysis.gate
+for when an analysis cannot be judged). The verdict goes to stdout, with GitHub annotations when
+run in GitHub Actions, and optionally JUnit XML and the HTML report to files.
 """
 
 from __future__ import annotations
@@ -12,15 +10,28 @@ from __future__ import annotations
 import os
 import sys
 
-from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, Budgets, judge
+from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, DEFAULT_TOLERANCE, Budgets, judge
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.reporters import render
 from kvdoctor.reporters.github import github_annotations, in_github_actions
 from kvdoctor.reporters.junit import write_junit
+from kvdoctor.runner import analyze_recorded
+from kvdoctor.runner.launch import run_command
+from kvdoctor.trace import schema
 from kvdoctor.units import parse_rate
 
 
 def _is_trace_path(args: list[str]) -> bool:
     return len(args) == 1 and args[0].endswith(".json") and os.path.isfile(args[0])
+
+
+def _fail_on_kinds(fail_on: str) -> set[str]:
+    kinds = {k.strip() for k in (fail_on or "").split(",") if k.strip()}
+    unknown = sorted(kinds - set(schema.FINDING_KINDS))
+    if unknown:
+        raise KvdoctorError(f"--fail-on names no finding kind {', '.join(repr(k) for k in unknown)}",
+                            "choose from " + ", ".join(schema.FINDING_KINDS))
+    return kinds
 
 
 def gate(
@@ -33,43 +44,37 @@ def gate(
     baseline: str | None = None,
     html: str | None = None,
     trace: str | None = None,
-    tolerance: float = 0.2,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> int:
     """Judge a trace (one existing *.json path) or run a command under the probe and judge its trace."""
-    from kvdoctor.runner import analyze_recorded as analyze_trace
-
     if int(max_orphan_slots) < 0:
         raise KvdoctorError("--max-orphan-slots must be 0 or more")
-    budgets = Budgets(
-        max_growth_bytes_per_s=parse_rate(max_growth),
-        max_orphan_slots=int(max_orphan_slots),
-        fail_on={k.strip() for k in (fail_on or "").split(",") if k.strip()},
-    )
+    budgets = Budgets(max_growth_bytes_per_s=parse_rate(max_growth), max_orphan_slots=int(max_orphan_slots),
+                      fail_on=_fail_on_kinds(fail_on))
     args = list(command_or_trace)
     if not args:
         raise KvdoctorError("nothing to judge", "usage: kvdoctor gate TRACE.json, or kvdoctor gate [OPTIONS] -- CMD ...")
-    baseline_analysis = analyze_trace(baseline) if baseline else None
-    if _is_trace_path(args):
+    judging_a_trace = _is_trace_path(args)
+    if judging_a_trace and trace is not None:
+        raise KvdoctorError("--trace says where a command's trace goes, but gate was given a trace to judge",
+                            "drop --trace, or run a command: kvdoctor gate --trace PATH -- CMD ...")
+    baseline_analysis = analyze_recorded(baseline) if baseline else None
+    command_code = None
+    if judging_a_trace:
         trace_path = args[0]
-        command_code = None
     else:
-        from kvdoctor.commands.run import run_command
-
         command_code, trace_path = run_command(args, trace, [])
-    analysis = analyze_trace(trace_path)
+    analysis = analyze_recorded(trace_path)
     result = judge(analysis, budgets, baseline_analysis, tolerance)
     if command_code is not None:
         print(f"kvdoctor gate: command exited {command_code}; trace {trace_path}")
     print("\n".join(result.summary_lines()))
-    if in_github_actions():
-        for line in github_annotations(result):
-            print(line)
+    for line in github_annotations(result) if in_github_actions() else []:
+        print(line)
     if junit:
         write_junit(result, junit)
     if html:
-        from kvdoctor.reporters.html import render_html
-
         with open(html, "w", encoding="utf-8") as fh:
-            fh.write(render_html(analysis))
+            fh.write(render(analysis, "html"))
     sys.stdout.flush()
     return result.exit_code

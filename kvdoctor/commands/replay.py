@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
-from kvdoctor.reporters import render
+from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded
 
 
 def replay(path: str, output_format: str = "text", output: str | None = None) -> int:
+    check_format(output_format)
     analysis = analyze_recorded(path, progress=True)
     text = render(analysis, output_format)
     if output:

@@ -9,6 +9,7 @@ import time
 
 from kvdoctor.analysis.analyzer import Analysis, analyze_trace
 from kvdoctor.collect.procfs import machine_memory_limit_bytes
+from kvdoctor.errors import KvdoctorError
 
 
 def default_trace_path(command: str, pid: int | None = None) -> str:
@@ -22,3 +23,14 @@ def analyze_recorded(path: str, *, progress: bool = False) -> Analysis:
     """`analyze_trace` with this machine's memory limit standing in where the trace records none
     (the time to OOM of a growth finding needs one)."""
     return analyze_trace(path, progress=progress, host_memory_limit_bytes=machine_memory_limit_bytes())
+
+
+def check_fixes(names: list[str]) -> list[str]:
+    """`names` when every one is an optional fix kvdoctor has, else a one-line refusal: a fix
+    that silently did nothing would leave the user believing the host was protected."""
+    from kvdoctor.probe.fixes import FIXES, unknown
+
+    bad = unknown(list(names))
+    if bad:
+        raise KvdoctorError(f"unknown fix {', '.join(bad)}", f"`kvdoctor fixes` lists them: {', '.join(FIXES)}")
+    return list(names)
