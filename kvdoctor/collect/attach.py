@@ -273,7 +273,7 @@ def attach(
                 raise KvdoctorError(f"pid {pid} exited while the probe was starting", "check the server's log")
             time.sleep(0.05)
         with open(status_path) as fh:
-            status = json.load(fh)
+            status: dict[str, Any] = json.load(fh)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if not status.get("ok"):

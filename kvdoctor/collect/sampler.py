@@ -57,7 +57,7 @@ class Sampler:
         self.interval_s = interval_s
         if isinstance(emit, TraceWriter):
             writer = emit
-            self._emit: Callable[[list[schema.Event]], Any] | None = writer.write_batch
+            self._emit: Callable[[list[Any]], Any] | None = writer.write_batch
         else:
             self._emit = emit
         self.pinned_every_n = max(1, pinned_every_n)

@@ -22,7 +22,7 @@ import math
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.trace import schema
@@ -96,7 +96,7 @@ def _is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 class MetricsState:
@@ -201,7 +201,7 @@ def render_text(state: MetricsState) -> bytes:
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-def _client_renderer(state: MetricsState):
+def _client_renderer(state: MetricsState) -> Callable[[], bytes] | None:
     """A renderer backed by prometheus_client, or None when it is not installed."""
     try:
         from prometheus_client import CollectorRegistry, generate_latest
@@ -210,7 +210,7 @@ def _client_renderer(state: MetricsState):
         return None
 
     class _Collector:
-        def collect(self):
+        def collect(self) -> Iterator[Any]:
             for name, kind, samples in state.snapshot():
                 if not samples:
                     continue
@@ -230,6 +230,10 @@ def _client_renderer(state: MetricsState):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class PrometheusExporter:
@@ -271,9 +275,7 @@ class PrometheusExporter:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
                 return
 
-        server_class = _Server
-        if ":" in self.host:
-            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        server_class: type[_Server] = _Server6 if ":" in self.host else _Server
         try:
             self._server = server_class((self.host, self.port), Handler)
         except OSError as exc:

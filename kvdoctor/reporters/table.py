@@ -32,11 +32,11 @@ def _require(output_format: str) -> Any:
     """pandas (and pyarrow for Parquet), or one line saying how to get them."""
     needed = "pandas and pyarrow" if output_format == "parquet" else "pandas"
     try:
-        import pandas
+        import pandas  # type: ignore[import-untyped]
 
         if output_format == "parquet":
-            import pyarrow  # noqa: F401
-            import pyarrow.parquet  # noqa: F401
+            import pyarrow  # type: ignore[import-untyped]  # noqa: F401
+            import pyarrow.parquet  # type: ignore[import-untyped]  # noqa: F401
     except ImportError:
         raise KvdoctorError(
             f"export --format {output_format} needs {needed}, which {'are' if ' and ' in needed else 'is'} not installed",
@@ -116,12 +116,8 @@ def iter_frames(trace: str, columns: dict[str, bool], chunk_rows: int = CHUNK_RO
         allocator = args.get("allocator")
         buffer["allocator"].append("" if allocator is None else str(allocator))
         for name, key in zip(numeric, keys):
-            value = args.get(key)
-            if not _is_number(value):
-                value = None
-            elif not columns[name]:
-                value = float(value)
-            buffer[name].append(value)
+            value: Any = args.get(key)
+            buffer[name].append(None if not _is_number(value) else value if columns[name] else float(value))
         count += 1
         if count >= chunk_rows:
             yield frame(buffer)

@@ -123,7 +123,8 @@ class WatchRecorder:
 
     def record(self, events: list[schema.Event]) -> None:
         if events:
-            self.writer.write_batch(events)
+            batch: list[schema.Event | dict[str, Any]] = list(events)
+            self.writer.write_batch(batch)
             for event in events:
                 self.analyzer.feed(event)
 

@@ -22,9 +22,10 @@ class ViolationDetector:
 
     kind = ""
     severity = ERROR
+    template = ""
 
     def __init__(self) -> None:
-        self.groups: dict[tuple, dict[str, Any]] = {}
+        self.groups: dict[tuple[int, str, str], dict[str, Any]] = {}
 
     def feed(self, event: schema.Event) -> None:
         if event.name != schema.VIOLATION or event.args.get("kind") != self.kind:
@@ -60,10 +61,13 @@ class ViolationDetector:
         return out
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
-        raise NotImplementedError
+        """The finding's sentence: `template` filled with the count, allocator, site, the slots
+        (" (slots 5, 6, ...)") and the request that holds most of them; override for more."""
+        return self.template.format(count=count, allocator=allocator, site=site, slots=ids_text(evidence),
+                                    request=first_request(evidence))
 
 
-def as_list(value: Any) -> list:
+def as_list(value: Any) -> list[Any]:
     """Evidence lists from a trace we did not write ourselves may be anything."""
     return list(value) if isinstance(value, list) else []
 
@@ -71,7 +75,7 @@ def as_list(value: Any) -> list:
 def first_request(evidence: dict[str, Any]) -> str:
     requests = evidence.get("requests")
     if isinstance(requests, dict) and requests:
-        return max(requests, key=lambda k: as_count(requests[k]))
+        return str(max(requests, key=lambda k: as_count(requests[k])))
     return "unknown request"
 
 

@@ -14,6 +14,7 @@ from kvdoctor.units import MIB, as_int, format_bytes
 
 class HostGrowthAttributionDetector:
     consumes = frozenset({schema.HOST_GROWTH_SITES})
+
     def __init__(self, *, min_bytes: int = 1 * MIB, warn_bytes: int = 64 * MIB) -> None:
         self.min_bytes = min_bytes
         self.warn_bytes = warn_bytes

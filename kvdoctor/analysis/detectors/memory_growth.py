@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.analysis import growth
+from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.trace import schema
 from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
@@ -60,13 +60,13 @@ class MemoryGrowthDetector:
 
     def __init__(
         self,
-        params: growth.GrowthParams | None = None,
+        params: GrowthParams | None = None,
         *,
         memory_limit_bytes: int | None = None,
         host_memory_limit_bytes: int | None = None,
         max_points_per_series: int = MAX_POINTS_PER_SERIES,
     ) -> None:
-        self.params = params or growth.GrowthParams()
+        self.params = params or GrowthParams()
         self._limit_override = memory_limit_bytes
         self._recorded_limit: int | None = None
         self._host_limit = host_memory_limit_bytes
@@ -149,20 +149,20 @@ class MemoryGrowthDetector:
         recent = [pid for pid, t in self._last_ts_s.items() if latest - t <= 5.0]
         return sum(self._last_rss.get(pid, 0.0) for pid in recent)
 
-    def growth(self, pid: int, memory_class: str) -> growth.GrowthResult | None:
+    def growth(self, pid: int, memory_class: str) -> GrowthResult | None:
         s = self._series.get((pid, memory_class))
         if s is None or len(s) < 3:
             return None
         origin = self._start_s.get(pid)
         if origin is not None and not (s.times[0] - _TEN_DAYS_S <= origin <= s.times[0] + 1.0):
             origin = None  # a clock that is not the epoch: count warm-up from the first sample
-        return growth.detect_growth_with(self.params, s.times, s.values, origin_s=origin)
+        return detect_growth_with(self.params, s.times, s.values, origin_s=origin)
 
     # -- output ----------------------------------------------------------------------------------
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
         for pid in self.pids():
-            grown: dict[str, growth.GrowthResult] = {}
+            grown: dict[str, GrowthResult] = {}
             for memory_class in REPORTED_CLASSES:
                 if memory_class == "shmem" and "pinned" in grown:
                     continue
@@ -176,7 +176,7 @@ class MemoryGrowthDetector:
         out.sort(key=lambda f: -float(f.evidence.get("bytes_per_s", 0.0)))
         return out
 
-    def _finding(self, pid: int, memory_class: str, result: growth.GrowthResult) -> Finding:
+    def _finding(self, pid: int, memory_class: str, result: GrowthResult) -> Finding:
         title = self._titles.get(pid, "")
         current = self.latest(pid, memory_class) or 0.0
         if memory_class == "gpu":
@@ -187,7 +187,7 @@ class MemoryGrowthDetector:
             limit = self.memory_limit_bytes()
             in_use = max(self.host_bytes_in_use(), current)
             limit_name = "the memory limit"
-        tto = growth.time_to_oom_s(in_use, result.bytes_per_s, limit)
+        tto = time_to_oom_s(in_use, result.bytes_per_s, limit)
         who = f"{short_title(title, TITLE_LIMIT)} (pid {pid})" if title else f"pid {pid}"
         conf_pct = f"{result.confidence * 100:.0f}%"
         message = (

@@ -17,9 +17,10 @@ from kvdoctor.units import as_count
 
 class OrphanSlotsDetector:
     consumes = frozenset({schema.CENSUS})
+
     def __init__(self) -> None:
-        self.latest: dict[tuple, dict[str, Any]] = {}
-        self.max_seen: dict[tuple, int] = {}
+        self.latest: dict[tuple[int, str], dict[str, Any]] = {}     # (pid, allocator): its latest census
+        self.max_seen: dict[tuple[int, str], int] = {}
         self.censuses = 0
 
     def feed(self, event: schema.Event) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvdoctor.analysis.detectors.base import as_list
 from kvdoctor.analysis.findings import INFO, WARNING, Finding
 from kvdoctor.trace import schema
@@ -9,14 +11,17 @@ from kvdoctor.units import as_count
 
 
 class ProbeHealthDetector:
+    """Everything that makes the other findings less complete than they look, per process."""
+
     consumes = frozenset({schema.VIOLATION, schema.PROBE_STATUS, schema.PROBE_STATS, schema.CENSUS, schema.FIX_APPLIED})
+
     def __init__(self) -> None:
-        self.off: dict[int, str] = {}
-        self.partial: dict[int, str] = {}
-        self.dropped: dict[int, int] = {}
+        self.off: dict[int, str] = {}                       # pid: why the probe turned itself off
+        self.partial: dict[int, str] = {}                   # pid: what it could not hook
+        self.dropped: dict[int, int] = {}                   # pid: most events dropped so far
         self.write_error: dict[int, str] = {}
-        self.disagree: dict[tuple, dict] = {}
-        self.fixes: dict[tuple, int] = {}
+        self.disagree: dict[tuple[int, str], dict[str, Any]] = {}   # (pid, allocator): the census
+        self.fixes: dict[tuple[int, str], int] = {}         # (pid, fix): corrections made
         self.pids_with_violations: set[int] = set()
 
     def feed(self, event: schema.Event) -> None:

@@ -19,6 +19,7 @@ MIN_RATIO = 8
 
 class RetainedViewDetector:
     consumes = frozenset({schema.RETAINED_VIEWS})
+
     def __init__(self) -> None:
         self.latest: dict[int, dict[str, Any]] = {}
         self.peak: dict[int, int] = {}

@@ -52,7 +52,7 @@ def nice_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
         if step >= raw:
             break
     start = math.floor(lo / step) * step
-    ticks = []
+    ticks: list[float] = []
     v = start
     while v <= hi + step * 1e-9 and len(ticks) < 50:
         if v >= lo - step * 1e-9:
@@ -259,18 +259,18 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
         v = values[0]
         cx = frame.px(ts[0])
         half = 60
-        base = 0.0
+        below = 0.0
         for k in layers:
             n = float(v.get(k, 0) or 0)
             if n <= 0:
                 continue
-            y1, y0 = frame.py(base + n), frame.py(base)
+            y1, y0 = frame.py(below + n), frame.py(below)
             body.append(f'<rect x="{cx - half:.1f}" y="{y1:.1f}" width="{2 * half}" height="{max(y0 - y1, 0.5):.1f}" '
                         f'fill="{SLOT_COLOURS[k]}" stroke="#ffffff" stroke-width="1"/>')
             if y0 - y1 >= 14:
                 body.append(f'<text x="{cx:.1f}" y="{(y0 + y1) / 2 + 4:.1f}" font-size="11" fill="#1f2937" text-anchor="middle">'
                             f'{_e(SLOT_LABELS[k])}: {int(n)}</text>')
-            base += n
+            below += n
     else:
         base = [0.0] * len(ts)
         for k in layers:
