@@ -71,14 +71,13 @@ def _detector(analyzer: Analyzer, kind: type[D]) -> D:
     return found
 
 
-def open_trace(path: str | None, pid: int) -> tuple[TraceWriter, str, bool]:
-    """The writer, the absolute path, and whether this watch owns (and so closes) the trace.
+def open_trace(resolved: str, *, given: bool) -> tuple[TraceWriter, bool]:
+    """The writer, and whether this watch owns (and so closes) the trace at `resolved`.
 
-    The default path, or an existing trace that already ended, is replaced; an existing trace
-    still being written (by `kvdoctor run`) is appended to and left open for its writer.
+    A default path (`given` False), or an existing trace that already ended, is replaced; an
+    existing trace still being written (by `kvdoctor run`) is appended to and left open for it.
     """
     owned = True
-    resolved = os.path.abspath(path) if path else default_trace_path("watch", pid)
     try:
         if os.path.isdir(resolved):
             raise KvdoctorError(f"{resolved} is a directory", "give --trace a file path")
@@ -87,7 +86,7 @@ def open_trace(path: str | None, pid: int) -> tuple[TraceWriter, str, bool]:
                 head = fh.read(1)
                 fh.seek(max(0, os.path.getsize(resolved) - 16))
                 tail = fh.read().rstrip()
-            if path is None or tail.endswith(b"]") or os.path.getsize(resolved) == 0:
+            if not given or tail.endswith(b"]") or os.path.getsize(resolved) == 0:
                 os.remove(resolved)
             elif head == b"[":
                 owned = False
@@ -96,7 +95,7 @@ def open_trace(path: str | None, pid: int) -> tuple[TraceWriter, str, bool]:
         writer = TraceWriter(resolved)
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {resolved}: {exc.strerror or exc}", "pass --trace to a writable place") from None
-    return writer, resolved, owned
+    return writer, owned
 
 
 def _run_header(pid: int, sampler: Sampler, interval_s: float, duration_s: float | None) -> schema.Event:
@@ -202,15 +201,16 @@ def run_watch(
     """Samples `pid` and its descendants until `duration_s`, Ctrl-C or the root's exit, and
     analyses everything it wrote. `live` draws the table (for a TTY); `growth_params` tunes the
     growth test (the defaults suit watches of minutes to days)."""
+    path = os.path.abspath(trace_path) if trace_path else default_trace_path("watch", pid)
     probe_tail = None
     if attach:
-        probe_trace = attach_for_watch(pid, os.path.abspath(trace_path) if trace_path else default_trace_path("watch", pid))
+        probe_trace = attach_for_watch(pid, path)   # the probe's trace is named after the watch's
         probe_tail = TraceTail(probe_trace, names=None) if probe_trace else None
     sampler = Sampler(pid, interval_s=interval_s)
     analyzer = watch_analyzer(growth_params, sampler.memory_limit_bytes)
     memory = _detector(analyzer, MemoryGrowthDetector)
     live_view = LiveView(sampler, memory, pid) if live else None
-    writer, path, owned = open_trace(trace_path, pid)
+    writer, owned = open_trace(path, given=trace_path is not None)
     on_round = WatchRecorder(writer, analyzer, probe_tail, None, live_view, max(LIVE_GROWTH_EVERY_S, interval_s))
     on_round.record([_run_header(pid, sampler, interval_s, duration_s)])
     exporter = None
