@@ -46,7 +46,7 @@ finish_trace(path, pid)
 
 REPLAY = r'''
 import resource, sys, time, json
-from kvdoctor.commands.replay import analyze_trace
+from kvdoctor.analysis.analyzer import analyze_trace
 t0 = time.perf_counter()
 analysis = analyze_trace(sys.argv[1])
 dt = time.perf_counter() - t0

@@ -90,7 +90,7 @@ def watcher_cpu(seconds: float, hz: float) -> dict:
 
 
 def _descendants(pid: int) -> list[int]:
-    from kvdoctor.collect.sampler import find_process_tree
+    from kvdoctor.collect.procfs import find_process_tree
 
     return [p.pid for p in find_process_tree(pid) if p.pid != pid]
 

@@ -1,13 +1,19 @@
-"""The command line: parse, call, map a KvdoctorError to an exit code and one helpful line."""
+"""The command line: parse, call the command, map a KvdoctorError to an exit code and one line.
+
+Every option is declared here, once; the commands in kvdoctor/commands/ do the work and return
+the exit code. Options more than one command takes (--trace, --fix) are defined once below.
+"""
 
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 
+import kvdoctor
+from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 
 app = typer.Typer(
@@ -17,14 +23,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-FORMAT_HELP = "text, json or html"
+REPORT_FORMAT_HELP = "text, json or html"
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}   # CMD after --
+TRACE_OPTION: Any = typer.Option(
+    None, "--trace", metavar="PATH",
+    help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)",
+)
+FIX_OPTION: Any = typer.Option([], "--fix", metavar="NAME", help="turn on an optional fix by name (see `kvdoctor fixes`)")
 
 
 def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
     """Every command ends in an exit code; a KvdoctorError is one line on stderr, no traceback."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs) -> None:
+    def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             code = fn(*args, **kwargs)
         except KvdoctorError as exc:
@@ -43,44 +55,45 @@ def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
     return wrapper
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvdoctor {kvdoctor.__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+) -> None:
+    """A memory-leak and memory-safety doctor for LLM serving processes (SGLang, vLLM)."""
+
+
+@app.command(context_settings=PASS_THROUGH)
 @_guarded
 def run(
     ctx: typer.Context,
-    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace (default: ./kvdoctor-<time>.kvtrace.json)"),
-    fix: List[str] = typer.Option([], "--fix", help="turn on an optional fix by name (see `kvdoctor fixes`)"),
-    output_format: str = typer.Option("text", "--format", help="summary format: text or json"),
+    trace: Optional[str] = TRACE_OPTION,
+    fix: List[str] = FIX_OPTION,
+    output_format: str = typer.Option("text", "--format", help=f"summary format (on stderr): {REPORT_FORMAT_HELP}"),
     sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
 ) -> int:
     """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
-    from kvdoctor.commands.replay import analyze_trace
-    from kvdoctor.commands.run import run_command
-    from kvdoctor.reporters import render
+    from kvdoctor.commands.run import run as run_command
 
-    from kvdoctor.probe.fixes import FIXES, unknown
-
-    if unknown(list(fix)):
-        raise KvdoctorError(f"unknown fix {', '.join(unknown(list(fix)))}", f"`kvdoctor fixes` lists them: {', '.join(FIXES)}")
-    code, trace_path = run_command(list(ctx.args), trace, list(fix), sample_interval)
-    analysis = analyze_trace(trace_path)
-    print(render(analysis, "json" if output_format == "json" else "text"), file=sys.stderr)
-    print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
-    return code
+    return run_command(list(ctx.args), trace, list(fix), output_format, sample_interval)
 
 
 @app.command()
 @_guarded
 def replay(
     trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
-    output_format: str = typer.Option("text", "--format", help=FORMAT_HELP),
+    output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
 ) -> int:
     """Analyse a recorded trace: exit 0 clean, 1 error findings, 2 unusable input."""
-    from kvdoctor.commands.replay import replay as do_replay
+    from kvdoctor.commands.replay import replay as replay_command
 
-    if output_format not in ("text", "json", "html"):
-        raise KvdoctorError(f"unknown format {output_format!r}", f"choose {FORMAT_HELP}")
-    return do_replay(trace, output_format, output)
+    return replay_command(trace, output_format, output)
 
 
 @app.command()
@@ -88,13 +101,13 @@ def replay(
 def demo(
     fault: str = typer.Option("leak", "--fault", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"),
     page_size: Optional[int] = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc and relocate)"),
-    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace"),
-    output_format: str = typer.Option("text", "--format", help="text or json"),
+    trace: Optional[str] = TRACE_OPTION,
+    output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
 ) -> int:
     """Drive SGLang's real allocator and radix tree with a planted fault and show the diagnosis."""
-    from kvdoctor.commands.demo import run_demo
+    from kvdoctor.commands.demo import demo as demo_command
 
-    return run_demo(fault, page_size, trace, output_format)
+    return demo_command(fault, page_size, trace, output_format)
 
 
 @app.command()
@@ -103,19 +116,17 @@ def watch(
     pid: int = typer.Argument(..., help="the serving process (its children are followed too)"),
     interval: float = typer.Option(1.0, "--interval", help="seconds between samples"),
     duration: Optional[float] = typer.Option(None, "--duration", help="stop after this many seconds"),
-    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace"),
+    trace: Optional[str] = TRACE_OPTION,
     output_format: str = typer.Option("auto", "--format", help="auto (live view on a TTY), text or json"),
     attach: bool = typer.Option(False, "--attach", help="also put the probe into the running process"),
     prometheus: Optional[str] = typer.Option(None, "--prometheus", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics there while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)"),
     prometheus_public: bool = typer.Option(False, "--prometheus-public", help="allow --prometheus on an address that is not loopback"),
 ) -> int:
     """Watch a live server's process tree: memory by class over time, growth and its rate."""
-    from kvdoctor.commands.watch import watch as do_watch
+    from kvdoctor.commands.watch import watch as watch_command
 
-    if prometheus is not None:
-        return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach,
-                        prometheus=prometheus, prometheus_public=prometheus_public)
-    return do_watch(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format, attach=attach)
+    return watch_command(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format,
+                         attach=attach, prometheus=prometheus, prometheus_public=prometheus_public)
 
 
 @app.command()
@@ -126,36 +137,36 @@ def export(
     output: Optional[str] = typer.Option(None, "-o", "--output", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"),
 ) -> int:
     """Write a trace's counters (kv_slots, memory, hicache, probe_stats) as a CSV or Parquet table, one row per event."""
-    from kvdoctor.commands.export import export as do_export
+    from kvdoctor.commands.export import export as export_command
 
-    return do_export(trace, output_format, output)
+    return export_command(trace, output_format, output)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=PASS_THROUGH)
 @_guarded
 def gate(
     ctx: typer.Context,
-    max_growth: str = typer.Option("500MiB/h", "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"),
+    max_growth: str = typer.Option(DEFAULT_MAX_GROWTH, "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"),
     max_orphan_slots: int = typer.Option(0, "--max-orphan-slots", help="fail if more KV slots are orphaned at the census"),
-    fail_on: str = typer.Option("double_free,double_alloc,stale_last_loc,index_out_of_range", "--fail-on", help="finding kinds that fail the gate (comma-separated)"),
+    fail_on: str = typer.Option(",".join(DEFAULT_FAIL_ON), "--fail-on", help="finding kinds that fail the gate (comma-separated)"),
     junit: Optional[str] = typer.Option(None, "--junit", help="write a JUnit XML report here"),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="a previous trace; fail on regressions over it"),
     html: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
-    trace: Optional[str] = typer.Option(None, "--trace", help="where to write the trace when running a command"),
+    trace: Optional[str] = TRACE_OPTION,
 ) -> int:
     """Judge TRACE.json, or run CMD (after --) under the probe, against budgets: exit 0 pass, 1 fail, 2 could not judge."""
-    from kvdoctor.commands.gate import gate as do_gate
+    from kvdoctor.commands.gate import gate as gate_command
 
-    return do_gate(list(ctx.args), max_growth=max_growth, max_orphan_slots=max_orphan_slots, fail_on=fail_on,
-                   junit=junit, baseline=baseline, html=html, trace=trace)
+    return gate_command(list(ctx.args), max_growth=max_growth, max_orphan_slots=max_orphan_slots, fail_on=fail_on,
+                        junit=junit, baseline=baseline, html=html, trace=trace)
 
 
 @app.command()
 @_guarded
 def attach(
     pid: int = typer.Argument(..., help="a running Python server process"),
-    trace: Optional[str] = typer.Option(None, "--trace", help="where the probe writes its trace (default: ./kvdoctor-attach-PID.kvtrace.json)"),
-    fix: List[str] = typer.Option([], "--fix", help="turn on an optional fix by name (see `kvdoctor fixes`)"),
+    trace: Optional[str] = TRACE_OPTION,
+    fix: List[str] = FIX_OPTION,
     attribution: bool = typer.Option(False, "--attribution", help="also name the file:line and thread where host memory grows (short tracemalloc windows)"),
 ) -> int:
     """Put the probe into a running Python server without restarting it."""
@@ -168,15 +179,13 @@ def attach(
 @_guarded
 def fixes() -> int:
     """List the optional fixes, what each changes, and its risk (all are off by default)."""
-    from kvdoctor.probe.fixes import FIXES
+    from kvdoctor.commands.fixes import list_fixes
 
-    for fix in FIXES.values():
-        print(f"{fix.name}\n  fixes:   {fix.fixes}\n  changes: {fix.changes}\n  risk:    {fix.risk}\n")
-    return 0
+    return list_fixes()
 
 
 def main() -> None:
-    app()
+    app(prog_name="kvdoctor")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ import time
 import pytest
 
 from kvdoctor.collect import attach as attach_module
-from kvdoctor.collect.attach import attach, preflight, target_python_version
-from kvdoctor.commands.attach import attach_for_watch
+from kvdoctor.collect.attach import attach, attach_for_watch, preflight, target_python_version
 from kvdoctor.trace.reader import TraceTail
 from kvdoctor.errors import KvdoctorError
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvdoctor.cli import app
-from kvdoctor.commands.gate import parse_rate, parse_size
+from kvdoctor.units import parse_rate, parse_size
 from kvdoctor.errors import KvdoctorError
 
 EXAMPLES = int(os.environ.get("KVDOCTOR_FUZZ_EXAMPLES", "2500"))

@@ -19,7 +19,8 @@ pytest.importorskip("pyarrow")
 parser = pytest.importorskip("prometheus_client.parser")
 
 from kvdoctor.trace import schema  # noqa: E402
-from kvdoctor.commands.export import export, iter_frames, scan_columns  # noqa: E402
+from kvdoctor.commands.export import export  # noqa: E402
+from kvdoctor.reporters.table import iter_frames, scan_columns  # noqa: E402
 from kvdoctor.errors import KvdoctorError  # noqa: E402
 from kvdoctor.analysis.findings import ERROR, Finding  # noqa: E402
 from kvdoctor.reporters.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402

@@ -8,8 +8,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from kvdoctor.trace import schema
-from kvdoctor.commands.gate import Budgets, gate, judge, parse_rate, parse_size
-from kvdoctor.commands.replay import analyze_trace
+from kvdoctor.analysis.gate import Budgets, judge
+from kvdoctor.commands.gate import gate
+from kvdoctor.units import parse_rate, parse_size
+from kvdoctor.analysis.analyzer import analyze_trace
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.html import render_html
 from kvdoctor.trace.writer import TraceWriter, finish_trace

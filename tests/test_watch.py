@@ -23,16 +23,18 @@ from hypothesis import strategies as st
 
 from kvdoctor.analysis import growth
 from kvdoctor.trace import schema
-from kvdoctor.commands.watch import _LiveView, _sparkline, check_process, watch
+from kvdoctor.commands.watch import watch
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.collect.sampler import (
-    Sampler,
+from kvdoctor.collect.procfs import (
+    check_process,
     find_process_tree,
     guess_role,
     machine_memory_limit_bytes,
     sample_process,
 )
+from kvdoctor.collect.sampler import Sampler
+from kvdoctor.reporters.live import LiveView, sparkline
 from kvdoctor.trace.reader import ReadStats, iter_events
 
 MIB = 1024 * 1024
@@ -266,7 +268,7 @@ def test_process_of_another_user_is_a_kvdoctor_error_with_a_hint(spawn):
         f"""
         import sys
         sys.path.insert(0, {REPO!r})
-        from kvdoctor.commands.watch import check_process
+        from kvdoctor.collect.procfs import check_process
         from kvdoctor.errors import KvdoctorError
         try:
             check_process({target.pid})
@@ -356,12 +358,12 @@ def test_live_view_renders_a_row_per_process(spawn):
     for _ in range(8):
         sampler.sample_once()
         time.sleep(0.05)
-    view = _LiveView(sampler, detector, child.pid)
+    view = LiveView(sampler, detector, child.pid)
     out = io.StringIO()
-    Console(file=out, width=220, force_terminal=False).print(view._table())
+    Console(file=out, width=220, force_terminal=False).print(view.table())
     text = out.getvalue()
     assert str(child.pid) in text and "rss trend" in text and "MiB" in text
-    assert _sparkline([1, 2, 3, 4]) == "▁▃▆█" and _sparkline([5, 5]) == "▁▁" and _sparkline([]) == ""
+    assert sparkline([1, 2, 3, 4]) == "▁▃▆█" and sparkline([5, 5]) == "▁▁" and sparkline([]) == ""
 
 
 # --------------------------------------------------------------------------- growth math, fake clock

@@ -1,47 +1,42 @@
-"""Runs every detector over one event stream (live or recorded) and collects the findings."""
+"""Runs every detector over one event stream, live or recorded, and collects the findings.
+
+`Analyzer` takes one event at a time (a watch feeds it as it samples), `analyze` feeds it a whole
+stream, and `analyze_trace` streams a recorded trace through it: all three end in the same
+`Analysis`, so a live watch and a replay of its trace make the same findings.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+import os
+import sys
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
-from kvdoctor.trace import schema
+from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector
-from kvdoctor.analysis.detectors.double_alloc import DoubleAllocDetector
-from kvdoctor.analysis.detectors.double_free import DoubleFreeDetector
-from kvdoctor.analysis.detectors.graph_replay import GraphReplayDuringLoadDetector
-from kvdoctor.analysis.detectors.index_out_of_range import IndexOutOfRangeDetector
-from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
-from kvdoctor.analysis.detectors.probe_health import ProbeHealthDetector
-from kvdoctor.analysis.detectors.refcount_disagrees import RefcountDisagreesDetector
-from kvdoctor.analysis.detectors.stale_last_loc import StaleLastLocDetector
-from kvdoctor.analysis.detectors.tree_misuse import LockUnderflowDetector, UseAfterFreeDetector
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
+from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
+from kvdoctor.trace import schema
+from kvdoctor.trace.reader import ReadStats, iter_events
+from kvdoctor.units import BoundedSeries
+
+__all__ = ["Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "analyze_trace", "exit_code_for"]
+
+REPORT_SCHEMA_NAME = "kvdoctor.report"
+REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"   # the JSON report, not the trace
 
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
+PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024     # smaller traces replay too fast to need a bar
+PROGRESS_EVERY_EVENTS = 20_000
+
+D = TypeVar("D")
+_HEADERS = (schema.HEADER, schema.RUN_HEADER)
 
 
-def all_detectors() -> list[Detector]:
-    detectors: list[Detector] = [
-        DoubleFreeDetector(),
-        DoubleAllocDetector(),
-        StaleLastLocDetector(),
-        IndexOutOfRangeDetector(),
-        UseAfterFreeDetector(),
-        LockUnderflowDetector(),
-        GraphReplayDuringLoadDetector(),
-        RefcountDisagreesDetector(),
-        OrphanSlotsDetector(),
-        ProbeHealthDetector(),
-    ]
-    from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
-    from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
-    from kvdoctor.analysis.detectors.retained_view import RetainedViewDetector
-
-    detectors.append(MemoryGrowthDetector())
-    detectors.append(RetainedViewDetector())
-    detectors.append(HostGrowthAttributionDetector())
-    return detectors
+class _Sink(Protocol):
+    def feed(self, event: schema.Event) -> None: ...
 
 
 @dataclasses.dataclass
@@ -61,7 +56,7 @@ class Analysis:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": schema.SCHEMA_ID,
+            "schema": REPORT_SCHEMA_ID,
             "source": self.source,
             "events": self.events,
             "findings": [f.to_dict() for f in self.findings],
@@ -71,55 +66,128 @@ class Analysis:
 
 
 class SeriesCollector:
-    """Keeps the counters reporters plot (ledger sizes, memory), decimated to bounded size."""
+    """Keeps the counters reporters plot (ledger sizes, memory), thinned to a bounded size."""
 
     consumes = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, schema.HICACHE_COUNTER})
 
-    MAX_POINTS = 4000
+    MAX_POINTS = 3999
 
     def __init__(self) -> None:
-        self.series: dict[str, dict[str, list]] = {}
+        self._series: dict[str, BoundedSeries[dict[str, float]]] = {}
 
     def feed(self, event: schema.Event) -> None:
         if event.ph != "C":
             return
         label = f"{event.name}:{event.pid}:{event.args.get('allocator', '')}"
-        entry = self.series.setdefault(label, {"ts_us": [], "values": [], "stride": 1, "seen": 0})
-        entry["seen"] += 1
-        if (entry["seen"] - 1) % entry["stride"]:
-            return
-        entry["ts_us"].append(event.ts)
-        entry["values"].append({k: v for k, v in event.args.items() if isinstance(v, (int, float))})
-        if len(entry["ts_us"]) >= self.MAX_POINTS:
-            entry["ts_us"] = entry["ts_us"][::2]
-            entry["values"] = entry["values"][::2]
-            entry["stride"] *= 2
+        series = self._series.get(label)
+        if series is None:
+            series = self._series[label] = BoundedSeries(self.MAX_POINTS)
+        series.add(event.ts, {k: v for k, v in event.args.items() if isinstance(v, (int, float))})
+
+    @property
+    def series(self) -> dict[str, dict[str, Any]]:
+        """{"<event name>:<pid>:<allocator>": {"ts_us": [...], "values": [{arg: number}], "stride": n}}."""
+        return {label: {"ts_us": list(s.times), "values": list(s.values), "stride": s.stride} for label, s in self._series.items()}
 
 
-def analyze(events: Iterable[schema.Event], *, source: str = "", detectors: list[Detector] | None = None) -> Analysis:
+class Analyzer:
     """Feeds each event only to the detectors that read its name (a detector without a
     `consumes` set sees everything), so large traces replay at streaming speed."""
-    detectors = detectors if detectors is not None else all_detectors()
-    processes: dict[int, dict[str, Any]] = {}
-    series = SeriesCollector()
-    sinks = [series, *detectors]
-    routes: dict[str, list] = {}
-    count = 0
-    for event in events:
-        count += 1
-        name = event.name
-        feeds = routes.get(name)
-        if feeds is None:
-            feeds = routes[name] = [s.feed for s in sinks if getattr(s, "consumes", None) is None or name in s.consumes]
-        if name in (schema.HEADER, schema.RUN_HEADER):
-            info = processes.setdefault(event.pid, {})
-            info.update({k: event.args.get(k) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
-        elif name == schema.PROCESS_NAME and event.args.get("name"):
-            processes.setdefault(event.pid, {})["process_title"] = event.args["name"]
-        for feed in feeds:
-            feed(event)
-    findings: list[Finding] = []
-    for detector in detectors:
-        findings.extend(detector.findings())
-    findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
-    return Analysis(findings=findings, processes=processes, events=count, source=source, series=series.series)
+
+    def __init__(
+        self,
+        *,
+        source: str = "",
+        detectors: list[Detector] | None = None,
+        growth_params: GrowthParams | None = None,
+        host_memory_limit_bytes: int | None = None,
+    ) -> None:
+        self.source = source
+        self.detectors = detectors if detectors is not None else all_detectors(
+            growth_params=growth_params, host_memory_limit_bytes=host_memory_limit_bytes)
+        self.processes: dict[int, dict[str, Any]] = {}
+        self.events = 0
+        self._series = SeriesCollector()
+        self._sinks: list[_Sink] = [self._series, *self.detectors]
+        self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
+
+    def feed(self, event: schema.Event) -> None:
+        self.feed_all((event,))
+
+    def feed_all(self, events: Iterable[schema.Event]) -> None:
+        """The hot loop of every replay: the sinks of an event name are looked up once."""
+        routes, processes, sinks = self._routes, self.processes, self._sinks
+        count = 0
+        for event in events:
+            count += 1
+            name = event.name
+            feeds = routes.get(name)
+            if feeds is None:
+                feeds = routes[name] = [s.feed for s in sinks if getattr(s, "consumes", None) is None or name in getattr(s, "consumes")]
+            if name in _HEADERS:
+                info = processes.setdefault(event.pid, {})
+                info.update({k: event.args.get(k) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
+            elif name == schema.PROCESS_NAME and event.args.get("name"):
+                processes.setdefault(event.pid, {})["process_title"] = event.args["name"]
+            for feed in feeds:
+                feed(event)
+        self.events += count
+
+    def detector(self, kind: type[D]) -> D | None:
+        """The detector of this class, for views that read its state as it goes (the live table)."""
+        return next((d for d in self.detectors if isinstance(d, kind)), None)
+
+    def findings(self) -> list[Finding]:
+        """The findings as they stand now, errors first."""
+        findings: list[Finding] = []
+        for detector in self.detectors:
+            findings.extend(detector.findings())
+        findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
+        return findings
+
+    def finish(self, notes: Iterable[str] = ()) -> Analysis:
+        return Analysis(findings=self.findings(), processes=self.processes, events=self.events, notes=list(notes),
+                        source=self.source, series=self._series.series)
+
+
+def analyze(
+    events: Iterable[schema.Event],
+    *,
+    source: str = "",
+    detectors: list[Detector] | None = None,
+    host_memory_limit_bytes: int | None = None,
+) -> Analysis:
+    """Every event of a stream through one `Analyzer`."""
+    analyzer = Analyzer(source=source, detectors=detectors, host_memory_limit_bytes=host_memory_limit_bytes)
+    analyzer.feed_all(events)
+    return analyzer.finish()
+
+
+def analyze_trace(path: str, *, progress: bool = False, host_memory_limit_bytes: int | None = None) -> Analysis:
+    """Streams a recorded trace (never loaded whole) through the detectors; the reader's notes
+    (a cut tail, skipped lines) end up in the analysis. `progress` shows a bar on a TTY for
+    large traces."""
+    stats = ReadStats()
+    events: Iterable[schema.Event] = iter_events(path, stats)
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    if progress and size >= PROGRESS_BAR_MIN_BYTES and sys.stderr.isatty():
+        events = _with_progress(events, stats, size)
+    analyzer = Analyzer(source=path, host_memory_limit_bytes=host_memory_limit_bytes)
+    analyzer.feed_all(events)
+    return analyzer.finish(notes=stats.notes())
+
+
+def _with_progress(events: Iterable[schema.Event], stats: ReadStats, size: int) -> Iterator[schema.Event]:
+    from rich.progress import BarColumn, Progress, TransferSpeedColumn
+
+    with Progress("replaying", BarColumn(), TransferSpeedColumn(), transient=True) as bar:
+        task = bar.add_task("trace", total=size)
+        for i, event in enumerate(events):
+            if i % PROGRESS_EVERY_EVENTS == 0:
+                bar.update(task, completed=stats.bytes_read)
+            yield event
+
+
+def exit_code_for(analysis: Analysis) -> int:
+    """0 without error findings, 1 with: the exit code of replay, demo and watch."""
+    return EXIT_FINDINGS if analysis.errors else EXIT_OK

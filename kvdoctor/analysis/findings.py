@@ -1,8 +1,15 @@
 """A finding: what a detector concluded, with the evidence a reader needs to act on it."""
+
 from __future__ import annotations
+
 import dataclasses
 from typing import Any
-ERROR = "error"; WARNING = "warning"; INFO = "info"
+
+ERROR = "error"
+WARNING = "warning"
+INFO = "info"
+
+
 @dataclasses.dataclass
 class Finding:
     kind: str
@@ -11,5 +18,7 @@ class Finding:
     count: int = 0
     evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
     pid: int = 0
+
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "severity": self.severity, "message": self.message, "count": self.count, "evidence": self.evidence, "pid": self.pid}
+        return {"kind": self.kind, "severity": self.severity, "message": self.message, "count": self.count,
+                "evidence": self.evidence, "pid": self.pid}

@@ -23,19 +23,20 @@ Everything here takes plain sequences of seconds and bytes, so tests drive it wi
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
-from typing import Sequence
+from typing import Any, Sequence
+
+from kvdoctor.units import HOUR_S, MIB
 
 try:  # numpy makes the pairwise slopes cheap; the pure-Python path uses fewer points.
-    import numpy as _np
+    import numpy
+
+    _np: Any = numpy
 except ImportError:  # pragma: no cover - depends on the environment
     _np = None
-
-MIB = 1024 * 1024
-GIB = 1024 * MIB
-HOUR_S = 3600.0
 
 DEFAULT_MIN_RATE_BYTES_PER_S = 50 * MIB / HOUR_S   # 50 MiB/h: below this, a leak is not urgent
 DEFAULT_WARMUP_S = 60.0
@@ -142,7 +143,7 @@ def _lag1_autocorrelation(residuals: Sequence[float]) -> float:
     return num / denom
 
 
-def _pairwise_slopes(times_s: Sequence[float], values: Sequence[float]):
+def _pairwise_slopes(times_s: Sequence[float], values: Sequence[float]) -> Any:
     """Slopes of every pair with distinct times, unsorted (a numpy array, or a list)."""
     if _np is not None:
         t = _np.asarray(times_s, dtype=float)
@@ -151,7 +152,7 @@ def _pairwise_slopes(times_s: Sequence[float], values: Sequence[float]):
         dt = t[j] - t[i]
         keep = dt > 0
         return (v[j][keep] - v[i][keep]) / dt[keep]
-    out = []
+    out: list[float] = []
     n = len(times_s)
     for i in range(n):
         ti, vi = times_s[i], values[i]
@@ -162,7 +163,7 @@ def _pairwise_slopes(times_s: Sequence[float], values: Sequence[float]):
     return out
 
 
-def _order_statistics(slopes, indices: list[int]) -> list[float]:
+def _order_statistics(slopes: Any, indices: list[int]) -> list[float]:
     """The k-th smallest slopes for each k in `indices` (numpy partitions instead of sorting)."""
     if _np is not None:
         wanted = sorted(set(indices))
@@ -243,16 +244,8 @@ def _check_span(
     width = (end - start) / params.windows
     bounds = [0]
     for k in range(1, params.windows):
-        cut = start + k * width
         # first index at or after the cut (times are sorted)
-        lo, hi = bounds[-1], n
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if times_s[mid] < cut:
-                lo = mid + 1
-            else:
-                hi = mid
-        bounds.append(lo)
+        bounds.append(bisect.bisect_left(times_s, start + k * width, bounds[-1], n))
     bounds.append(n)
     per_window_points = max(3, params.max_points // params.windows)
     for a, b in zip(bounds, bounds[1:]):
@@ -323,16 +316,9 @@ def detect_growth(
         max_points=max_points,
     )
     origin = times_s[0] if origin_s is None else origin_s
-    cutoff = origin + max(warmup_s, 0.0)
-    lo, hi = 0, len(times_s)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if times_s[mid] < cutoff:
-            lo = mid + 1
-        else:
-            hi = mid
-    t = list(times_s[lo:])
-    v = [float(x) for x in values_bytes[lo:]]
+    first = bisect.bisect_left(times_s, origin + max(warmup_s, 0.0))
+    t = list(times_s[first:])
+    v = [float(x) for x in values_bytes[first:]]
     if len(t) < 3:
         return None
     result = _check_span(t, v, params)
@@ -385,31 +371,3 @@ def time_to_oom_s(current_bytes: float, bytes_per_s: float, limit_bytes: float |
     if limit_bytes is None or limit_bytes <= 0 or bytes_per_s <= 0:
         return None
     return max(0.0, (limit_bytes - current_bytes) / bytes_per_s)
-
-
-def format_bytes(n_bytes: float) -> str:
-    """1.5 GiB, 320 MiB, 12 KiB: binary units, three significant digits."""
-    value = float(n_bytes)
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{sign}{value:.0f} B"
-            digits = 2 if value < 10 else 1 if value < 100 else 0
-            return f"{sign}{value:.{digits}f} {unit}"
-        value /= 1024
-    return f"{sign}{value:.0f} TiB"  # pragma: no cover
-
-
-def format_duration(seconds: float | None) -> str:
-    """45 s, 12 min, 3.2 h, 4.1 d."""
-    if seconds is None:
-        return "never"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 48 * HOUR_S:
-        return f"{seconds / HOUR_S:.1f} h"
-    return f"{seconds / 86400:.1f} d"

@@ -31,87 +31,14 @@ import textwrap
 import time
 from typing import Any, Sequence
 
+from kvdoctor import PACKAGE_ROOT
+from kvdoctor.collect.attach_code import GDB_SCRIPT, INJECTED
 from kvdoctor.errors import KvdoctorError
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GDB_TIMEOUT_S = 20.0          # how long gdb may wait for the target to reach a safe point
 STATUS_TIMEOUT_S = 20.0       # how long the probe may take to import and start inside the target
 CAP_SYS_PTRACE = 19
 RUN_INSTEAD = "start the server under `kvdoctor run --` instead"
-
-_INJECTED = r'''
-def _kvdoctor_attach(params):
-    import json, os, sys, threading
-
-    def report(payload):
-        path = params["status_path"]
-        try:
-            with open(path + ".tmp", "w") as fh:
-                json.dump(payload, fh)
-            os.replace(path + ".tmp", path)
-        except Exception:
-            pass
-
-    def start():
-        try:
-            root = params["package_root"]
-            if root not in sys.path:
-                sys.path.append(root)
-            os.environ["KVDOCTOR_TRACE"] = params["trace_path"]
-            if params["fixes"]:
-                os.environ["KVDOCTOR_FIXES"] = ",".join(params["fixes"])
-            if params["attribution"]:
-                os.environ["KVDOCTOR_ATTRIBUTION"] = "1"
-            from kvdoctor.probe import runtime
-            already = runtime.current() is not None
-            probe = runtime.activate(params["trace_path"], fixes=params["fixes"])
-            if probe is None:
-                reason = "KVDOCTOR_DISABLE is set in it" if os.environ.get("KVDOCTOR_DISABLE") else "the probe failed to start"
-                report({"ok": False, "error": reason})
-                return
-            probe.emitter.emit("probe_status", {
-                "component": "attach", "state": "on",
-                "reason": ("attached by kvdoctor attach; the probe was already on" if already else "attached by kvdoctor attach")
-                          + "; SGLang classes already imported were hooked, later ones are hooked as they are imported",
-                "already_active": already, "python": sys.version.split()[0],
-            })
-            try:
-                from kvdoctor.probe import attribution
-                attribution.start_if_enabled(probe, force=bool(params["attribution"]))
-            except Exception as exc:
-                probe.emitter.emit("probe_status", {"component": "attribution", "state": "off", "reason": f"{type(exc).__name__}: {exc}"})
-            probe.emitter.flush()
-            report({"ok": True, "already_active": already, "trace_path": probe.trace_path or "", "python": sys.version.split()[0]})
-        except BaseException as exc:
-            report({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-
-    threading.Thread(target=start, name="kvdoctor-attach", daemon=True).start()
-
-
-_kvdoctor_attach(__import__("json").loads(_KVDOCTOR_ATTACH_PARAMS))
-'''
-
-_GDB_SCRIPT = """\
-set unwindonsignal on
-set confirm off
-sharedlibrary libc
-sharedlibrary libpthread
-sharedlibrary libpython
-p "KVDOCTOR: attached"
-b PyObject_Malloc
-b PyMem_Malloc
-b PyErr_CheckSignals
-commands 1-3
-  disable breakpoints
-  delete breakpoints
-  p "KVDOCTOR: at a safe point"
-  set $kvdoctor_gil = (int)PyGILState_Ensure()
-  set $kvdoctor_rc = (int)PyRun_SimpleString("{code}")
-  call (void)PyGILState_Release($kvdoctor_gil)
-  p $kvdoctor_rc == 0 ? "KVDOCTOR: RAN" : "KVDOCTOR: FAILED"
-end
-continue
-"""
 
 
 # --------------------------------------------------------------------------- what the target is
@@ -220,7 +147,7 @@ def _gdb_inject(pid: int, script_path: str, timeout_s: float) -> None:
         )
     code = f"exec(compile(open('{script_path}').read(), '{script_path}', 'exec'), {{'__name__': '__kvdoctor_attach__'}})"
     with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as fh:
-        fh.write(_GDB_SCRIPT.format(code=code))
+        fh.write(GDB_SCRIPT.format(code=code))
         gdb_script = fh.name
     command = [gdb, "-batch", "-nx", "-nw", "-p", str(pid), "-iex", "set auto-solib-add off", "-iex", "set auto-load off", "-x", gdb_script]
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -326,7 +253,7 @@ def attach(
               "status_path": status_path, "attribution": bool(attribution)}
     try:
         with open(script_path, "w") as fh:
-            fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(_INJECTED))
+            fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(INJECTED))
         os.chmod(script_path, 0o644)
         target_uid = os.stat(f"/proc/{pid}").st_uid
         if target_uid != os.geteuid() and os.geteuid() == 0:
@@ -346,7 +273,7 @@ def attach(
                 raise KvdoctorError(f"pid {pid} exited while the probe was starting", "check the server's log")
             time.sleep(0.05)
         with open(status_path) as fh:
-            status = json.load(fh)
+            status: dict[str, Any] = json.load(fh)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if not status.get("ok"):
@@ -407,3 +334,19 @@ def preflight() -> str | None:
             child.wait()
     _PREFLIGHT["reason"] = reason
     return reason
+
+
+def attach_for_watch(pid: int, watch_trace_path: str, attribution: bool = True) -> str | None:
+    """Attaches for `watch --attach`: the probe's trace path (beside the watch's own, so the two
+    pair up by name), or None after one line on stderr saying why the watch goes on from outside."""
+    base = watch_trace_path[: -len(".kvtrace.json")] if watch_trace_path.endswith(".kvtrace.json") else watch_trace_path
+    path = f"{base}.probe-{pid}.kvtrace.json"
+    try:
+        status = attach(pid, path, [], attribution=attribution)
+    except KvdoctorError as exc:
+        hint = f" ({exc.hint})" if exc.hint else ""
+        print(f"kvdoctor: attach is not available for pid {pid}: {exc.message}{hint}; watching from outside", file=sys.stderr)
+        return None
+    written = status.get("trace_path") or path
+    print(f"kvdoctor: probe attached to pid {pid}; its trace: {written}", file=sys.stderr)
+    return str(written)

@@ -1,248 +1,37 @@
 """`kvdoctor gate`: judge a trace (or a command run under the probe) against budgets, for CI.
 
-Exit codes: 0 every check passed, 1 a check failed, 2 could not judge. "Could not judge" means
-the analysis has no events, or no process in it was ever probed or sampled: only the run header
-of `kvdoctor run` is there (no probe header with an engine, no memory/KV counters, no findings),
-which is what a command that never started Python, or never imported SGLang with the probe, leaves
-behind. Passing such a run would be a false green, so it is neither pass nor fail.
+Exit codes: 0 every check passed, 1 a check failed, 2 could not judge (see kvdoctor.analysis.gate
+for when an analysis cannot be judged). The verdict goes to stdout, with GitHub annotations when
+run in GitHub Actions, and optionally JUnit XML and the HTML report to files.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 import sys
-from typing import Any
-from xml.sax.saxutils import escape as _xml_escape, quoteattr as _xml_attr
 
-from kvdoctor.analysis.analyzer import Analysis
-from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
-
-MIB = 1024 * 1024
-DEFAULT_MAX_GROWTH = "500MiB/h"
-DEFAULT_FAIL_ON = "double_free,double_alloc,stale_last_loc,index_out_of_range"
-
-# Binary units (KiB, MiB, ...) are powers of 1024; SI units (KB, MB, ...) powers of 1000; a bare
-# K, M, G, T is binary, as in most memory settings. Case does not matter.
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024 ** 2, "mib": 1024 ** 2, "mb": 1000 ** 2,
-    "g": 1024 ** 3, "gib": 1024 ** 3, "gb": 1000 ** 3,
-    "t": 1024 ** 4, "tib": 1024 ** 4, "tb": 1000 ** 4,
-}
-_TIME_UNITS = {
-    "s": 1.0, "sec": 1.0, "second": 1.0,
-    "m": 60.0, "min": 60.0, "minute": 60.0,
-    "h": 3600.0, "hr": 3600.0, "hour": 3600.0,
-    "d": 86400.0, "day": 86400.0,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """"500MiB", "1.5GiB", "10GB", "0" -> bytes."""
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise KvdoctorError(f"unreadable size {text!r}", "write a number and a unit, e.g. 500MiB, 1.5GiB, 10GB")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit not in _SIZE_UNITS:
-        raise KvdoctorError(f"unknown size unit {match.group(2)!r} in {text!r}", "use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    return int(round(number * _SIZE_UNITS[unit]))
-
-
-def parse_rate(text: str) -> float:
-    """"500MiB/h", "10MB/s", "1GiB/hour" -> bytes per second."""
-    size_text, slash, per = str(text).partition("/")
-    if not slash:
-        raise KvdoctorError(f"unreadable rate {text!r}", "write a size per time, e.g. 500MiB/h, 10MB/s, 1GiB/hour")
-    per = per.strip().lower()
-    unit = per[:-1] if per.endswith("s") and per[:-1] in _TIME_UNITS and per not in _TIME_UNITS else per
-    if unit not in _TIME_UNITS:
-        raise KvdoctorError(f"unknown time unit {per!r} in {text!r}", "use /s, /min, /h or /day")
-    size = parse_size(size_text)
-    return size / _TIME_UNITS[unit]
-
-
-@dataclasses.dataclass
-class Budgets:
-    max_growth_bytes_per_s: float = 500 * MIB / 3600.0
-    max_orphan_slots: int = 0
-    fail_on: set[str] = dataclasses.field(
-        default_factory=lambda: {"double_free", "double_alloc", "stale_last_loc", "index_out_of_range"}
-    )
-
-
-@dataclasses.dataclass
-class Check:
-    name: str
-    passed: bool
-    detail: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
-
-
-@dataclasses.dataclass
-class GateResult:
-    checks: list[Check] = dataclasses.field(default_factory=list)
-    judged: bool = True
-    reason: str = ""          # why it could not judge, when judged is False
-    source: str = ""
-
-    @property
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
-
-    @property
-    def exit_code(self) -> int:
-        if not self.judged:
-            return EXIT_UNUSABLE
-        return EXIT_FINDINGS if self.failed else EXIT_OK
-
-    def verdict(self) -> str:
-        if not self.judged:
-            return f"kvdoctor gate: COULD NOT JUDGE ({self.reason})"
-        if self.failed:
-            return f"kvdoctor gate: FAIL ({len(self.failed)} of {len(self.checks)} checks failed)"
-        return f"kvdoctor gate: PASS ({len(self.checks)} checks)"
-
-
-def _rate_text(bytes_per_s: float) -> str:
-    from kvdoctor.reporters.html import human_rate
-
-    return human_rate(bytes_per_s)
-
-
-def _growth_findings(analysis: Analysis) -> list:
-    return [f for f in analysis.findings if f.kind == "memory_growth"]
-
-
-def _rate_of(finding) -> float:
-    try:
-        return float(finding.evidence.get("bytes_per_s", 0.0) or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def _orphans(analysis: Analysis) -> int:
-    return sum(int(f.count or 0) for f in analysis.findings if f.kind == "orphan_slots")
-
-
-def _max_growth(analysis: Analysis) -> float:
-    return max((_rate_of(f) for f in _growth_findings(analysis)), default=0.0)
-
-
-def judgeable(analysis: Analysis) -> tuple[bool, str]:
-    if analysis.events <= 0:
-        return False, "the trace has no events"
-    if not analysis.processes:
-        return False, "no process header in the trace"
-    probed = any((info or {}).get("engine") for info in analysis.processes.values())
-    if not (probed or analysis.series or analysis.findings):
-        return False, "no probed or sampled process wrote to the trace (did the command start Python with SGLang?)"
-    return True, ""
-
-
-def judge(analysis: Analysis, budgets: Budgets, baseline: Analysis | None = None, tolerance: float = 0.2) -> GateResult:
-    result = GateResult(source=analysis.source)
-    ok, reason = judgeable(analysis)
-    if not ok:
-        result.judged, result.reason = False, reason
-        return result
-
-    over = [f for f in _growth_findings(analysis) if _rate_of(f) > budgets.max_growth_bytes_per_s]
-    budget_text = _rate_text(budgets.max_growth_bytes_per_s)
-    if over:
-        parts = []
-        for f in sorted(over, key=_rate_of, reverse=True):
-            ev = f.evidence
-            pid = ev.get("pid", f.pid)
-            title = str(ev.get("process_title") or (analysis.processes.get(f.pid) or {}).get("process_title") or "")
-            parts.append(f"pid {pid}{' (' + title[:60] + ')' if title else ''} {ev.get('memory_class', 'memory')} grows {_rate_text(_rate_of(f))}")
-        result.checks.append(Check("max-growth", False, f"over the budget of {budget_text}: " + "; ".join(parts)))
-    else:
-        seen = _max_growth(analysis)
-        detail = f"no memory growth over {budget_text}" + (f" (fastest {_rate_text(seen)})" if seen else "")
-        result.checks.append(Check("max-growth", True, detail))
-
-    orphans = _orphans(analysis)
-    result.checks.append(Check(
-        "max-orphan-slots", orphans <= budgets.max_orphan_slots,
-        f"{orphans} orphaned KV slot(s) at the census, budget {budgets.max_orphan_slots}",
-    ))
-
-    for kind in sorted(budgets.fail_on):
-        hits = [f for f in analysis.findings if f.kind == kind]
-        if hits:
-            first = hits[0].message.splitlines()[0] if hits[0].message else ""
-            detail = f"{sum(max(f.count, 1) for f in hits)} {kind} event(s): {first[:300]}"
-        else:
-            detail = f"no {kind}"
-        result.checks.append(Check(f"no-{kind}", not hits, detail))
-
-    if baseline is not None:
-        worse = []
-        pairs = [
-            ("error findings", len(analysis.errors), len(baseline.errors), str),
-            ("orphaned slots", orphans, _orphans(baseline), str),
-            ("max growth rate", _max_growth(analysis), _max_growth(baseline), _rate_text),
-        ]
-        for name, now, before, fmt in pairs:
-            if now > before * (1.0 + tolerance) and now > before:
-                worse.append(f"{name} {fmt(now)} vs baseline {fmt(before)}")
-        detail = ("worse than the baseline by more than " + f"{tolerance:.0%}: " + "; ".join(worse)) if worse else \
-            f"no regression over the baseline (tolerance {tolerance:.0%})"
-        result.checks.append(Check("baseline-regression", not worse, detail))
-    return result
-
-
-def write_junit(result: GateResult, path: str) -> None:
-    failures = len(result.failed) if result.judged else 0
-    errors = 0 if result.judged else 1
-    tests = len(result.checks) + errors
-    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
-             f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
-             f'  <testsuite name="kvdoctor-gate" tests="{tests}" failures="{failures}" errors="{errors}" skipped="0">']
-    for check in result.checks:
-        lines.append(f'    <testcase classname="kvdoctor-gate" name={_xml_attr(check.name)}>')
-        if check.passed:
-            lines.append(f"      <system-out>{_xml_escape(check.detail)}</system-out>")
-        else:
-            lines.append(f'      <failure message={_xml_attr(check.detail)} type="budget">{_xml_escape(check.detail)}</failure>')
-        lines.append("    </testcase>")
-    if not result.judged:
-        lines.append('    <testcase classname="kvdoctor-gate" name="judge">')
-        lines.append(f'      <error message={_xml_attr(result.reason)} type="could-not-judge">{_xml_escape(result.reason)}</error>')
-        lines.append("    </testcase>")
-    lines += ["  </testsuite>", "</testsuites>", ""]
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-
-
-def _annotation_text(text: str) -> str:
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-
-
-def github_annotations(result: GateResult) -> list[str]:
-    if not result.judged:
-        return [f"::error title=kvdoctor gate::could not judge: {_annotation_text(result.reason)}"]
-    return [f"::error title=kvdoctor gate::{_annotation_text(c.name + ': ' + c.detail)}" for c in result.failed]
-
-
-def summary_lines(result: GateResult) -> list[str]:
-    lines = [f"kvdoctor gate: {result.source}"] if result.source else []
-    for check in result.checks:
-        lines.append(f"  {'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}")
-    lines.append(result.verdict())
-    return lines
+from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, DEFAULT_TOLERANCE, Budgets, judge
+from kvdoctor.errors import KvdoctorError
+from kvdoctor.reporters import render
+from kvdoctor.reporters.github import github_annotations, in_github_actions
+from kvdoctor.reporters.junit import write_junit
+from kvdoctor.runner import analyze_recorded
+from kvdoctor.runner.launch import run_command
+from kvdoctor.trace import schema
+from kvdoctor.units import parse_rate
 
 
 def _is_trace_path(args: list[str]) -> bool:
     return len(args) == 1 and args[0].endswith(".json") and os.path.isfile(args[0])
+
+
+def _fail_on_kinds(fail_on: str) -> set[str]:
+    kinds = {k.strip() for k in (fail_on or "").split(",") if k.strip()}
+    unknown = sorted(kinds - set(schema.FINDING_KINDS))
+    if unknown:
+        raise KvdoctorError(f"--fail-on names no finding kind {', '.join(repr(k) for k in unknown)}",
+                            "choose from " + ", ".join(schema.FINDING_KINDS))
+    return kinds
 
 
 def gate(
@@ -250,48 +39,42 @@ def gate(
     *,
     max_growth: str = DEFAULT_MAX_GROWTH,
     max_orphan_slots: int = 0,
-    fail_on: str = DEFAULT_FAIL_ON,
+    fail_on: str = ",".join(DEFAULT_FAIL_ON),
     junit: str | None = None,
     baseline: str | None = None,
     html: str | None = None,
     trace: str | None = None,
-    tolerance: float = 0.2,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> int:
     """Judge a trace (one existing *.json path) or run a command under the probe and judge its trace."""
-    from kvdoctor.commands.replay import analyze_trace
-
     if int(max_orphan_slots) < 0:
         raise KvdoctorError("--max-orphan-slots must be 0 or more")
-    budgets = Budgets(
-        max_growth_bytes_per_s=parse_rate(max_growth),
-        max_orphan_slots=int(max_orphan_slots),
-        fail_on={k.strip() for k in (fail_on or "").split(",") if k.strip()},
-    )
+    budgets = Budgets(max_growth_bytes_per_s=parse_rate(max_growth), max_orphan_slots=int(max_orphan_slots),
+                      fail_on=_fail_on_kinds(fail_on))
     args = list(command_or_trace)
     if not args:
         raise KvdoctorError("nothing to judge", "usage: kvdoctor gate TRACE.json, or kvdoctor gate [OPTIONS] -- CMD ...")
-    baseline_analysis = analyze_trace(baseline) if baseline else None
-    if _is_trace_path(args):
+    judging_a_trace = _is_trace_path(args)
+    if judging_a_trace and trace is not None:
+        raise KvdoctorError("--trace says where a command's trace goes, but gate was given a trace to judge",
+                            "drop --trace, or run a command: kvdoctor gate --trace PATH -- CMD ...")
+    baseline_analysis = analyze_recorded(baseline) if baseline else None
+    command_code = None
+    if judging_a_trace:
         trace_path = args[0]
-        command_code = None
     else:
-        from kvdoctor.commands.run import run_command
-
         command_code, trace_path = run_command(args, trace, [])
-    analysis = analyze_trace(trace_path)
+    analysis = analyze_recorded(trace_path)
     result = judge(analysis, budgets, baseline_analysis, tolerance)
     if command_code is not None:
         print(f"kvdoctor gate: command exited {command_code}; trace {trace_path}")
-    print("\n".join(summary_lines(result)))
-    if os.environ.get("GITHUB_ACTIONS") == "true":
-        for line in github_annotations(result):
-            print(line)
+    print("\n".join(result.summary_lines()))
+    for line in github_annotations(result) if in_github_actions() else []:
+        print(line)
     if junit:
         write_junit(result, junit)
     if html:
-        from kvdoctor.reporters.html import render_html
-
         with open(html, "w", encoding="utf-8") as fh:
-            fh.write(render_html(analysis))
+            fh.write(render(analysis, "html"))
     sys.stdout.flush()
     return result.exit_code

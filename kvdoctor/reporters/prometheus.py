@@ -22,10 +22,11 @@ import math
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
-from kvdoctor.trace import schema
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.trace import schema
+from kvdoctor.units import finite_number, short_title
 
 DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -95,24 +96,7 @@ def _is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-
-
-def label_title(title: str, limit: int = TITLE_LIMIT) -> str:
-    """A process title fit for a label: whitespace collapsed, an interpreter's path cut to its
-    name, and cut at `limit` characters."""
-    words = title.split()
-    if words and "/" in words[0] and "::" not in words[0]:
-        words[0] = words[0].rsplit("/", 1)[-1]
-    text = " ".join(words)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 class MetricsState:
@@ -136,15 +120,15 @@ class MetricsState:
                     args = event.args
                     title = args.get("title")
                     if isinstance(title, str) and title:
-                        self._titles[event.pid] = label_title(title)
+                        self._titles[event.pid] = short_title(title, TITLE_LIMIT)
                     for arg, memory_class in MEMORY_ARGS.items():
-                        value = _number(args.get(arg))
+                        value = finite_number(args.get(arg))
                         if value is not None:
                             self._memory[(event.pid, memory_class)] = value
                 elif event.name == schema.LEDGER_COUNTER:
                     allocator = str(event.args.get("allocator", ""))
                     for key, raw in event.args.items():
-                        value = _number(raw)
+                        value = finite_number(raw)
                         if value is not None and key.endswith("_slots"):
                             self._kv[(event.pid, allocator, key[: -len("_slots")])] = value
 
@@ -156,8 +140,8 @@ class MetricsState:
             for finding in findings:
                 evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
                 memory_class = evidence.get("memory_class")
-                if finding.kind == "memory_growth" and isinstance(memory_class, str):
-                    rate = _number(evidence.get("bytes_per_s"))
+                if finding.kind == schema.MEMORY_GROWTH and isinstance(memory_class, str):
+                    rate = finite_number(evidence.get("bytes_per_s"))
                     if rate is not None:
                         growth[(finding.pid, memory_class)] = rate
                 key = (finding.kind, finding.severity, finding.pid, memory_class if isinstance(memory_class, str) else "")
@@ -217,7 +201,7 @@ def render_text(state: MetricsState) -> bytes:
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-def _client_renderer(state: MetricsState):
+def _client_renderer(state: MetricsState) -> Callable[[], bytes] | None:
     """A renderer backed by prometheus_client, or None when it is not installed."""
     try:
         from prometheus_client import CollectorRegistry, generate_latest
@@ -226,7 +210,7 @@ def _client_renderer(state: MetricsState):
         return None
 
     class _Collector:
-        def collect(self):
+        def collect(self) -> Iterator[Any]:
             for name, kind, samples in state.snapshot():
                 if not samples:
                     continue
@@ -246,6 +230,10 @@ def _client_renderer(state: MetricsState):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class PrometheusExporter:
@@ -287,9 +275,7 @@ class PrometheusExporter:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
                 return
 
-        server_class = _Server
-        if ":" in self.host:
-            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        server_class: type[_Server] = _Server6 if ":" in self.host else _Server
         try:
             self._server = server_class((self.host, self.port), Handler)
         except OSError as exc:

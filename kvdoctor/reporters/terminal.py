@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvdoctor.analysis.analyzer import Analysis
-from kvdoctor.analysis.findings import ERROR, WARNING
+from kvdoctor.analysis.findings import ERROR, INFO, WARNING
 
-MARK = {ERROR: "ERROR", WARNING: "warn ", "info": "info "}
+MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
 EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")
 
 

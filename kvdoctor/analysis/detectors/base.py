@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvdoctor.trace import schema
 from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.trace import schema
+from kvdoctor.units import as_count
 
 
 class Detector(Protocol):
@@ -21,9 +22,10 @@ class ViolationDetector:
 
     kind = ""
     severity = ERROR
+    template = ""
 
     def __init__(self) -> None:
-        self.groups: dict[tuple, dict[str, Any]] = {}
+        self.groups: dict[tuple[int, str, str], dict[str, Any]] = {}
 
     def feed(self, event: schema.Event) -> None:
         if event.name != schema.VIOLATION or event.args.get("kind") != self.kind:
@@ -31,7 +33,7 @@ class ViolationDetector:
         args = event.args
         key = (event.pid, str(args.get("allocator", "")), str(args.get("site", "")))
         group = self.groups.get(key)
-        count = _count(args.get("count"))
+        count = as_count(args.get("count"))
         if group is None:
             self.groups[key] = {"count": count, "first": dict(args), "events": 1, "first_ts_us": event.ts}
         else:
@@ -45,7 +47,7 @@ class ViolationDetector:
                     mine = group["first"][name] = {}
                 if isinstance(args.get(name), dict):
                     for k, v in args[name].items():
-                        mine[k] = _count(mine.get(k, 0)) + _count(v)
+                        mine[k] = as_count(mine.get(k, 0)) + as_count(v)
 
     def findings(self) -> list[Finding]:
         out = []
@@ -59,17 +61,13 @@ class ViolationDetector:
         return out
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
-        raise NotImplementedError
+        """The finding's sentence: `template` filled with the count, allocator, site, the slots
+        (" (slots 5, 6, ...)") and the request that holds most of them; override for more."""
+        return self.template.format(count=count, allocator=allocator, site=site, slots=ids_text(evidence),
+                                    request=first_request(evidence))
 
 
-def _count(value: Any) -> int:
-    try:
-        return max(0, int(value))
-    except (TypeError, ValueError, OverflowError):
-        return 0
-
-
-def as_list(value: Any) -> list:
+def as_list(value: Any) -> list[Any]:
     """Evidence lists from a trace we did not write ourselves may be anything."""
     return list(value) if isinstance(value, list) else []
 
@@ -77,7 +75,7 @@ def as_list(value: Any) -> list:
 def first_request(evidence: dict[str, Any]) -> str:
     requests = evidence.get("requests")
     if isinstance(requests, dict) and requests:
-        return max(requests, key=lambda k: _count(requests[k]))
+        return str(max(requests, key=lambda k: as_count(requests[k])))
     return "unknown request"
 
 

@@ -1,5 +1,7 @@
 """graph_replay_during_load: a CUDA graph replayed while a HiCache load for the batch was in flight."""
 
+from typing import Any
+
 from kvdoctor.analysis.detectors.base import ViolationDetector
 from kvdoctor.trace import schema
 
@@ -7,7 +9,7 @@ from kvdoctor.trace import schema
 class GraphReplayDuringLoadDetector(ViolationDetector):
     kind = schema.GRAPH_REPLAY_DURING_LOAD
 
-    def message(self, count, allocator, site, evidence):
+    def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         return (
             f"{count} CUDA graph replay(s) by {evidence.get('graph_runner', 'a graph runner')} started while "
             f"{evidence.get('loads_in_flight', 'some')} HiCache host-to-device load(s) were still in flight; the graph "

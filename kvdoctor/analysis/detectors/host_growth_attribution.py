@@ -7,23 +7,14 @@ the file:line that gained the most. Info below `warn_bytes` over a window, warni
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvdoctor.trace import schema
 from kvdoctor.analysis.findings import INFO, WARNING, Finding
-
-MIB = 1024 * 1024
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return 0
+from kvdoctor.trace import schema
+from kvdoctor.units import MIB, as_int, format_bytes
 
 
 class HostGrowthAttributionDetector:
     consumes = frozenset({schema.HOST_GROWTH_SITES})
+
     def __init__(self, *, min_bytes: int = 1 * MIB, warn_bytes: int = 64 * MIB) -> None:
         self.min_bytes = min_bytes
         self.warn_bytes = warn_bytes
@@ -42,15 +33,15 @@ class HostGrowthAttributionDetector:
             args = event.args
             sites = [s for s in args.get("top_sites") or [] if isinstance(s, dict)]
             threads = [t for t in args.get("by_thread") or [] if isinstance(t, dict)]
-            growth_bytes = _int(args.get("growth_bytes"))
+            growth_bytes = as_int(args.get("growth_bytes"))
             if not sites or growth_bytes < self.min_bytes:
                 continue
-            top = max(sites, key=lambda s: _int(s.get("size_diff_bytes")))
+            top = max(sites, key=lambda s: as_int(s.get("size_diff_bytes")))
             thread = str(threads[0].get("thread")) if threads else str(top.get("thread") or "an unknown thread")
             window_s = args.get("window_s", "?")
             message = (
                 f"host memory grows mostly in thread {thread} at {top.get('site', '?')} "
-                f"(+{_int(top.get('size_diff_bytes')) / MIB:.1f} MiB there, +{growth_bytes / MIB:.1f} MiB traced in all, "
+                f"(+{format_bytes(as_int(top.get('size_diff_bytes')), 1)} there, +{format_bytes(growth_bytes, 1)} traced in all, "
                 f"over the {window_s} s window) in pid {pid}; tracemalloc does not see torch tensor storage"
             )
             evidence = {

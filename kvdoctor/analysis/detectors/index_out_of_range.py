@@ -1,5 +1,7 @@
 """index_out_of_range: a slot index outside the KV buffer (an illegal memory access on a GPU)."""
 
+from typing import Any
+
 from kvdoctor.trace import schema
 from kvdoctor.analysis.detectors.base import ViolationDetector
 
@@ -7,7 +9,7 @@ from kvdoctor.analysis.detectors.base import ViolationDetector
 class IndexOutOfRangeDetector(ViolationDetector):
     kind = schema.INDEX_OUT_OF_RANGE
 
-    def message(self, count, allocator, site, evidence):
+    def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         rows = evidence.get("valid_rows") or ["?", "?"]
         return (
             f"{count} slot index(es) outside the KV buffer reached {site} (worst {evidence.get('bad_index')}, "

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.trace import schema
-from kvdoctor.analysis.detectors.base import _count, as_list
+from kvdoctor.analysis.detectors.base import as_list
 from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.trace import schema
+from kvdoctor.units import as_count
 
 
 class OrphanSlotsDetector:
     consumes = frozenset({schema.CENSUS})
+
     def __init__(self) -> None:
-        self.latest: dict[tuple, dict[str, Any]] = {}
-        self.max_seen: dict[tuple, int] = {}
+        self.latest: dict[tuple[int, str], dict[str, Any]] = {}     # (pid, allocator): its latest census
+        self.max_seen: dict[tuple[int, str], int] = {}
         self.censuses = 0
 
     def feed(self, event: schema.Event) -> None:
@@ -27,17 +29,17 @@ class OrphanSlotsDetector:
         self.censuses += 1
         key = (event.pid, str(event.args.get("allocator", "")))
         self.latest[key] = event.args
-        self.max_seen[key] = max(self.max_seen.get(key, 0), _count(event.args.get("orphan_slots")))
+        self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(event.args.get("orphan_slots")))
 
     def findings(self) -> list[Finding]:
         out = []
         for (pid, allocator), args in self.latest.items():
-            count = _count(args.get("orphan_slots"))
+            count = as_count(args.get("orphan_slots"))
             if count:
                 sites = args.get("orphan_allocated_at") if isinstance(args.get("orphan_allocated_at"), dict) else {}
-                top_site = max(sites, key=lambda k: _count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
+                top_site = max(sites, key=lambda k: as_count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
                 reqs = args.get("orphan_requests") if isinstance(args.get("orphan_requests"), dict) else {}
-                top_req = max(reqs, key=lambda k: _count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
+                top_req = max(reqs, key=lambda k: as_count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
                 ids = as_list(args.get("orphan_slot_ids"))
                 evidence = {
                     "allocator": allocator,
@@ -54,7 +56,7 @@ class OrphanSlotsDetector:
                 }
                 shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
                 if args.get("engine") == "vllm":
-                    blocks = _count(args.get("orphan_blocks"))
+                    blocks = as_count(args.get("orphan_blocks"))
                     evidence["orphan_blocks"] = blocks
                     evidence["block_size"] = args.get("block_size")
                     message = (
@@ -70,7 +72,7 @@ class OrphanSlotsDetector:
                     )
                 out.append(Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid))
             dangling = as_list(args.get("tree_holds_free_slot_ids"))
-            freed = _count(args.get("tree_freed_slots"))
+            freed = as_count(args.get("tree_freed_slots"))
             if freed:
                 out.append(Finding(
                     schema.TREE_HOLDS_FREE_SLOT, ERROR,

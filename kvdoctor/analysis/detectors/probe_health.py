@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from kvdoctor.trace import schema
-from kvdoctor.analysis.detectors.base import _count, as_list
+from typing import Any
+
+from kvdoctor.analysis.detectors.base import as_list
 from kvdoctor.analysis.findings import INFO, WARNING, Finding
+from kvdoctor.trace import schema
+from kvdoctor.units import as_count
 
 
 class ProbeHealthDetector:
+    """Everything that makes the other findings less complete than they look, per process."""
+
     consumes = frozenset({schema.VIOLATION, schema.PROBE_STATUS, schema.PROBE_STATS, schema.CENSUS, schema.FIX_APPLIED})
+
     def __init__(self) -> None:
-        self.off: dict[int, str] = {}
-        self.partial: dict[int, str] = {}
-        self.dropped: dict[int, int] = {}
+        self.off: dict[int, str] = {}                       # pid: why the probe turned itself off
+        self.partial: dict[int, str] = {}                   # pid: what it could not hook
+        self.dropped: dict[int, int] = {}                   # pid: most events dropped so far
         self.write_error: dict[int, str] = {}
-        self.disagree: dict[tuple, dict] = {}
-        self.fixes: dict[tuple, int] = {}
+        self.disagree: dict[tuple[int, str], dict[str, Any]] = {}   # (pid, allocator): the census
+        self.fixes: dict[tuple[int, str], int] = {}         # (pid, fix): corrections made
         self.pids_with_violations: set[int] = set()
 
     def feed(self, event: schema.Event) -> None:
@@ -29,14 +35,14 @@ class ProbeHealthDetector:
             elif state == "partial":
                 self.partial[event.pid] = str(args.get("reason", ""))
         elif event.name == schema.PROBE_STATS:
-            self.dropped[event.pid] = max(self.dropped.get(event.pid, 0), _count(args.get("dropped_events")))
+            self.dropped[event.pid] = max(self.dropped.get(event.pid, 0), as_count(args.get("dropped_events")))
             if args.get("write_error"):
                 self.write_error[event.pid] = str(args["write_error"])
-        elif event.name == schema.CENSUS and _count(args.get("ledger_disagrees_slots")):
+        elif event.name == schema.CENSUS and as_count(args.get("ledger_disagrees_slots")):
             self.disagree[(event.pid, str(args.get("allocator")))] = args
         elif event.name == schema.FIX_APPLIED:
             key = (event.pid, str(args.get("fix")))
-            self.fixes[key] = self.fixes.get(key, 0) + max(1, _count(args.get("count")))
+            self.fixes[key] = self.fixes.get(key, 0) + max(1, as_count(args.get("count")))
 
     def findings(self) -> list[Finding]:
         out = []
@@ -52,7 +58,7 @@ class ProbeHealthDetector:
         for (pid, allocator), args in self.disagree.items():
             if pid in self.pids_with_violations:
                 continue  # explained: double frees and double allocations put duplicates in the free list
-            n = _count(args.get("ledger_disagrees_slots"))
+            n = as_count(args.get("ledger_disagrees_slots"))
             host_only = as_list(args.get("free_only_in_host_slot_ids"))
             ledger_only = as_list(args.get("free_only_in_ledger_slot_ids"))
             out.append(Finding(

@@ -6,6 +6,8 @@ kvdoctor does not hook changed reference counts (the ledger's verdicts on those 
 trusted), or vLLM's count itself went wrong. A warning: it says where to look, not what leaked.
 """
 
+from typing import Any
+
 from kvdoctor.analysis.detectors.base import ViolationDetector, as_list
 from kvdoctor.analysis.findings import WARNING
 from kvdoctor.trace import schema
@@ -15,7 +17,7 @@ class RefcountDisagreesDetector(ViolationDetector):
     kind = schema.REFCOUNT_DISAGREES
     severity = WARNING
 
-    def message(self, count, allocator, site, evidence):
+    def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         blocks = as_list(evidence.get("block_ids"))
         shown = ", ".join(str(b) for b in blocks[:8]) + (", ..." if len(blocks) > 8 else "")
         return (

@@ -1,0 +1,191 @@
+"""What `kvdoctor watch` shows: the live table on a TTY, and the summary (text or JSON) at the end.
+
+The table is redrawn at most twice a second and runs the (costlier) growth test at most every few
+seconds, so drawing never slows the sampling down.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TextIO
+
+from kvdoctor.analysis import growth
+from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis.findings import Finding
+from kvdoctor.collect.sampler import Sampler
+from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
+
+if TYPE_CHECKING:
+    from kvdoctor.runner.watch import WatchResult
+
+WATCH_SCHEMA_ID = "kvdoctor.watch/1"
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+LIVE_REFRESH_S = 0.5          # the live table is redrawn at most this often
+LIVE_GROWTH_EVERY_S = 5.0     # the (costlier) growth test for the table runs at most this often
+LIVE_RATE_WINDOW_S = 60.0     # the table's rate column is the slope over this recent span
+FLAG_CLASSES = ("anon", "pinned", "gpu", "rss")   # a row is flagged by the first of these that grows
+
+
+def sparkline(values: list[float], width: int = 24) -> str:
+    """A trend in one cell: the last `width` samples (or evenly picked ones) as block heights."""
+    if not values:
+        return ""
+    if len(values) > width:
+        step = len(values) / width
+        values = [values[min(len(values) - 1, int(k * step + step - 1))] for k in range(width)]
+    lo, hi = min(values), max(values)
+    if hi - lo <= 0:
+        return SPARK_BLOCKS[0] * len(values)
+    top = len(SPARK_BLOCKS) - 1
+    return "".join(SPARK_BLOCKS[int(round((v - lo) / (hi - lo) * top))] for v in values)
+
+
+def display_title(title: str) -> str:
+    return short_title(title) or "?"
+
+
+class LiveView:
+    """The table on a TTY: one row per process; cheap enough to redraw twice a second."""
+
+    def __init__(self, sampler: Sampler, detector: MemoryGrowthDetector, pid: int) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.sampler = sampler
+        self.detector = detector
+        self.pid = pid
+        self.console = Console()
+        self.live = Live(console=self.console, auto_refresh=False, transient=False)
+        self._next_draw_s = 0.0
+        self._next_growth_s = 0.0
+        self._flagged: dict[int, growth.GrowthResult] = {}
+        self._started_s = time.monotonic()
+
+    def __enter__(self) -> "LiveView":
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.draw(force=True)
+        self.live.__exit__(exc_type, exc, tb)
+
+    def draw(self, force: bool = False) -> None:
+        now_s = time.monotonic()
+        if not force and now_s < self._next_draw_s:
+            return
+        self._next_draw_s = now_s + LIVE_REFRESH_S
+        if force or now_s >= self._next_growth_s:
+            self._next_growth_s = now_s + LIVE_GROWTH_EVERY_S
+            self._flagged = {}
+            for pid in self.detector.pids():
+                for memory_class in FLAG_CLASSES:
+                    result = self.detector.growth(pid, memory_class)
+                    if result is not None:
+                        self._flagged[pid] = result
+                        break
+        self.live.update(self.table(), refresh=True)
+
+    def _recent_rate(self, times: list[float], rss: list[float]) -> float | None:
+        recent = [i for i, t in enumerate(times) if t >= times[-1] - LIVE_RATE_WINDOW_S] if times else []
+        if len(recent) < 5:
+            return None
+        est = growth.theil_sen([times[i] for i in recent], [rss[i] for i in recent], max_points=120)
+        return est.slope if est is not None else None
+
+    def table(self) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        elapsed_s = time.monotonic() - self._started_s
+        table = Table(
+            title=f"kvdoctor watch {self.pid} · {self.sampler.rounds} samples · {format_duration(elapsed_s)} · Ctrl-C to stop",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+        )
+        tracked_all = list(self.sampler.processes.values())
+        pids = [t.info.pid for t in tracked_all]
+        show_pinned = any(self.detector.latest(p, "pinned") for p in pids)
+        show_gpu = any(self.detector.latest(p, "gpu") is not None for p in pids)
+        trend_width = 8 if self.console.width < 100 else 16
+        columns = [("pid", 7), ("process", 8), ("rss", 8), ("anon", 8)]
+        columns += [("pinned", 8)] if show_pinned else []
+        columns += [("gpu", 8)] if show_gpu else []
+        columns += [("rss trend", trend_width), ("growth", 13), ("OOM in", 7)]
+        # the process column gets what the numbers leave over, so the rates never fall off
+        fixed = sum(width + 3 for name, width in columns if name != "process") + 3
+        process_width = max(8, min(32, self.console.width - fixed))
+        for name, width in columns:
+            table.add_column(
+                name,
+                justify="left" if name in ("process", "rss trend") else "right",
+                no_wrap=True,
+                min_width=process_width if name == "process" else width,
+                max_width=process_width if name == "process" else None,
+                overflow="ellipsis",
+            )
+        limit = self.detector.memory_limit_bytes()
+        in_use = self.detector.host_bytes_in_use()
+        latest = self.detector.latest
+        for tracked in tracked_all:
+            pid = tracked.info.pid
+            times, rss = self.detector.series(pid, "rss")
+            flagged = self._flagged.get(pid)
+            shown_rate = flagged.bytes_per_s if flagged is not None else self._recent_rate(times, rss)
+            tto = growth.time_to_oom_s(in_use, shown_rate, limit) if shown_rate else None
+            cells = [str(pid), display_title(tracked.info.title), format_optional_bytes(latest(pid, "rss")),
+                     format_optional_bytes(latest(pid, "anon"))]
+            cells += [format_optional_bytes(latest(pid, "pinned"))] if show_pinned else []
+            cells += [format_optional_bytes(latest(pid, "gpu"))] if show_gpu else []
+            cells += [
+                sparkline(rss[-48:], width=trend_width),
+                format_rate(shown_rate, signed=True) + (" !" if flagged is not None else ""),
+                format_duration(tto) if tto is not None else "—",
+            ]
+            table.add_row(*cells, style="bold red" if flagged is not None else "")
+        return table
+
+
+def write_watch_text(result: "WatchResult", out: TextIO) -> None:
+    """The summary a person reads after a watch: one line per process, then the findings."""
+    print(
+        f"kvdoctor watch {result.root_pid}: {len(result.processes)} process(es), {result.rounds} samples over "
+        f"{format_duration(result.elapsed_s)}; trace: {result.trace_path}",
+        file=out,
+    )
+    for proc in result.processes:
+        state = "exited" if proc["exited"] else "running"
+        print(
+            f"  {proc['pid']:>7}  {proc['role']:<11} rss {format_optional_bytes(proc['rss_bytes']):>9} "
+            f"(peak {format_optional_bytes(proc['peak_rss_bytes'])})  {state:<7} {display_title(proc['title'])[:60]}",
+            file=out,
+        )
+    if not result.findings:
+        print("no memory growth found", file=out)
+        return
+    for finding in result.findings:
+        print(f"{finding.severity.upper()} {finding.kind}: {finding.message}", file=out)
+
+
+def watch_report(result: "WatchResult") -> dict[str, Any]:
+    """The JSON a script reads after a watch (versioned: `schema` is "kvdoctor.watch/1")."""
+    return {
+        "schema": WATCH_SCHEMA_ID,
+        "findings": [f.to_dict() for f in result.findings],
+        "trace": result.trace_path,
+        "samples": result.rounds,
+        "duration_s": result.elapsed_s,
+        "root_exited": result.root_exited,
+        "processes": result.processes,
+    }
+
+
+def write_watch_json(result: "WatchResult", out: TextIO) -> None:
+    print(json.dumps(watch_report(result), default=str), file=out)
+
+
+def attribution_line(finding: Finding) -> str:
+    """A host-growth attribution as it happens, for a watch without the live table."""
+    return f"kvdoctor: {finding.message}"

@@ -1,0 +1,36 @@
+"""The services the commands call: start a command under the probe (launch), watch a live process
+tree (watch), and the pieces they share: where a trace goes by default, and how a recorded trace
+is analysed on this machine."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvdoctor.analysis.analyzer import Analysis, analyze_trace
+from kvdoctor.collect.procfs import machine_memory_limit_bytes
+from kvdoctor.errors import KvdoctorError
+
+
+def default_trace_path(command: str, pid: int | None = None) -> str:
+    """`./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json`: which command wrote it, the
+    process it is about (kvdoctor's own for run and demo), and when, so traces never collide."""
+    pid = os.getpid() if pid is None else pid
+    return os.path.abspath(f"kvdoctor-{command}-{pid}-{time.strftime('%Y%m%d-%H%M%S')}.kvtrace.json")
+
+
+def analyze_recorded(path: str, *, progress: bool = False) -> Analysis:
+    """`analyze_trace` with this machine's memory limit standing in where the trace records none
+    (the time to OOM of a growth finding needs one)."""
+    return analyze_trace(path, progress=progress, host_memory_limit_bytes=machine_memory_limit_bytes())
+
+
+def check_fixes(names: list[str]) -> list[str]:
+    """`names` when every one is an optional fix kvdoctor has, else a one-line refusal: a fix
+    that silently did nothing would leave the user believing the host was protected."""
+    from kvdoctor.probe.fixes import FIXES, unknown
+
+    bad = unknown(list(names))
+    if bad:
+        raise KvdoctorError(f"unknown fix {', '.join(bad)}", f"`kvdoctor fixes` lists them: {', '.join(FIXES)}")
+    return list(names)

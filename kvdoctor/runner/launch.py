@@ -1,0 +1,108 @@
+"""Starting a command with the probe in every Python process it starts.
+
+The probe rides in through PYTHONPATH (a sitecustomize that activates it and then chains to the
+host's own), so multiprocessing spawn children such as SGLang's scheduler carry it too. Every
+process appends to one trace, and a sampler thread adds the memory of the command's process tree
+from outside; when the command ends the trace is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from types import FrameType
+from typing import Any
+
+import kvdoctor
+from kvdoctor.collect.sampler import Sampler
+from kvdoctor.errors import KvdoctorError
+from kvdoctor.runner import default_trace_path
+from kvdoctor.trace import schema
+from kvdoctor.trace.writer import TraceWriter, finish_trace
+
+INJECT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_inject")
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SAMPLER_JOIN_TIMEOUT_S = 5.0
+
+
+def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that turns the probe on in every Python process started with it."""
+    env = dict(os.environ if base is None else base)
+    existing = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = INJECT_DIR + (os.pathsep + existing if existing else "")
+    env["KVDOCTOR_TRACE"] = trace_path
+    env["KVDOCTOR_PACKAGE_ROOT"] = kvdoctor.PACKAGE_ROOT
+    if fixes:
+        env["KVDOCTOR_FIXES"] = ",".join(fixes)
+    return env
+
+
+def start_trace(trace_path: str, command: list[str], extra: dict[str, Any] | None = None) -> None:
+    """A fresh trace holding only the run header: what ran, for every process that appends later."""
+    if os.path.exists(trace_path):
+        os.remove(trace_path)
+    writer = TraceWriter(trace_path)
+    header = schema.header_event(
+        pid=os.getpid(), engine="", engine_version="", process_title="kvdoctor " + " ".join(command)[:160],
+        extra={"command": command, **(extra or {})},
+    )
+    header.name = schema.RUN_HEADER
+    writer.write_batch([header])
+    writer.close()
+
+
+def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[threading.Event, threading.Thread]:
+    """Samples the command's process tree from outside (memory by class) into the same trace, so
+    growth is judged for every process, probed or not."""
+    stop = threading.Event()
+    writer = TraceWriter(trace_path)
+    sampler = Sampler(pid, interval_s=interval_s, emit=writer)
+
+    def loop() -> None:
+        try:
+            sampler.run(stop=stop)
+        except Exception:
+            pass  # the sampler never takes the run down with it
+        finally:
+            writer.close()
+
+    thread = threading.Thread(target=loop, name="kvdoctor-sampler", daemon=True)
+    thread.start()
+    return stop, thread
+
+
+def run_command(command: list[str], trace_path: str | None, fixes: list[str], sample_interval_s: float = 1.0) -> tuple[int, str]:
+    """Runs `command` under the probe (and the sampler unless `sample_interval_s` is 0); returns
+    its exit code (128 + N for a signal, as a shell reports it) and the trace's path."""
+    if not command:
+        raise KvdoctorError("no command given", "usage: kvdoctor run [--trace PATH] -- CMD ...")
+    if shutil.which(command[0]) is None:
+        raise KvdoctorError(f"command not found: {command[0]}", "check the spelling or give a full path")
+    trace_path = os.path.abspath(trace_path or default_trace_path("run"))
+    try:
+        start_trace(trace_path, command, {"fixes": fixes})
+    except OSError as exc:
+        raise KvdoctorError(f"cannot write the trace {trace_path}: {exc.strerror}", "pass --trace to a writable place") from None
+    try:
+        child = subprocess.Popen(command, env=probe_environment(trace_path, fixes))
+    except OSError as exc:
+        raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
+    sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if sampling is not None:
+            sampling[0].set()
+            sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
+    finish_trace(trace_path, os.getpid())
+    return (code if code >= 0 else 128 - code), trace_path

@@ -1,0 +1,246 @@
+"""Watching a live server's process tree: the sampler, one Analyzer, the trace, and the extras.
+
+Watching works from outside: /proc (and NVML for GPU memory) on a fixed interval, no ptrace and
+nothing injected, so it is safe on a production server and needs only the server's user (or
+root). The tree is followed: SGLang's scheduler and detokenizer or vLLM's engine core and
+workers are sampled each on their own, and children that appear later are picked up.
+
+Every event the watch writes to its trace (the run header, the sampler's headers and counters,
+and with `attach` every event of the probe's own trace) is also fed to ONE `Analyzer` holding
+every detector, so the findings of a watch are exactly those a `kvdoctor replay` of its trace
+makes. Giving the watch the path of a trace that a `kvdoctor run` of the same server is still
+writing appends to it (that trace is left for its owner to close).
+
+It stops at `duration_s`, on Ctrl-C, or when the watched process exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, TypeVar
+
+from kvdoctor.analysis import growth
+from kvdoctor.analysis.analyzer import Analyzer
+from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
+from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis.findings import Finding
+from kvdoctor.collect.attach import attach_for_watch
+from kvdoctor.collect.sampler import Sampler
+from kvdoctor.errors import KvdoctorError
+from kvdoctor.reporters.live import LIVE_GROWTH_EVERY_S, LiveView, attribution_line
+from kvdoctor.reporters.prometheus import PrometheusExporter
+from kvdoctor.runner import default_trace_path
+from kvdoctor.trace import schema
+from kvdoctor.trace.reader import TraceTail
+from kvdoctor.trace.writer import TraceWriter, finish_trace, now_us
+
+D = TypeVar("D")
+
+
+@dataclasses.dataclass
+class WatchResult:
+    """What a finished watch saw: the reporters in kvdoctor.reporters.live render it."""
+
+    root_pid: int
+    trace_path: str
+    findings: list[Finding]
+    processes: list[dict[str, Any]]
+    rounds: int
+    elapsed_s: float
+    root_exited: bool
+
+    @property
+    def samples(self) -> int:
+        return sum(int(p["samples"]) for p in self.processes)
+
+
+def watch_analyzer(growth_params: growth.GrowthParams | None = None, host_memory_limit_bytes: int | None = None) -> Analyzer:
+    """The analyzer a watch feeds: every detector, as `kvdoctor replay` runs them."""
+    return Analyzer(growth_params=growth_params, host_memory_limit_bytes=host_memory_limit_bytes)
+
+
+def _detector(analyzer: Analyzer, kind: type[D]) -> D:
+    found = analyzer.detector(kind)
+    if found is None:
+        raise KvdoctorError(f"the watch's analyzer has no {kind.__name__}")
+    return found
+
+
+def open_trace(resolved: str, *, given: bool) -> tuple[TraceWriter, bool]:
+    """The writer, and whether this watch owns (and so closes) the trace at `resolved`.
+
+    A default path (`given` False), or an existing trace that already ended, is replaced; an
+    existing trace still being written (by `kvdoctor run`) is appended to and left open for it.
+    """
+    owned = True
+    try:
+        if os.path.isdir(resolved):
+            raise KvdoctorError(f"{resolved} is a directory", "give --trace a file path")
+        if os.path.exists(resolved):
+            with open(resolved, "rb") as fh:
+                head = fh.read(1)
+                fh.seek(max(0, os.path.getsize(resolved) - 16))
+                tail = fh.read().rstrip()
+            if not given or tail.endswith(b"]") or os.path.getsize(resolved) == 0:
+                os.remove(resolved)
+            elif head == b"[":
+                owned = False
+            else:
+                raise KvdoctorError(f"{resolved} exists and is not a kvdoctor trace", "choose another --trace path")
+        writer = TraceWriter(resolved)
+    except OSError as exc:
+        raise KvdoctorError(f"cannot write the trace {resolved}: {exc.strerror or exc}", "pass --trace to a writable place") from None
+    return writer, owned
+
+
+def _run_header(pid: int, sampler: Sampler, interval_s: float, duration_s: float | None) -> schema.Event:
+    header = schema.header_event(
+        pid=os.getpid(), engine="", engine_version="", process_title=f"kvdoctor watch {pid}",
+        extra={"command": "watch", "root_pid": pid, "interval_s": interval_s, "duration_s": duration_s,
+               "memory_limit_bytes": sampler.memory_limit_bytes, "started_at_us": now_us()},
+    )
+    header.name = schema.RUN_HEADER
+    header.cat = schema.CAT_SAMPLER
+    return header
+
+
+class WatchRecorder:
+    """What happens to each round of samples: every event goes into the trace AND the analyzer
+    (so a replay of the trace finds what the watch found), then to the extras."""
+
+    def __init__(self, writer: TraceWriter, analyzer: Analyzer, probe_tail: TraceTail | None,
+                 exporter: PrometheusExporter | None, live_view: LiveView | None, findings_every_s: float) -> None:
+        self.writer, self.analyzer, self.probe_tail = writer, analyzer, probe_tail
+        self.exporter, self.live_view, self.findings_every_s = exporter, live_view, findings_every_s
+        self.attribution = _detector(analyzer, HostGrowthAttributionDetector)
+        self._next_findings_s = 0.0
+
+    def record(self, events: list[schema.Event]) -> None:
+        if events:
+            batch: list[schema.Event | dict[str, Any]] = list(events)
+            self.writer.write_batch(batch)
+            for event in events:
+                self.analyzer.feed(event)
+
+    def probe_events(self) -> list[schema.Event]:
+        """New events of the attached probe's trace (its end marker is not this trace's end)."""
+        if self.probe_tail is None:
+            return []
+        return [e for e in self.probe_tail.poll() if e.name != schema.TRACE_END]
+
+    def __call__(self, sampled: list[schema.Event]) -> None:
+        attached = self.probe_events()
+        events = sampled + attached
+        self.record(events)
+        if self.live_view is None:
+            grown = {e.pid for e in attached if e.name == schema.HOST_GROWTH_SITES}
+            for finding in self.attribution.findings() if grown else []:
+                if finding.pid in grown:
+                    print(attribution_line(finding), file=sys.stderr)
+        if self.exporter is not None:
+            self.exporter.feed(events)
+            if time.monotonic() >= self._next_findings_s:
+                self._next_findings_s = time.monotonic() + self.findings_every_s
+                self.exporter.set_findings(self.analyzer.findings())
+        if self.live_view is not None:
+            self.live_view.draw()
+
+
+def _process_summaries(sampler: Sampler, detector: MemoryGrowthDetector) -> list[dict[str, Any]]:
+    out = []
+    for tracked in sampler.tracked():
+        info = tracked.info
+        last = tracked.last or {}
+        out.append({
+            **info.to_dict(),
+            "samples": tracked.samples,
+            "exited": info.pid not in sampler.processes,
+            "rss_bytes": last.get("rss_bytes"),
+            "anon_bytes": last.get("rss_anon_bytes"),
+            "shmem_bytes": last.get("rss_shmem_bytes"),
+            "pinned_bytes": detector.latest(info.pid, "pinned"),
+            "gpu_bytes": last.get("gpu_bytes"),
+            "peak_rss_bytes": tracked.peak_rss_bytes,
+        })
+    return out
+
+
+def _sample_until_stopped(sampler: Sampler, duration_s: float | None, on_round: WatchRecorder, live_view: LiveView | None) -> bool:
+    """Runs the sampler (Ctrl-C stops it cleanly); True when it was interrupted."""
+    stop = threading.Event()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda _s, _f: stop.set()) if in_main_thread else None
+    try:
+        if live_view is not None:
+            with live_view:
+                sampler.run(duration_s, stop=stop, on_round=on_round)
+        else:
+            sampler.run(duration_s, stop=stop, on_round=on_round)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    return stop.is_set()
+
+
+def run_watch(
+    pid: int,
+    *,
+    interval_s: float = 1.0,
+    duration_s: float | None = None,
+    trace_path: str | None = None,
+    live: bool = False,
+    attach: bool = False,
+    growth_params: growth.GrowthParams | None = None,
+    prometheus_address: tuple[str, int] | None = None,
+) -> WatchResult:
+    """Samples `pid` and its descendants until `duration_s`, Ctrl-C or the root's exit, and
+    analyses everything it wrote. `live` draws the table (for a TTY); `growth_params` tunes the
+    growth test (the defaults suit watches of minutes to days)."""
+    path = os.path.abspath(trace_path) if trace_path else default_trace_path("watch", pid)
+    probe_tail = None
+    if attach:
+        probe_trace = attach_for_watch(pid, path)   # the probe's trace is named after the watch's
+        probe_tail = TraceTail(probe_trace, names=None) if probe_trace else None
+    sampler = Sampler(pid, interval_s=interval_s)
+    analyzer = watch_analyzer(growth_params, sampler.memory_limit_bytes)
+    memory = _detector(analyzer, MemoryGrowthDetector)
+    live_view = LiveView(sampler, memory, pid) if live else None
+    writer, owned = open_trace(path, given=trace_path is not None)
+    on_round = WatchRecorder(writer, analyzer, probe_tail, None, live_view, max(LIVE_GROWTH_EVERY_S, interval_s))
+    on_round.record([_run_header(pid, sampler, interval_s, duration_s)])
+    exporter = None
+    if prometheus_address is not None:
+        try:
+            exporter = on_round.exporter = PrometheusExporter(*prometheus_address).start()
+        except KvdoctorError:
+            writer.close()
+            if owned:
+                finish_trace(path, os.getpid())
+            raise
+        print(f"kvdoctor: Prometheus metrics on {exporter.url}", file=sys.stderr)
+    started_s = time.monotonic()
+    try:
+        interrupted = _sample_until_stopped(sampler, duration_s, on_round, live_view)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+    elapsed_s = time.monotonic() - started_s
+    if interrupted:
+        print("kvdoctor: interrupted; analysing what was sampled", file=sys.stderr)
+    elif not sampler.root_alive:
+        print(f"kvdoctor: pid {pid} exited; analysing what was sampled", file=sys.stderr)
+    on_round.record(on_round.probe_events())
+    findings = analyzer.finish().findings
+    writer.write_batch(
+        [schema.Event(ph="i", name=schema.FINDING, pid=f.pid, ts=now_us(), cat=schema.CAT_ANALYSIS, args=f.to_dict()) for f in findings]
+    )
+    writer.close()
+    if owned:
+        finish_trace(path, os.getpid())
+    return WatchResult(root_pid=pid, trace_path=path, findings=findings, processes=_process_summaries(sampler, memory),
+                       rounds=sampler.rounds, elapsed_s=elapsed_s, root_exited=not sampler.root_alive)
