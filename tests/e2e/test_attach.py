@@ -21,7 +21,6 @@ from kvdoctor.collect.attach import attach, attach_for_watch, preflight, target_
 from kvdoctor.trace.reader import TraceTail
 from kvdoctor.errors import KvdoctorError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BUSY = textwrap.dedent(
     """

@@ -13,8 +13,8 @@ import tracemalloc
 from kvdoctor.trace import schema
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.findings import INFO, WARNING
+from conftest import REPO  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GROWER = textwrap.dedent(
     """

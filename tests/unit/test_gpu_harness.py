@@ -5,10 +5,11 @@ import os
 import sys
 
 import pytest
+from conftest import REPO  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu"))
+sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
 
 
 def test_slope():

@@ -15,8 +15,8 @@ from kvdoctor.analysis.analyzer import analyze_trace
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.html import render_html
 from kvdoctor.trace.writer import TraceWriter, finish_trace
+from conftest import REPO  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 CHROMIUM = "/usr/bin/chromium"

@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+from conftest import SUPPORT
+
 sys.path.insert(0, SUPPORT)
 
-import vllm_server  # noqa: E402
-
 import loadgen  # noqa: E402
+import vllm_server  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,

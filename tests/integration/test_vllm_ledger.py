@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+from conftest import REPO, SUPPORT
+
 sys.path.insert(0, SUPPORT)
 
 import vllm_server  # noqa: E402

@@ -36,10 +36,10 @@ from kvdoctor.collect.procfs import (
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.reporters.live import LiveView, sparkline
 from kvdoctor.trace.reader import ReadStats, iter_events
+from conftest import REPO  # noqa: E402
 
 MIB = 1024 * 1024
 GB = 1e9
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Short watches need a short warm-up and minimum span; the defaults are for real servers.
 FAST = growth.GrowthParams(warmup_s=2.0, min_span_s=6.0, min_samples=12)

@@ -25,8 +25,8 @@ from kvdoctor.errors import KvdoctorError  # noqa: E402
 from kvdoctor.analysis.findings import ERROR, Finding  # noqa: E402
 from kvdoctor.reporters.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
 from kvdoctor.trace.reader import iter_events  # noqa: E402
+from conftest import REPO  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:

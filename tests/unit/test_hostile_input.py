@@ -29,8 +29,8 @@ from kvdoctor.errors import KvdoctorError, TraceError
 from kvdoctor.trace.reader import ReadStats, iter_events
 from kvdoctor.trace.writer import TraceWriter, encode_event, finish_trace
 from kvdoctor.trace.codec import loads as _loads
+from conftest import REPO  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = int(os.environ.get("KVDOCTOR_FUZZ_EXAMPLES", "2500"))
 READER_PROPERTIES = 4
 
