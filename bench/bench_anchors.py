@@ -9,7 +9,7 @@ import statistics
 import sys
 import tempfile
 
-ARM = r'''
+ARM = r"""
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 mode = sys.argv[1]
@@ -22,7 +22,7 @@ times = []
 for _ in range(int(sys.argv[2])):
     t0 = time.perf_counter(); run_workload(cfg); times.append(time.perf_counter() - t0)
 print("ARM " + json.dumps(times))
-'''
+"""
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import statistics
 import sys
 import tempfile
 
-ARM = r'''
+ARM = r"""
 import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
 with_probe = sys.argv[1] == "on"
@@ -29,7 +29,7 @@ if with_probe:
     calls = probe.calls
     runtime.deactivate()
 print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls}))
-'''
+"""
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

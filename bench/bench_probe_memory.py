@@ -67,16 +67,27 @@ def main() -> None:
         seed += 1
         done += per_loop
         if done // args.every != (done - per_loop) // args.every:
-            samples.append({"requests": done, "probe_bytes": probe_bytes(probe), "rss_bytes": rss_bytes(),
-                            "trace_bytes": os.path.getsize(trace) if os.path.exists(trace) else 0,
-                            "elapsed_s": round(time.time() - t0, 1)})
+            samples.append(
+                {
+                    "requests": done,
+                    "probe_bytes": probe_bytes(probe),
+                    "rss_bytes": rss_bytes(),
+                    "trace_bytes": os.path.getsize(trace) if os.path.exists(trace) else 0,
+                    "elapsed_s": round(time.time() - t0, 1),
+                }
+            )
             print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
     runtime.deactivate()
     first, last = samples[0], samples[-1]
-    report = {"requests": done, "hooked_calls": probe.calls, "samples": samples,
-              "probe_bytes_final": last["probe_bytes"], "probe_bytes_growth_after_first_sample": last["probe_bytes"] - first["probe_bytes"],
-              "rss_growth_after_first_sample_bytes": last["rss_bytes"] - first["rss_bytes"],
-              "target_probe_bytes": 64 << 20}
+    report = {
+        "requests": done,
+        "hooked_calls": probe.calls,
+        "samples": samples,
+        "probe_bytes_final": last["probe_bytes"],
+        "probe_bytes_growth_after_first_sample": last["probe_bytes"] - first["probe_bytes"],
+        "rss_growth_after_first_sample_bytes": last["rss_bytes"] - first["rss_bytes"],
+        "target_probe_bytes": 64 << 20,
+    }
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as fh:

@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     bare = dict(os.environ)
-    probed = dict(os.environ, PYTHONPATH=INJECT_DIR, KVDOCTOR_PACKAGE_ROOT=REPO,
-                  KVDOCTOR_TRACE=os.path.join(tempfile.mkdtemp(), "start.kvtrace.json"))
+    probed = dict(
+        os.environ, PYTHONPATH=INJECT_DIR, KVDOCTOR_PACKAGE_ROOT=REPO, KVDOCTOR_TRACE=os.path.join(tempfile.mkdtemp(), "start.kvtrace.json")
+    )
     report = {}
     for label, code, rounds in (("no_engine", "pass", args.rounds), ("sglang_allocator_import", ENGINE_IMPORT, max(3, args.rounds // 5))):
         without, with_probe = [], []
@@ -42,7 +43,8 @@ def main() -> None:
             without.append(timed(code, bare))
             with_probe.append(timed(code, probed))
         report[label] = {
-            "without_ms_min": round(min(without) * 1e3, 1), "with_ms_min": round(min(with_probe) * 1e3, 1),
+            "without_ms_min": round(min(without) * 1e3, 1),
+            "with_ms_min": round(min(with_probe) * 1e3, 1),
             "without_ms_median": round(statistics.median(without) * 1e3, 1),
             "with_ms_median": round(statistics.median(with_probe) * 1e3, 1),
             "added_ms_median": round((statistics.median(with_probe) - statistics.median(without)) * 1e3, 1),

@@ -8,13 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 
-MAKE = r'''
+MAKE = r"""
 import sys, random
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace
@@ -42,9 +40,9 @@ for i in range(n):
 w.write_batch(batch)
 w.close()
 finish_trace(path, pid)
-'''
+"""
 
-REPLAY = r'''
+REPLAY = r"""
 import resource, sys, time, json
 from kvdoctor.analysis.analyzer import analyze_trace
 t0 = time.perf_counter()
@@ -53,7 +51,7 @@ dt = time.perf_counter() - t0
 print(json.dumps({"events": analysis.events, "seconds": dt, "events_per_s": analysis.events / dt,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "findings": len(analysis.findings)}))
-'''
+"""
 
 
 def main() -> None:
@@ -65,8 +63,16 @@ def main() -> None:
     path = os.path.join(tmp, "big.kvtrace.json")
     subprocess.run([sys.executable, "-c", MAKE, path, str(args.events)], check=True)
     size = os.path.getsize(path)
-    baseline = subprocess.run([sys.executable, "-c", "import resource; import kvdoctor.analysis.analyzer; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
-                              capture_output=True, text=True, check=True)
+    baseline = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import resource; import kvdoctor.analysis.analyzer; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     out = subprocess.run([sys.executable, "-c", REPLAY, path], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     report["trace_bytes"] = size

@@ -31,9 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "support"))
 sys.path.insert(0, REPO)
 
-import vllm_server  # noqa: E402
-
 import loadgen  # noqa: E402
+import vllm_server  # noqa: E402
 
 
 def round_prompts(args: argparse.Namespace, round_no: int) -> list[list[int]]:
@@ -46,25 +45,29 @@ def run_arm(probe: bool, args: argparse.Namespace) -> dict:
         server = vllm_server.Server(workdir, probe=probe).start()
         try:
             model = loadgen.model_name(server.base_url)
-            loadgen.drive(server.base_url, round_prompts(args, -1)[:200], concurrency=args.concurrency,
-                          max_tokens=args.max_tokens, model=model)  # warm-up
+            loadgen.drive(
+                server.base_url, round_prompts(args, -1)[:200], concurrency=args.concurrency, max_tokens=args.max_tokens, model=model
+            )  # warm-up
             engine = server.engine_core_pid()
             rounds, cpu = [], []
             for r in range(args.rounds):
                 prompts = round_prompts(args, r)
                 cpu0 = vllm_server.cpu_seconds(engine)
-                stats = loadgen.drive(server.base_url, prompts, concurrency=args.concurrency,
-                                      max_tokens=args.max_tokens, model=model)
+                stats = loadgen.drive(server.base_url, prompts, concurrency=args.concurrency, max_tokens=args.max_tokens, model=model)
                 cpu.append(round((vllm_server.cpu_seconds(engine) - cpu0) * 1000.0 / len(prompts), 2))
                 if stats["errors"]:
                     raise RuntimeError(f"requests failed: {stats['first_error']}")
                 rounds.append(stats["requests_per_s"])
         finally:
             server.stop()
-        out = {"probe": probe, "startup_s": round(server.startup_s, 1), "rounds_requests_per_s": rounds,
-               "requests_per_s": statistics.median(rounds),
-               "rounds_engine_core_cpu_ms_per_request": cpu,
-               "engine_core_cpu_ms_per_request": statistics.median(cpu)}
+        out = {
+            "probe": probe,
+            "startup_s": round(server.startup_s, 1),
+            "rounds_requests_per_s": rounds,
+            "requests_per_s": statistics.median(rounds),
+            "rounds_engine_core_cpu_ms_per_request": cpu,
+            "engine_core_cpu_ms_per_request": statistics.median(cpu),
+        }
         if probe:
             hooked = 0
             try:
@@ -79,7 +82,7 @@ def run_arm(probe: bool, args: argparse.Namespace) -> dict:
         return out
 
 
-MICRO = r'''
+MICRO = r"""
 import json, sys, time, tempfile, os
 with_probe = sys.argv[1] == "on"
 iterations = int(sys.argv[2])
@@ -105,7 +108,7 @@ for _ in range(5):
     times.append(time.perf_counter() - t0)
 calls = probe.calls if with_probe else 0
 print("MICRO " + json.dumps({"best_s": min(times), "hooked_calls": calls}))
-'''
+"""
 
 
 def micro(iterations: int, repeats: int) -> dict:
@@ -116,11 +119,16 @@ def micro(iterations: int, repeats: int) -> dict:
     arms: dict[str, list[float]] = {"off": [], "on": []}
     calls = 0
     for i in range(repeats):
-        for arm in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            out = subprocess.run([vllm_server.VENV_PYTHON, "-c", MICRO, arm, str(iterations)], capture_output=True,
-                                 text=True, check=True, cwd=REPO,
-                                 env={k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_")})
-            data = json.loads([l for l in out.stdout.splitlines() if l.startswith("MICRO ")][-1][6:])
+        for arm in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            out = subprocess.run(
+                [vllm_server.VENV_PYTHON, "-c", MICRO, arm, str(iterations)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=REPO,
+                env={k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_")},
+            )
+            data = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("MICRO ")][-1][6:])
             arms[arm].append(data["best_s"])
             calls = max(calls, data["hooked_calls"])
     off = statistics.median(arms["off"]) / iterations * 1e6

@@ -23,11 +23,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvdoctor.analysis import growth  # noqa: E402
-from kvdoctor.trace import schema  # noqa: E402
-from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector  # noqa: E402
-from kvdoctor.collect.sampler import Sampler  # noqa: E402
-from kvdoctor.trace.writer import TraceWriter  # noqa: E402
+from kvdoctor.analysis import growth
+from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.collect.sampler import Sampler
+from kvdoctor.trace import schema
+from kvdoctor.trace.writer import TraceWriter
 
 MIB = 1024 * 1024
 GB = 1e9

@@ -21,10 +21,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+import test_hostile_input as h  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import test_hostile_input as h  # noqa: E402
 from kvdoctor.analysis.analyzer import analyze  # noqa: E402
 from kvdoctor.errors import TraceError  # noqa: E402
 from kvdoctor.trace.reader import ReadStats, iter_events  # noqa: E402
@@ -83,10 +83,7 @@ def main() -> int:
         st.builds(header, st.one_of(h.SCHEMAS, st.just(h.MISSING)), h.clean_events()),
     )
 
-    @settings(
-        max_examples=opts.examples, deadline=None, database=None, derandomize=False,
-        suppress_health_check=list(HealthCheck),
-    )
+    @settings(max_examples=opts.examples, deadline=None, database=None, derandomize=False, suppress_health_check=list(HealthCheck))
     @given(data=inputs)
     def run(data):
         check(data)

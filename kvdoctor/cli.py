@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -24,10 +25,9 @@ app = typer.Typer(
 )
 
 REPORT_FORMAT_HELP = "text, json or html"
-PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}   # CMD after --
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # CMD after --
 TRACE_OPTION: Any = typer.Option(
-    None, "--trace", metavar="PATH",
-    help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)",
+    None, "--trace", metavar="PATH", help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)"
 )
 FIX_OPTION: Any = typer.Option([], "--fix", metavar="NAME", help="turn on an optional fix by name (see `kvdoctor fixes`)")
 
@@ -41,15 +41,15 @@ def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
             code = fn(*args, **kwargs)
         except KvdoctorError as exc:
             print(exc.one_line(), file=sys.stderr)
-            raise typer.Exit(exc.exit_code)
+            raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             print("kvdoctor: interrupted", file=sys.stderr)
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
         except (typer.Exit, SystemExit):
             raise
         except Exception as exc:  # our bug: still one line, and the exit code for "could not judge"
             print(f"kvdoctor: internal error: {type(exc).__name__}: {exc} (please report it with the command you ran)", file=sys.stderr)
-            raise typer.Exit(EXIT_UNUSABLE)
+            raise typer.Exit(EXIT_UNUSABLE) from None
         raise typer.Exit(code or 0)
 
     return wrapper
@@ -72,8 +72,8 @@ def _options(
 @_guarded
 def run(
     ctx: typer.Context,
-    trace: Optional[str] = TRACE_OPTION,
-    fix: List[str] = FIX_OPTION,
+    trace: str | None = TRACE_OPTION,
+    fix: list[str] = FIX_OPTION,
     output_format: str = typer.Option("text", "--format", help=f"summary format (on stderr): {REPORT_FORMAT_HELP}"),
     sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
 ) -> int:
@@ -88,7 +88,7 @@ def run(
 def replay(
     trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
     output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
+    output: str | None = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
 ) -> int:
     """Analyse a recorded trace: exit 0 clean, 1 error findings, 2 unusable input."""
     from kvdoctor.commands.replay import replay as replay_command
@@ -99,9 +99,11 @@ def replay(
 @app.command()
 @_guarded
 def demo(
-    fault: str = typer.Option("leak", "--fault", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"),
-    page_size: Optional[int] = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc and relocate)"),
-    trace: Optional[str] = TRACE_OPTION,
+    fault: str = typer.Option(
+        "leak", "--fault", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"
+    ),
+    page_size: int | None = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc and relocate)"),
+    trace: str | None = TRACE_OPTION,
     output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
 ) -> int:
     """Drive SGLang's real allocator and radix tree with a planted fault and show the diagnosis."""
@@ -115,18 +117,22 @@ def demo(
 def watch(
     pid: int = typer.Argument(..., help="the serving process (its children are followed too)"),
     interval: float = typer.Option(1.0, "--interval", help="seconds between samples"),
-    duration: Optional[float] = typer.Option(None, "--duration", help="stop after this many seconds"),
-    trace: Optional[str] = TRACE_OPTION,
+    duration: float | None = typer.Option(None, "--duration", help="stop after this many seconds"),
+    trace: str | None = TRACE_OPTION,
     output_format: str = typer.Option("auto", "--format", help="auto (live view on a TTY), text or json"),
     attach: bool = typer.Option(False, "--attach", help="also put the probe into the running process"),
-    prometheus: Optional[str] = typer.Option(None, "--prometheus", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics there while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)"),
+    prometheus: str | None = typer.Option(
+        None,
+        "--prometheus",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on /metrics there while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)",
+    ),
     prometheus_public: bool = typer.Option(False, "--prometheus-public", help="allow --prometheus on an address that is not loopback"),
 ) -> int:
     """Watch a live server's process tree: memory by class over time, growth and its rate."""
     from kvdoctor.commands.watch import watch as watch_command
 
-    return watch_command(pid, interval_s=interval, duration_s=duration, trace_path=trace, output_format=output_format,
-                         attach=attach, prometheus=prometheus, prometheus_public=prometheus_public)
+    return watch_command(pid, interval, duration, trace, output_format, attach, prometheus=prometheus, prometheus_public=prometheus_public)
 
 
 @app.command()
@@ -134,7 +140,9 @@ def watch(
 def export(
     trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
     output_format: str = typer.Option("csv", "--format", help="csv or parquet"),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"),
+    output: str | None = typer.Option(
+        None, "-o", "--output", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"
+    ),
 ) -> int:
     """Write a trace's counters (kv_slots, memory, hicache, probe_stats) as a CSV or Parquet table, one row per event."""
     from kvdoctor.commands.export import export as export_command
@@ -146,28 +154,32 @@ def export(
 @_guarded
 def gate(
     ctx: typer.Context,
-    max_growth: str = typer.Option(DEFAULT_MAX_GROWTH, "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"),
+    max_growth: str = typer.Option(
+        DEFAULT_MAX_GROWTH, "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"
+    ),
     max_orphan_slots: int = typer.Option(0, "--max-orphan-slots", help="fail if more KV slots are orphaned at the census"),
     fail_on: str = typer.Option(",".join(DEFAULT_FAIL_ON), "--fail-on", help="finding kinds that fail the gate (comma-separated)"),
-    junit: Optional[str] = typer.Option(None, "--junit", help="write a JUnit XML report here"),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="a previous trace; fail on regressions over it"),
-    html: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
-    trace: Optional[str] = TRACE_OPTION,
+    junit: str | None = typer.Option(None, "--junit", help="write a JUnit XML report here"),
+    baseline: str | None = typer.Option(None, "--baseline", help="a previous trace; fail on regressions over it"),
+    html: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    trace: str | None = TRACE_OPTION,
 ) -> int:
     """Judge TRACE.json, or run CMD (after --) under the probe, against budgets: exit 0 pass, 1 fail, 2 could not judge."""
     from kvdoctor.commands.gate import gate as gate_command
 
-    return gate_command(list(ctx.args), max_growth=max_growth, max_orphan_slots=max_orphan_slots, fail_on=fail_on,
-                        junit=junit, baseline=baseline, html=html, trace=trace)
+    budgets: dict[str, Any] = {"max_growth": max_growth, "max_orphan_slots": max_orphan_slots, "fail_on": fail_on}
+    return gate_command(list(ctx.args), **budgets, junit=junit, baseline=baseline, html=html, trace=trace)
 
 
 @app.command()
 @_guarded
 def attach(
     pid: int = typer.Argument(..., help="a running Python server process"),
-    trace: Optional[str] = TRACE_OPTION,
-    fix: List[str] = FIX_OPTION,
-    attribution: bool = typer.Option(False, "--attribution", help="also name the file:line and thread where host memory grows (short tracemalloc windows)"),
+    trace: str | None = TRACE_OPTION,
+    fix: list[str] = FIX_OPTION,
+    attribution: bool = typer.Option(
+        False, "--attribution", help="also name the file:line and thread where host memory grows (short tracemalloc windows)"
+    ),
 ) -> int:
     """Put the probe into a running Python server without restarting it."""
     from kvdoctor.commands.attach import attach_command

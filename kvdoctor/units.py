@@ -25,12 +25,7 @@ _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 # (below this many seconds, divide by, unit, decimals): the first row that fits is used.
 # "compact" suits one-line messages and tables; "readable" keeps a decimal where reports have room.
 _DURATION_STYLES: dict[str, tuple[tuple[float, float, str, int], ...]] = {
-    "compact": (
-        (90.0, 1.0, "s", 0),
-        (90 * MINUTE_S, MINUTE_S, "min", 0),
-        (48 * HOUR_S, HOUR_S, "h", 1),
-        (math.inf, DAY_S, "d", 1),
-    ),
+    "compact": ((90.0, 1.0, "s", 0), (90 * MINUTE_S, MINUTE_S, "min", 0), (48 * HOUR_S, HOUR_S, "h", 1), (math.inf, DAY_S, "d", 1)),
     "readable": (
         (10.0, 1.0, "s", 1),
         (120.0, 1.0, "s", 0),
@@ -76,7 +71,7 @@ def format_optional_bytes(n_bytes: float | None) -> str:
 
 
 def format_duration(seconds: float | None, style: str = "compact") -> str:
-    """"45 s", "12 min", "3.2 h", "4.1 d" (compact) or "12.5 min", "4.1 days" (readable);
+    """ "45 s", "12 min", "3.2 h", "4.1 d" (compact) or "12.5 min", "4.1 days" (readable);
     "never" for None, as a time to OOM that will not come."""
     if seconds is None:
         return "never"
@@ -95,23 +90,39 @@ def format_duration(seconds: float | None, style: str = "compact") -> str:
 # Binary units (KiB, MiB, ...) are powers of 1024; SI units (KB, MB, ...) powers of 1000; a bare
 # K, M, G, T is binary, as in most memory settings. Case does not matter.
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": KIB, "kib": KIB, "kb": 1000,
-    "m": MIB, "mib": MIB, "mb": 1000 ** 2,
-    "g": GIB, "gib": GIB, "gb": 1000 ** 3,
-    "t": 1024 ** 4, "tib": 1024 ** 4, "tb": 1000 ** 4,
+    "": 1,
+    "b": 1,
+    "k": KIB,
+    "kib": KIB,
+    "kb": 1000,
+    "m": MIB,
+    "mib": MIB,
+    "mb": 1000**2,
+    "g": GIB,
+    "gib": GIB,
+    "gb": 1000**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+    "tb": 1000**4,
 }
 _TIME_UNITS = {
-    "s": 1.0, "sec": 1.0, "second": 1.0,
-    "m": MINUTE_S, "min": MINUTE_S, "minute": MINUTE_S,
-    "h": HOUR_S, "hr": HOUR_S, "hour": HOUR_S,
-    "d": DAY_S, "day": DAY_S,
+    "s": 1.0,
+    "sec": 1.0,
+    "second": 1.0,
+    "m": MINUTE_S,
+    "min": MINUTE_S,
+    "minute": MINUTE_S,
+    "h": HOUR_S,
+    "hr": HOUR_S,
+    "hour": HOUR_S,
+    "d": DAY_S,
+    "day": DAY_S,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str) -> int:
-    """"500MiB", "1.5GiB", "10GB", "0" -> bytes."""
+    """ "500MiB", "1.5GiB", "10GB", "0" -> bytes."""
     match = _SIZE_RE.match(str(text))
     if not match:
         raise KvdoctorError(f"unreadable size {text!r}", "write a number and a unit, e.g. 500MiB, 1.5GiB, 10GB")
@@ -122,7 +133,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_rate(text: str) -> float:
-    """"500MiB/h", "10MB/s", "1GiB/hour" -> bytes per second."""
+    """ "500MiB/h", "10MB/s", "1GiB/hour" -> bytes per second."""
     size_text, slash, per = str(text).partition("/")
     if not slash:
         raise KvdoctorError(f"unreadable rate {text!r}", "write a size per time, e.g. 500MiB/h, 10MB/s, 1GiB/hour")

@@ -30,8 +30,12 @@ def sglang_env(version: str) -> dict:
 def run_cases(version: str, cases: list) -> list:
     proc = subprocess.run(
         [sys.executable, os.path.join(SUPPORT, "workload_cases.py"), json.dumps(cases)],
-        env=sglang_env(version), capture_output=True, text=True, timeout=600, cwd=REPO,
+        env=sglang_env(version),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return json.loads(line[-1][len("RESULT ") :])

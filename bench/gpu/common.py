@@ -14,8 +14,8 @@ def install_direct_transfer() -> None:
     for every kernel; HiCache's `direct` I/O backend with the `layer_first` layout calls this one."""
     import sgl_kernel.kvcacheio as kio
 
-    def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):  # noqa: ARG001
-        for src, dst in zip(src_layers, dst_layers):
+    def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+        for src, dst in zip(src_layers, dst_layers, strict=False):
             si = src_indices if src_indices.device == src.device else src_indices.to(src.device)
             di = dst_indices if dst_indices.device == dst.device else dst_indices.to(dst.device)
             rows = src.index_select(0, si)
@@ -48,7 +48,7 @@ class RssSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> "RssSampler":
+    def start(self) -> RssSampler:
         self._thread.start()
         return self
 
@@ -81,7 +81,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
     var = sum((x - mx) ** 2 for x in xs)
     if var == 0:
         return 0.0
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / var
 
 
 def write_json(path: str, obj: dict) -> None:

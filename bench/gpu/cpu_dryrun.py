@@ -5,31 +5,72 @@ one-function module. For checking the harness before spending GPU time, not for 
     PYTHONPATH=.venv/sglang-0.5.9:tests/support:. .venv/bin/python bench/gpu/cpu_dryrun.py \
         --device cpu --trace /tmp/h.json --out /tmp/h.out.json --seconds 20 --long-lived-s 1
 """
-import sys, torch, contextlib, runpy
+
+import contextlib
+import runpy
+import sys
+import types
+
+import torch
+
+
 class Ev:
-    def record(self, *a): pass
-    def query(self): return True
-    def synchronize(self): pass
-    def wait(self, *a): pass
+    def record(self, *a):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *a):
+        pass
+
+
 class St:
-    def wait_event(self, e): pass
+    def wait_event(self, e):
+        pass
+
+
 class St2(St):
-    def __init__(self,*a,**k): pass
+    def __init__(self, *a, **k):
+        pass
+
+
 torch.cuda.Stream = St2
+
+
 class Ev2(Ev):
-    def __init__(self,*a,**k): pass
+    def __init__(self, *a, **k):
+        pass
+
+
 torch.cuda.Event = Ev2
 torch.cuda.stream = lambda s: contextlib.nullcontext()
 torch.cuda.current_stream = lambda *a: St()
 _empty = torch.empty
+
+
 def empty(*a, **k):
-    k.pop("pin_memory", None); return _empty(*a, **k)
+    k.pop("pin_memory", None)
+    return _empty(*a, **k)
+
+
 torch.empty = empty
+
+
 class _RT:
-    def cudaHostRegister(self,*a): return 0
-    def cudaHostUnregister(self,*a): return 0
+    def cudaHostRegister(self, *a):
+        return 0
+
+    def cudaHostUnregister(self, *a):
+        return 0
+
+
 torch.cuda.cudart = lambda: _RT()
-import types as _t
-_m=_t.ModuleType('sglang.srt.model_executor.cuda_graph_runner'); _m.get_is_capture_mode=lambda: False; sys.modules[_m.__name__]=_m
+_m = types.ModuleType("sglang.srt.model_executor.cuda_graph_runner")
+_m.get_is_capture_mode = lambda: False
+sys.modules[_m.__name__] = _m
 sys.argv = ["x"] + sys.argv[1:]
 runpy.run_path(__import__("os").path.join(__import__("os").path.dirname(__file__), "hicache_19332.py"), run_name="__main__")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import types
@@ -33,14 +32,21 @@ def main() -> int:
 
         probe = runtime.activate(a.trace or None)
     import torch
-
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     dev, heads, dim = "cuda", 8, 128
     size = a.bs * a.seq_len * 4
-    kv = MHATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, head_num=heads, head_dim=dim, layer_num=a.layers,
-                          device=dev, enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=dim,
+        layer_num=a.layers,
+        device=dev,
+        enable_memory_saver=False,
+    )
     allocator = TokenToKVPoolAllocator(size, dtype=torch.bfloat16, device=dev, kvcache=kv, need_sort=False)
     layers = [types.SimpleNamespace(layer_id=i) for i in range(a.layers)]
     w1 = torch.randn(a.hidden, a.hidden, device=dev, dtype=torch.bfloat16) * 0.02
@@ -74,7 +80,7 @@ def main() -> int:
     calls0 = probe.calls if probe else 0
 
     def run(n):
-        for i in range(n):
+        for _i in range(n):
             out = allocator.alloc(a.bs)
             loc.copy_(out, non_blocking=True)
             graph.replay()
@@ -112,8 +118,10 @@ def main() -> int:
         result["failures"] = probe.failures
         result["off_reason"] = probe.off_reason
         result["probe_gpu_bytes"] = sum(
-            t.numel() * t.element_size() for led in sglang_state(probe).ledgers.values()
-            for t in (led.state, led.owner, led.alloc_site, led.flags, led.violation_site, led.counters))
+            t.numel() * t.element_size()
+            for led in sglang_state(probe).ledgers.values()
+            for t in (led.state, led.owner, led.alloc_site, led.flags, led.violation_site, led.counters)
+        )
     from sglang.jit_kernel.kvcache import can_use_store_cache
 
     result["set_kv_buffer_impl"] = "jit store_cache" if can_use_store_cache(heads * dim * 2) else "torch index_put fallback"

@@ -26,7 +26,7 @@ import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 
 def main() -> int:
@@ -53,18 +53,17 @@ def main() -> int:
     storage_dir = tempfile.mkdtemp(prefix="hicache-l3-")
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = storage_dir
 
-    from kvdoctor.probe.sglang import hicache
     from kvdoctor.probe import runtime
+    from kvdoctor.probe.sglang import hicache
 
     if a.long_lived_s is not None:
         hicache.LONG_LIVED_S = a.long_lived_s
     probe = runtime.activate(a.trace, fixes=a.fix)
     common.install_direct_transfer()
 
+    import sglang.srt.managers.cache_controller as cc_mod
     import torch
     import torch.distributed as dist
-
-    import sglang.srt.managers.cache_controller as cc_mod
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -81,28 +80,53 @@ def main() -> int:
     dev = a.device
     ps = a.page_size
     server_args = types.SimpleNamespace(
-        hicache_io_backend="direct", hicache_mem_layout="layer_first", disable_hicache_numa_detect=True,
-        hicache_ratio=a.hicache_ratio, hicache_size=0, hicache_storage_backend="file",
-        extra_metric_labels=None, hicache_storage_backend_extra_config='{"prefetch_threshold": 64}',
-        hicache_storage_prefetch_policy="best_effort", hicache_write_policy="write_through",
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        disable_hicache_numa_detect=True,
+        hicache_ratio=a.hicache_ratio,
+        hicache_size=0,
+        hicache_storage_backend="file",
+        extra_metric_labels=None,
+        hicache_storage_backend_extra_config='{"prefetch_threshold": 64}',
+        hicache_storage_prefetch_policy="best_effort",
+        hicache_write_policy="write_through",
         served_model_name="tiny",
     )
-    kv = MHATokenToKVPool(size=a.pool_tokens, page_size=ps, dtype=torch.bfloat16, head_num=a.heads, head_dim=a.head_dim,
-                          layer_num=a.layers, device=dev, enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=a.pool_tokens,
+        page_size=ps,
+        dtype=torch.bfloat16,
+        head_num=a.heads,
+        head_dim=a.head_dim,
+        layer_num=a.layers,
+        device=dev,
+        enable_memory_saver=False,
+    )
     allocator = PagedTokenToKVPoolAllocator(a.pool_tokens, ps, dtype=torch.bfloat16, device=dev, kvcache=kv, need_sort=False)
     req_pool = ReqToTokenPool(size=a.batch * 2, max_context_len=8192, device=dev, enable_memory_saver=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
-                             page_size=ps, tp_cache_group=dist.group.WORLD)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=ps, tp_cache_group=dist.group.WORLD
+    )
     t_build = time.monotonic()
     tree = HiRadixCache(params, server_args)
     host = tree.token_to_kv_pool_host
     ctl = tree.cache_controller
-    info = {"host_pool_class": type(host).__name__, "host_size_slots": host.size, "host_pinned": bool(host.kv_buffer.is_pinned()),
-            "host_kv_bytes": host.kv_buffer.numel() * host.kv_buffer.element_size(),
-            "device_pool_class": type(kv).__name__, "device": str(kv.k_buffer[0].device),
-            "storage_backend": type(ctl.storage_backend).__name__, "io_backend": ctl.io_backend,
-            "write_policy": ctl.write_policy, "fixes": a.fix, "page_size": ps, "pool_tokens": a.pool_tokens,
-            "build_s": round(time.monotonic() - t_build, 2), "storage_dir": storage_dir}
+    info = {
+        "host_pool_class": type(host).__name__,
+        "host_size_slots": host.size,
+        "host_pinned": bool(host.kv_buffer.is_pinned()),
+        "host_kv_bytes": host.kv_buffer.numel() * host.kv_buffer.element_size(),
+        "device_pool_class": type(kv).__name__,
+        "device": str(kv.k_buffer[0].device),
+        "storage_backend": type(ctl.storage_backend).__name__,
+        "io_backend": ctl.io_backend,
+        "write_policy": ctl.write_policy,
+        "fixes": a.fix,
+        "page_size": ps,
+        "pool_tokens": a.pool_tokens,
+        "build_s": round(time.monotonic() - t_build, 2),
+        "storage_dir": storage_dir,
+    }
     # Touch every page of the host pool (and of a CPU device pool) once, so that RSS does not grow
     # merely because the pool's pages are first written as it fills. cudaHostRegister has already
     # made the pinned pool resident on a GPU machine; this is a no-op there in effect.
@@ -119,9 +143,17 @@ def main() -> int:
     system_prompt = [rng.randrange(1000) for _ in range(64)]
     histories = [list(system_prompt) for _ in range(a.conversations)]
     turns = [0] * a.conversations
-    rows = a.heads * a.head_dim
-    stats = {"batches": 0, "requests": 0, "load_backs": 0, "loaded_tokens": 0, "prefetches": 0, "evictions": 0,
-             "device_hit_tokens": 0, "host_hit_tokens": 0}
+    a.heads * a.head_dim
+    stats = {
+        "batches": 0,
+        "requests": 0,
+        "load_backs": 0,
+        "loaded_tokens": 0,
+        "prefetches": 0,
+        "evictions": 0,
+        "device_hit_tokens": 0,
+        "host_hit_tokens": 0,
+    }
     t_end = time.monotonic() + a.seconds
     conv_cursor = 0
 
@@ -135,6 +167,7 @@ def main() -> int:
             out = allocator.alloc(need)
         else:
             from sglang.srt.mem_cache import common as c059
+
             last = c059.get_last_loc_torch(req_pool.req_to_token, torch.tensor(idxs, dtype=torch.int64, device=dev), pl.to(dev))
             out = allocator.alloc_extend(pl.to(dev), pl, sl.to(dev), sl, last, need)
         if out is None:
@@ -193,11 +226,11 @@ def main() -> int:
         # prefill: one batched alloc_extend for every request's new tokens (prefixes are page aligned)
         prefix_lens = [item[5] for item in live]
         seq_lens = [len(item[2]) for item in live]
-        need = sum(s - p for s, p in zip(seq_lens, prefix_lens))
+        need = sum(s - p for s, p in zip(seq_lens, prefix_lens, strict=False))
         out = alloc(prefix_lens, seq_lens, need)
         off = 0
-        for item, p, s in zip(live, prefix_lens, seq_lens):
-            req_pool.write((item[1].req_pool_idx, slice(p, s)), out[off: off + s - p].to(torch.int32))
+        for item, p, s in zip(live, prefix_lens, seq_lens, strict=False):
+            req_pool.write((item[1].req_pool_idx, slice(p, s)), out[off : off + s - p].to(torch.int32))
             off += s - p
         k = torch.randn(need, a.heads, a.head_dim, dtype=torch.bfloat16, device=dev)
         for layer in layers:
@@ -209,14 +242,14 @@ def main() -> int:
             sl = [p + ps for p in pl]
             out = alloc(pl, sl, ps * len(live))
             for j, item in enumerate(live):
-                req_pool.write((item[1].req_pool_idx, slice(pl[j], sl[j])), out[j * ps:(j + 1) * ps].to(torch.int32))
+                req_pool.write((item[1].req_pool_idx, slice(pl[j], sl[j])), out[j * ps : (j + 1) * ps].to(torch.int32))
                 item[2] = item[2] + [rng.randrange(1000) for _ in range(ps)]
             k = torch.randn(out.numel(), a.heads, a.head_dim, dtype=torch.bfloat16, device=dev)
             for layer in layers:
                 kv.set_kv_buffer(layer, out, k, k)
         ctl.layer_done_counter.set_consumer(-1)
         # cache_finished_req
-        for conv, req, tokens, prefix, last_node, plen in live:
+        for conv, req, tokens, _prefix, last_node, plen in live:
             kv_idx = req_pool.req_to_token[req.req_pool_idx, : len(tokens)].to(torch.int64).clone()
             aligned = len(tokens) // ps * ps
             res = tree.insert(InsertParams(key=RadixKey(tokens[:aligned]), value=kv_idx[:aligned]))
@@ -231,7 +264,10 @@ def main() -> int:
         stats["batches"] += 1
         if stats["batches"] % 20 == 0:
             s = sampler.samples[-1] if sampler.samples else {}
-            print(f"batch {stats['batches']} t={s.get('t')} anon={s.get('RssAnon', 0) / 2**20:.1f}MiB backups={s.get('backups')} sets={s.get('storage_sets')} gets={s.get('storage_gets')} host_free={host.available_size()}", flush=True)
+            print(
+                f"batch {stats['batches']} t={s.get('t')} anon={s.get('RssAnon', 0) / 2**20:.1f}MiB backups={s.get('backups')} sets={s.get('storage_sets')} gets={s.get('storage_gets')} host_free={host.available_size()}",
+                flush=True,
+            )
 
     # drain what is in flight, as an idle scheduler would
     for _ in range(50):
@@ -253,17 +289,31 @@ def main() -> int:
         nodes += 1
         own += hv.numel() * hv.element_size()
         storages[hv.untyped_storage().data_ptr()] = hv.untyped_storage().nbytes()
-    truth = {"host_nodes": nodes, "host_value_bytes": own, "distinct_storages": len(storages),
-             "retained_storage_bytes": sum(storages.values())}
+    truth = {
+        "host_nodes": nodes,
+        "host_value_bytes": own,
+        "distinct_storages": len(storages),
+        "retained_storage_bytes": sum(storages.values()),
+    }
 
     summary = summarize(samples)
-    result = {"info": info, "stats": stats, "ground_truth": truth, "summary": summary,
-              "counts": dict(st.counts) if st is not None else {},
-              "probe": {"ledger_on": probe.ledger_on if probe else None, "failures": probe.failures if probe else None,
-                        "off_reason": probe.off_reason if probe else None, "calls": probe.calls if probe else None,
-                        "fix_counts": dict(probe.fix_counts) if probe else None,
-                        "patched": list(probe.patched) if probe else None, "missing": list(probe.missing) if probe else None},
-              "samples": samples[:: max(1, len(samples) // 400)]}
+    result = {
+        "info": info,
+        "stats": stats,
+        "ground_truth": truth,
+        "summary": summary,
+        "counts": dict(st.counts) if st is not None else {},
+        "probe": {
+            "ledger_on": probe.ledger_on if probe else None,
+            "failures": probe.failures if probe else None,
+            "off_reason": probe.off_reason if probe else None,
+            "calls": probe.calls if probe else None,
+            "fix_counts": dict(probe.fix_counts) if probe else None,
+            "patched": list(probe.patched) if probe else None,
+            "missing": list(probe.missing) if probe else None,
+        },
+        "samples": samples[:: max(1, len(samples) // 400)],
+    }
     if st is not None:
         result["probe_view_scan"] = st.scan_views(probe, force_report=True)
     print("RESULT", {k: result[k] for k in ("stats", "ground_truth", "summary", "counts")}, flush=True)
@@ -278,7 +328,7 @@ def main() -> int:
 
 def summarize(samples: list[dict]) -> dict:
     """RSS growth per 1000 backups and per minute over the second half of the run (after warm-up)."""
-    half = [s for s in samples[len(samples) // 2:] if "backups" in s]
+    half = [s for s in samples[len(samples) // 2 :] if "backups" in s]
     out = {"samples": len(samples)}
     if len(half) < 4:
         return out

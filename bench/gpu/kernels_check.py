@@ -3,18 +3,17 @@ the time each takes per hooked call (the kernels are what a CUDA ledger uses).""
 
 import json
 import random
-import sys
 import time
 
 import torch
 
-from kvdoctor.probe.ledger import arrays
 from kvdoctor.probe.ledger import slots as L
 
 
 def make(kernels, size, ps):
-    led = L.SlotLedger(name="t", size=size, page_size=ps, device="cuda", emit=lambda n, a: None,
-                       requests=L.RequestTable(), sites=L.CallSites())
+    led = L.SlotLedger(
+        name="t", size=size, page_size=ps, device="cuda", emit=lambda n, a: None, requests=L.RequestTable(), sites=L.CallSites()
+    )
     if not kernels:
         led.kernels = None
     else:
@@ -33,8 +32,11 @@ def main():
         for step in range(80):
             op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "lastloc", "evict"])
             n = rng.randint(1, 40)
-            idx = torch.tensor([rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(n)],
-                               dtype=torch.int64, device="cuda")
+            idx = torch.tensor(
+                [rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(n)],
+                dtype=torch.int64,
+                device="cuda",
+            )
             site = rng.randrange(1, 50)
             for led in (a, b):
                 if op == "alloc":

@@ -35,15 +35,15 @@ def main() -> int:
     from kvdoctor.probe.sglang.state import sglang_state
 
     probe = runtime.activate(a.trace, fixes=a.fix)
-    import torch
-
     import sglang.srt.mem_cache.common as common059
+    import torch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     dev, ps, size, heads, dim = "cuda", 16, 4096, 8, 128
-    kv = MHATokenToKVPool(size=size, page_size=ps, dtype=torch.bfloat16, head_num=heads, head_dim=dim, layer_num=2,
-                          device=dev, enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=size, page_size=ps, dtype=torch.bfloat16, head_num=heads, head_dim=dim, layer_num=2, device=dev, enable_memory_saver=False
+    )
     allocator = PagedTokenToKVPoolAllocator(size, ps, dtype=torch.bfloat16, device=dev, kvcache=kv, need_sort=False)
     req_pool = ReqToTokenPool(size=8, max_context_len=1024, device=dev, enable_memory_saver=False)
     from kvdoctor.demo.workload import Request
@@ -58,9 +58,17 @@ def main() -> int:
     pl = torch.tensor([prefix], dtype=torch.int64, device=dev)
     sl = torch.tensor([prefix + extend], dtype=torch.int64, device=dev)
     last_loc = common059.get_last_loc_torch(req_pool.req_to_token, idx_t, pl)
-    result = {"case": a.case, "fixes": a.fix, "harness_clamp": a.harness_clamp, "size": size, "page_size": ps,
-              "kv_rows": kv.k_buffer[0].shape[0], "prefix_len": prefix, "extend": extend,
-              "set_kv_buffer_impl": None}
+    result = {
+        "case": a.case,
+        "fixes": a.fix,
+        "harness_clamp": a.harness_clamp,
+        "size": size,
+        "page_size": ps,
+        "kv_rows": kv.k_buffer[0].shape[0],
+        "prefix_len": prefix,
+        "extend": extend,
+        "set_kv_buffer_impl": None,
+    }
     if a.case == "oor":
         last_loc = torch.full_like(last_loc, size + ps)  # one past the end (the clamp(0, total_slots) bug)
         if a.harness_clamp:

@@ -12,10 +12,10 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
-ENGINE_PACKAGES = ("sglang", "vllm")   # the engines kvdoctor ships maps for (a test holds them equal)
+ENGINE_PACKAGES = ("sglang", "vllm")  # the engines kvdoctor ships maps for (a test holds them equal)
 
 
-def _activate():
+def _activate() -> None:
     try:
         package_root = os.environ.get("KVDOCTOR_PACKAGE_ROOT")
         if package_root and package_root not in sys.path:
@@ -31,7 +31,7 @@ class _EngineWatch:
     """Turns the probe on when an engine's top-level package is first looked up, then steps aside."""
 
     @classmethod
-    def find_spec(cls, name, path=None, target=None):
+    def find_spec(cls, name: str, path: object = None, target: object = None) -> None:
         if path is None and name in ENGINE_PACKAGES:
             try:
                 sys.meta_path.remove(cls)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar
 
 from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector
@@ -25,10 +26,10 @@ __all__ = ["Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze
 
 REPORT_SCHEMA_NAME = "kvdoctor.report"
 REPORT_SCHEMA_VERSION = 1
-REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"   # the JSON report, not the trace
+REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"  # the JSON report, not the trace
 
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
-PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024     # smaller traces replay too fast to need a bar
+PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024  # smaller traces replay too fast to need a bar
 PROGRESS_EVERY_EVENTS = 20_000
 
 D = TypeVar("D")
@@ -37,6 +38,12 @@ _HEADERS = (schema.HEADER, schema.RUN_HEADER)
 
 class _Sink(Protocol):
     def feed(self, event: schema.Event) -> None: ...
+
+
+def _reads(sink: _Sink, name: str) -> bool:
+    """A sink reads the event names in its `consumes` set; one without the set reads everything."""
+    consumes: frozenset[str] | None = getattr(sink, "consumes", None)
+    return consumes is None or name in consumes
 
 
 @dataclasses.dataclass
@@ -103,8 +110,11 @@ class Analyzer:
         host_memory_limit_bytes: int | None = None,
     ) -> None:
         self.source = source
-        self.detectors = detectors if detectors is not None else all_detectors(
-            growth_params=growth_params, host_memory_limit_bytes=host_memory_limit_bytes)
+        self.detectors = (
+            detectors
+            if detectors is not None
+            else all_detectors(growth_params=growth_params, host_memory_limit_bytes=host_memory_limit_bytes)
+        )
         self.processes: dict[int, dict[str, Any]] = {}
         self.events = 0
         self._series = SeriesCollector()
@@ -123,7 +133,7 @@ class Analyzer:
             name = event.name
             feeds = routes.get(name)
             if feeds is None:
-                feeds = routes[name] = [s.feed for s in sinks if getattr(s, "consumes", None) is None or name in getattr(s, "consumes")]
+                feeds = routes[name] = [s.feed for s in sinks if _reads(s, name)]
             if name in _HEADERS:
                 info = processes.setdefault(event.pid, {})
                 info.update({k: event.args.get(k) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
@@ -146,16 +156,18 @@ class Analyzer:
         return findings
 
     def finish(self, notes: Iterable[str] = ()) -> Analysis:
-        return Analysis(findings=self.findings(), processes=self.processes, events=self.events, notes=list(notes),
-                        source=self.source, series=self._series.series)
+        return Analysis(
+            findings=self.findings(),
+            processes=self.processes,
+            events=self.events,
+            notes=list(notes),
+            source=self.source,
+            series=self._series.series,
+        )
 
 
 def analyze(
-    events: Iterable[schema.Event],
-    *,
-    source: str = "",
-    detectors: list[Detector] | None = None,
-    host_memory_limit_bytes: int | None = None,
+    events: Iterable[schema.Event], *, source: str = "", detectors: list[Detector] | None = None, host_memory_limit_bytes: int | None = None
 ) -> Analysis:
     """Every event of a stream through one `Analyzer`."""
     analyzer = Analyzer(source=source, detectors=detectors, host_memory_limit_bytes=host_memory_limit_bytes)

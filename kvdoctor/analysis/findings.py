@@ -20,5 +20,11 @@ class Finding:
     pid: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "severity": self.severity, "message": self.message, "count": self.count,
-                "evidence": self.evidence, "pid": self.pid}
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "message": self.message,
+            "count": self.count,
+            "evidence": self.evidence,
+            "pid": self.pid,
+        }

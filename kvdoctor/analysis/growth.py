@@ -27,7 +27,8 @@ import bisect
 import dataclasses
 import math
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvdoctor.units import HOUR_S, MIB
 
@@ -38,14 +39,14 @@ try:  # numpy makes the pairwise slopes cheap; the pure-Python path uses fewer p
 except ImportError:  # pragma: no cover - depends on the environment
     _np = None
 
-DEFAULT_MIN_RATE_BYTES_PER_S = 50 * MIB / HOUR_S   # 50 MiB/h: below this, a leak is not urgent
+DEFAULT_MIN_RATE_BYTES_PER_S = 50 * MIB / HOUR_S  # 50 MiB/h: below this, a leak is not urgent
 DEFAULT_WARMUP_S = 60.0
 DEFAULT_WINDOWS = 4
-DEFAULT_MIN_SPAN_S = 60.0          # 10 GB/h is flagged after 60 s of post-warm-up data
-DEFAULT_MIN_SAMPLES = 20           # at least 5 samples per window
-DEFAULT_CONFIDENCE = 0.99          # one-sided level of the lower bound
-DEFAULT_RECENT_FRACTION = 0.5    # latest window must still grow at this fraction of the overall rate
-DEFAULT_MAX_POINTS = 600           # points kept for the pairwise slopes (about 180k pairs)
+DEFAULT_MIN_SPAN_S = 60.0  # 10 GB/h is flagged after 60 s of post-warm-up data
+DEFAULT_MIN_SAMPLES = 20  # at least 5 samples per window
+DEFAULT_CONFIDENCE = 0.99  # one-sided level of the lower bound
+DEFAULT_RECENT_FRACTION = 0.5  # latest window must still grow at this fraction of the overall rate
+DEFAULT_MAX_POINTS = 600  # points kept for the pairwise slopes (about 180k pairs)
 _MAX_POINTS_NO_NUMPY = 200
 
 
@@ -174,11 +175,7 @@ def _order_statistics(slopes: Any, indices: list[int]) -> list[float]:
 
 
 def theil_sen(
-    times_s: Sequence[float],
-    values: Sequence[float],
-    *,
-    confidence: float = DEFAULT_CONFIDENCE,
-    max_points: int = DEFAULT_MAX_POINTS,
+    times_s: Sequence[float], values: Sequence[float], *, confidence: float = DEFAULT_CONFIDENCE, max_points: int = DEFAULT_MAX_POINTS
 ) -> SlopeEstimate | None:
     """Median pairwise slope with Sen's rank-based bounds at one-sided level `confidence`.
 
@@ -202,13 +199,13 @@ def theil_sen(
     # first pass: the median, to get residuals for the autocorrelation correction
     med_a, med_b = _order_statistics(slopes, [mid_lo, mid_hi])
     slope = (med_a + med_b) / 2.0
-    intercept = statistics.median([vi - slope * ti for ti, vi in zip(t, v)])
-    residuals = [vi - (intercept + slope * ti) for ti, vi in zip(t, v)]
+    intercept = statistics.median([vi - slope * ti for ti, vi in zip(t, v, strict=False)])
+    residuals = [vi - (intercept + slope * ti) for ti, vi in zip(t, v, strict=False)]
     r1 = min(max(_lag1_autocorrelation(residuals), 0.0), 0.95)
     var_s = n * (n - 1) * (2 * n + 5) / 18.0 * (1 + r1) / (1 - r1)
     c = _z(confidence) * math.sqrt(var_s)
-    lo_rank = int(math.floor((count - c) / 2.0))            # 1-based rank of the lower bound
-    hi_rank = int(math.ceil((count + c) / 2.0)) + 1          # 1-based rank of the upper bound
+    lo_rank = int(math.floor((count - c) / 2.0))  # 1-based rank of the lower bound
+    hi_rank = int(math.ceil((count + c) / 2.0)) + 1  # 1-based rank of the upper bound
     lo_index = min(max(lo_rank - 1, 0), count - 1)
     hi_index = min(max(hi_rank - 1, 0), count - 1)
     lower, upper = _order_statistics(slopes, [lo_index, hi_index])
@@ -230,9 +227,7 @@ def _window_grew(times_s: Sequence[float], values: Sequence[float], max_points: 
     return False, est.slope
 
 
-def _check_span(
-    times_s: Sequence[float], values: Sequence[float], params: GrowthParams
-) -> GrowthResult | None:
+def _check_span(times_s: Sequence[float], values: Sequence[float], params: GrowthParams) -> GrowthResult | None:
     n = len(times_s)
     if n < max(params.min_samples, 3 * params.windows) or times_s[-1] - times_s[0] < params.min_span_s:
         return None
@@ -248,7 +243,7 @@ def _check_span(
         bounds.append(bisect.bisect_left(times_s, start + k * width, bounds[-1], n))
     bounds.append(n)
     per_window_points = max(3, params.max_points // params.windows)
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         if b - a < 3:
             return None
         grew, slope = _window_grew(times_s[a:b], values[a:b], per_window_points)
@@ -256,7 +251,7 @@ def _check_span(
             return None
         window_slopes.append(slope)
     if window_slopes[-1] < params.recent_fraction * overall.slope:
-        return None   # still rising a little, but decelerating like a cache that is filling up
+        return None  # still rising a little, but decelerating like a cache that is filling up
     # The growth must be sustained, not one early rise plus noise: the later half of the span
     # must show growth on its own at the same confidence.
     half = bounds[params.windows // 2] if params.windows >= 2 else 0
@@ -279,19 +274,8 @@ def _check_span(
     )
 
 
-def detect_growth(
-    times_s: Sequence[float],
-    values_bytes: Sequence[float],
-    *,
-    warmup_s: float = DEFAULT_WARMUP_S,
-    windows: int = DEFAULT_WINDOWS,
-    min_rate_bytes_per_s: float = DEFAULT_MIN_RATE_BYTES_PER_S,
-    min_span_s: float = DEFAULT_MIN_SPAN_S,
-    min_samples: int = DEFAULT_MIN_SAMPLES,
-    confidence: float = DEFAULT_CONFIDENCE,
-    recent_fraction: float = DEFAULT_RECENT_FRACTION,
-    max_points: int = DEFAULT_MAX_POINTS,
-    origin_s: float | None = None,
+def detect_growth_with(
+    params: GrowthParams, times_s: Sequence[float], values_bytes: Sequence[float], *, origin_s: float | None = None
 ) -> GrowthResult | None:
     """Returns evidence of unbounded growth, or None when the series does not show it (yet).
 
@@ -303,20 +287,10 @@ def detect_growth(
     """
     if len(times_s) != len(values_bytes):
         raise ValueError("times_s and values_bytes differ in length")
-    if not times_s or windows < 1:
+    if not times_s or params.windows < 1:
         return None
-    params = GrowthParams(
-        warmup_s=warmup_s,
-        windows=windows,
-        min_rate_bytes_per_s=min_rate_bytes_per_s,
-        min_span_s=min_span_s,
-        min_samples=min_samples,
-        confidence=confidence,
-        recent_fraction=recent_fraction,
-        max_points=max_points,
-    )
     origin = times_s[0] if origin_s is None else origin_s
-    first = bisect.bisect_left(times_s, origin + max(warmup_s, 0.0))
+    first = bisect.bisect_left(times_s, origin + max(params.warmup_s, 0.0))
     t = list(times_s[first:])
     v = [float(x) for x in values_bytes[first:]]
     if len(t) < 3:
@@ -325,7 +299,7 @@ def detect_growth(
     if result is not None:
         return result
     if _decelerating(t, v, params):
-        return None   # the whole span bends flat: a filling cache, whatever its recent part says
+        return None  # the whole span bends flat: a filling cache, whatever its recent part says
     for _ in range(2):
         half = t[0] + (t[-1] - t[0]) / 2
         keep = next((i for i, ti in enumerate(t) if ti >= half), len(t))
@@ -349,21 +323,11 @@ def _decelerating(times_s: Sequence[float], values: Sequence[float], params: Gro
     return last is not None and last.slope < params.recent_fraction * overall.slope
 
 
-def detect_growth_with(params: GrowthParams, times_s: Sequence[float], values_bytes: Sequence[float], *, origin_s: float | None = None) -> GrowthResult | None:
-    """`detect_growth` with its knobs taken from a `GrowthParams`."""
-    return detect_growth(
-        times_s,
-        values_bytes,
-        warmup_s=params.warmup_s,
-        windows=params.windows,
-        min_rate_bytes_per_s=params.min_rate_bytes_per_s,
-        min_span_s=params.min_span_s,
-        min_samples=params.min_samples,
-        confidence=params.confidence,
-        recent_fraction=params.recent_fraction,
-        max_points=params.max_points,
-        origin_s=origin_s,
-    )
+def detect_growth(
+    times_s: Sequence[float], values_bytes: Sequence[float], *, origin_s: float | None = None, **knobs: Any
+) -> GrowthResult | None:
+    """`detect_growth_with` with its knobs (the fields of `GrowthParams`) given by name."""
+    return detect_growth_with(GrowthParams(**knobs), times_s, values_bytes, origin_s=origin_s)
 
 
 def time_to_oom_s(current_bytes: float, bytes_per_s: float, limit_bytes: float | None) -> float | None:

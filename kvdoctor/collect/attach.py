@@ -29,14 +29,15 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvdoctor import PACKAGE_ROOT
 from kvdoctor.collect.attach_code import GDB_SCRIPT, INJECTED
 from kvdoctor.errors import KvdoctorError
 
-GDB_TIMEOUT_S = 20.0          # how long gdb may wait for the target to reach a safe point
-STATUS_TIMEOUT_S = 20.0       # how long the probe may take to import and start inside the target
+GDB_TIMEOUT_S = 20.0  # how long gdb may wait for the target to reach a safe point
+STATUS_TIMEOUT_S = 20.0  # how long the probe may take to import and start inside the target
 CAP_SYS_PTRACE = 19
 RUN_INSTEAD = "start the server under `kvdoctor run --` instead"
 
@@ -56,9 +57,7 @@ def target_python_version(pid: int) -> tuple[int, int]:
     except FileNotFoundError:
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
     except PermissionError:
-        raise KvdoctorError(
-            f"not allowed to inspect pid {pid}", "run kvdoctor as the same user as the server, or as root"
-        ) from None
+        raise KvdoctorError(f"not allowed to inspect pid {pid}", "run kvdoctor as the same user as the server, or as root") from None
     except OSError as exc:  # a kernel thread has no executable
         raise KvdoctorError(f"pid {pid} is not a Python process ({exc.strerror})", RUN_INSTEAD) from None
     try:
@@ -72,7 +71,9 @@ def target_python_version(pid: int) -> tuple[int, int]:
     if found is None:
         if re.fullmatch(r"python[\d.]*", exe_name) or "libpython" in maps:
             raise KvdoctorError(f"cannot tell which Python version pid {pid} runs ({exe})", RUN_INSTEAD)
-        raise KvdoctorError(f"pid {pid} is not a Python process (it runs {exe})", "give the pid of the Python server process, or " + RUN_INSTEAD)
+        raise KvdoctorError(
+            f"pid {pid} is not a Python process (it runs {exe})", "give the pid of the Python server process, or " + RUN_INSTEAD
+        )
     return int(found.group(1)), int(found.group(2))
 
 
@@ -132,7 +133,10 @@ def _remote_debug_disabled(pid: int) -> bool:
         return False
     if any(v.startswith("PYTHON_DISABLE_REMOTE_DEBUG=") and v.split("=", 1)[1] for v in environ):
         return True
-    return any(cmdline[k] == "-X" and cmdline[k + 1] == "disable_remote_debug" for k in range(len(cmdline) - 1)) or "-Xdisable_remote_debug" in cmdline
+    return (
+        any(cmdline[k] == "-X" and cmdline[k + 1] == "disable_remote_debug" for k in range(len(cmdline) - 1))
+        or "-Xdisable_remote_debug" in cmdline
+    )
 
 
 # --------------------------------------------------------------------------- injection
@@ -174,7 +178,10 @@ def _gdb_inject(pid: int, script_path: str, timeout_s: float) -> None:
     if "KVDOCTOR: RAN" in output:
         return
     if "ptrace: Operation not permitted" in output or "ptrace: " in output and "ptrace: No such process" not in output:
-        reason = ptrace_blocked_reason(pid) or "the kernel refused ptrace (a container without CAP_SYS_PTRACE, a seccomp profile, or another debugger already attached)"
+        reason = (
+            ptrace_blocked_reason(pid)
+            or "the kernel refused ptrace (a container without CAP_SYS_PTRACE, a seccomp profile, or another debugger already attached)"
+        )
         raise KvdoctorError(f"cannot attach to pid {pid}: {reason}", RUN_INSTEAD)
     if "No such process" in output:
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
@@ -249,8 +256,13 @@ def attach(
     workdir = tempfile.mkdtemp(prefix="kvdoctor-attach-")  # 0700: no other user can swap the script
     status_path = os.path.join(workdir, "status.json")
     script_path = os.path.join(workdir, "inject.py")
-    params = {"package_root": PACKAGE_ROOT, "trace_path": trace_path, "fixes": list(fixes),
-              "status_path": status_path, "attribution": bool(attribution)}
+    params = {
+        "package_root": PACKAGE_ROOT,
+        "trace_path": trace_path,
+        "fixes": list(fixes),
+        "status_path": status_path,
+        "attribution": bool(attribution),
+    }
     try:
         with open(script_path, "w") as fh:
             fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(INJECTED))
@@ -306,7 +318,8 @@ def preflight() -> str | None:
     if reason is None:
         child = subprocess.Popen(
             [sys.executable, "-c", "import sys, time\nprint('ready', flush=True)\nwhile True:\n    x = [0] * 10\n    time.sleep(0.01)\n"],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             child.stdout.readline()  # type: ignore[union-attr]

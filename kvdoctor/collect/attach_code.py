@@ -6,7 +6,7 @@ package root at the END of `sys.path` (it never shadows the host's modules), set
 `GDB_SCRIPT` stops at the first safe point (see kvdoctor.collect.attach) and runs it there.
 """
 
-INJECTED = r'''
+INJECTED = r"""
 def _kvdoctor_attach(params):
     import json, os, sys, threading
 
@@ -56,7 +56,7 @@ def _kvdoctor_attach(params):
 
 
 _kvdoctor_attach(__import__("json").loads(_KVDOCTOR_ATTACH_PARAMS))
-'''
+"""
 
 GDB_SCRIPT = """\
 set unwindonsignal on

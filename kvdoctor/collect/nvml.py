@@ -24,13 +24,13 @@ class Nvml:
     def _init(self) -> None:
         self._tried = True
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
 
             pynvml.nvmlInit()
             count = pynvml.nvmlDeviceGetCount()
             handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
             totals = [int(pynvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
-        except Exception:  # noqa: BLE001 - no library, no driver, no device: all mean "no data"
+        except Exception:
             return
         if handles:
             self._nvml, self._handles, self._totals = pynvml, handles, totals
@@ -47,12 +47,12 @@ class Nvml:
         if not self.available:
             return None
         out: dict[int, tuple[int, int]] = {}
-        for handle, total in zip(self._handles, self._totals):
+        for handle, total in zip(self._handles, self._totals, strict=False):
             procs: list[Any] = []
             for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
                 try:
                     procs.extend(getattr(self._nvml, name)(handle))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     continue
             seen: set[int] = set()
             for proc in procs:

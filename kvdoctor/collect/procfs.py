@@ -198,6 +198,7 @@ def read_pinned_bytes(pid: int) -> int | None:
         idx = data.find(b" /dev/zero", idx + 10)
     return total_kib * 1024
 
+
 def _status_fields(text: str) -> dict[str, str]:
     out = {}
     for line in text.splitlines():
@@ -216,10 +217,7 @@ def _kib_bytes(fields: dict[str, str], key: str) -> int:
 
 
 def sample_process(
-    pid: int,
-    *,
-    with_pinned: bool = True,
-    gpu_usage: dict[int, tuple[int, int]] | None | bool = True,
+    pid: int, *, with_pinned: bool = True, gpu_usage: dict[int, tuple[int, int]] | None | bool = True
 ) -> dict[str, Any] | None:
     """One reading of a process's memory, in bytes. None if the process is gone (or a zombie).
 
@@ -359,8 +357,7 @@ def check_process(pid: int) -> None:
             fh.read(1)
     except PermissionError:
         raise KvdoctorError(
-            f"not allowed to read the memory maps of pid {pid}",
-            "run kvdoctor as the same user as the server, or as root",
+            f"not allowed to read the memory maps of pid {pid}", "run kvdoctor as the same user as the server, or as root"
         ) from None
     except (FileNotFoundError, ProcessLookupError):
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None

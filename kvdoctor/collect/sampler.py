@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvdoctor.collect.nvml import NVML
 from kvdoctor.collect.procfs import ProcInfo, find_process_tree, guess_engine, machine_memory_limit_bytes, sample_process, start_time_s
@@ -161,9 +162,7 @@ class Sampler:
             if reading["cpu_s"] is not None:
                 args["cpu_s"] = reading["cpu_s"]
             args["title"] = tracked.info.title
-            events.append(
-                schema.Event(ph="C", name=schema.MEMORY_COUNTER, pid=pid, ts=ts_us, cat=schema.CAT_SAMPLER, args=args)
-            )
+            events.append(schema.Event(ph="C", name=schema.MEMORY_COUNTER, pid=pid, ts=ts_us, cat=schema.CAT_SAMPLER, args=args))
         if self.root_pid not in self.processes:
             self.root_alive = False
         self.rounds += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvdoctor.collect.attach import attach
 from kvdoctor.errors import EXIT_OK

@@ -7,9 +7,9 @@ import os
 import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
-from kvdoctor.demo.run import run_demo
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.reporters import check_format, render
+from kvdoctor.runner.demo import run_demo
 
 
 def demo(fault: str, page_size: int | None, trace_path: str | None, output_format: str = "text") -> int:

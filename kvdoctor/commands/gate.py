@@ -29,8 +29,9 @@ def _fail_on_kinds(fail_on: str) -> set[str]:
     kinds = {k.strip() for k in (fail_on or "").split(",") if k.strip()}
     unknown = sorted(kinds - set(schema.FINDING_KINDS))
     if unknown:
-        raise KvdoctorError(f"--fail-on names no finding kind {', '.join(repr(k) for k in unknown)}",
-                            "choose from " + ", ".join(schema.FINDING_KINDS))
+        raise KvdoctorError(
+            f"--fail-on names no finding kind {', '.join(repr(k) for k in unknown)}", "choose from " + ", ".join(schema.FINDING_KINDS)
+        )
     return kinds
 
 
@@ -49,15 +50,18 @@ def gate(
     """Judge a trace (one existing *.json path) or run a command under the probe and judge its trace."""
     if int(max_orphan_slots) < 0:
         raise KvdoctorError("--max-orphan-slots must be 0 or more")
-    budgets = Budgets(max_growth_bytes_per_s=parse_rate(max_growth), max_orphan_slots=int(max_orphan_slots),
-                      fail_on=_fail_on_kinds(fail_on))
+    budgets = Budgets(
+        max_growth_bytes_per_s=parse_rate(max_growth), max_orphan_slots=int(max_orphan_slots), fail_on=_fail_on_kinds(fail_on)
+    )
     args = list(command_or_trace)
     if not args:
         raise KvdoctorError("nothing to judge", "usage: kvdoctor gate TRACE.json, or kvdoctor gate [OPTIONS] -- CMD ...")
     judging_a_trace = _is_trace_path(args)
     if judging_a_trace and trace is not None:
-        raise KvdoctorError("--trace says where a command's trace goes, but gate was given a trace to judge",
-                            "drop --trace, or run a command: kvdoctor gate --trace PATH -- CMD ...")
+        raise KvdoctorError(
+            "--trace says where a command's trace goes, but gate was given a trace to judge",
+            "drop --trace, or run a command: kvdoctor gate --trace PATH -- CMD ...",
+        )
     baseline_analysis = analyze_recorded(baseline) if baseline else None
     command_code = None
     if judging_a_trace:

@@ -13,8 +13,7 @@ from kvdoctor.runner import analyze_recorded, check_fixes
 from kvdoctor.runner.launch import run_command
 
 
-def run(command: list[str], trace_path: str | None, fixes: list[str], output_format: str = "text",
-        sample_interval_s: float = 1.0) -> int:
+def run(command: list[str], trace_path: str | None, fixes: list[str], output_format: str = "text", sample_interval_s: float = 1.0) -> int:
     check_format(output_format)
     check_fixes(fixes)
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):

@@ -48,14 +48,22 @@ def watch(
     """
     check_format(output_format, WATCH_FORMATS)
     _check_seconds("interval", interval_s, finite=True)
-    _check_seconds("duration", duration_s, finite=False)   # inf: until Ctrl-C or the server's exit
+    _check_seconds("duration", duration_s, finite=False)  # inf: until Ctrl-C or the server's exit
     if prometheus_public and prometheus is None:
         raise KvdoctorError("--prometheus-public has no address to open up", "give --prometheus HOST:PORT as well")
     check_process(pid)
     address = parse_address(prometheus, public=prometheus_public) if prometheus is not None else None
     live = output_format != "json" and sys.stdout.isatty()
-    result = run_watch(pid, interval_s=interval_s, duration_s=duration_s, trace_path=trace_path, live=live,
-                       attach=attach, growth_params=growth_params, prometheus_address=address)
+    result = run_watch(
+        pid,
+        interval_s=interval_s,
+        duration_s=duration_s,
+        trace_path=trace_path,
+        live=live,
+        attach=attach,
+        growth_params=growth_params,
+        prometheus_address=address,
+    )
     if output_format == "json" or (output_format == "auto" and not live):
         write_watch_json(result, sys.stdout)
     else:

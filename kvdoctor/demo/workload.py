@@ -83,7 +83,6 @@ class Engine:
 
     def __init__(self, pool_tokens: int, page_size: int, max_requests: int = 64, max_context: int = 4096, tree: str = "radix") -> None:
         import torch
-
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
@@ -110,18 +109,28 @@ class Engine:
         if page_size == 1:
             self.allocator = TokenToKVPoolAllocator(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
         else:
-            self.allocator = PagedTokenToKVPoolAllocator(pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+            self.allocator = PagedTokenToKVPoolAllocator(
+                pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False
+            )
         self.tree_kind = tree
         if tree == "unified":  # 0.5.23's default tree: a Rust tree core behind the same interface
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-            self.tree = UnifiedRadixCache(CacheInitParams(
-                disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator,
-                page_size=page_size, tree_components=(ComponentType.FULL,)))
+            self.tree = UnifiedRadixCache(
+                CacheInitParams(
+                    disable=False,
+                    req_to_token_pool=self.req_pool,
+                    token_to_kv_pool_allocator=self.allocator,
+                    page_size=page_size,
+                    tree_components=(ComponentType.FULL,),
+                )
+            )
         elif tree == "radix":
             self.tree = RadixCache(
-                CacheInitParams(disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+                CacheInitParams(
+                    disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size
+                )
             )
         else:
             raise ValueError(f"unknown tree {tree!r}: radix or unified")
@@ -173,8 +182,13 @@ class Engine:
         evictable = int(self.tree.evictable_size())
         protected = int(self.tree.protected_size())
         total = self.allocator.size
-        return {"available": available, "evictable": evictable, "protected": protected, "total": total,
-                "diff": total - (available + evictable + protected)}
+        return {
+            "available": available,
+            "evictable": evictable,
+            "protected": protected,
+            "total": total,
+            "diff": total - (available + evictable + protected),
+        }
 
 
 class _Live:
@@ -184,6 +198,8 @@ class _Live:
         self.prefix_len = int(len(prefix))
         self.node = node
         self.seq_len = 0
+        self.lock: Any = None  # the tree lock taken on its prefix
+        self.number = 0  # its place in the run (the planted fault picks one)
 
 
 def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> WorkloadResult:
@@ -197,7 +213,7 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
     request_no = 0
     for start in range(0, len(order), config.batch):
         batch = []
-        for turn, conv in order[start : start + config.batch]:
+        for _turn, conv in order[start : start + config.batch]:
             histories[conv] = histories[conv] + [config.token_base + rng.randrange(config.vocab) for _ in range(config.user_tokens)]
             batch.append((conv, list(histories[conv])))
         live: list[_Live] = []
@@ -208,20 +224,19 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
             request_no += 1
             engine.req_pool.alloc([req])
             item = _Live(req, tokens, prefix, node)
-            item.lock = lock  # type: ignore[attr-defined]
-            item.number = request_no - 1  # type: ignore[attr-defined]
+            item.lock = lock
+            item.number = request_no - 1
             _prefill(engine, item, prefix, result)
             live.append(item)
         for step in range(config.output_tokens):
             for item in live:
-                fault_here = (item.number == config.fault_at_request and step >= config.output_tokens // 2  # type: ignore[attr-defined]
-                              and not result.planted)
+                fault_here = item.number == config.fault_at_request and step >= config.output_tokens // 2 and not result.planted
                 token = _decode(engine, item, result, config, rng, fault_here)
                 item.tokens.append(token)
         for item in live:
             conv = int(item.req.rid.split("-")[0][4:])
             histories[conv] = list(item.tokens)
-            _finish(engine, item, result, config, item.number == config.fault_at_request)  # type: ignore[attr-defined]
+            _finish(engine, item, result, config, item.number == config.fault_at_request)
             result.outputs_digest = (result.outputs_digest * 31 + sum(item.tokens)) % (1 << 61)
         result.requests = request_no
     result.sglang_check = engine.sglang_leak_check()
@@ -276,7 +291,9 @@ def _decode(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
             result.planted["index_out_of_range"] = 1
     else:
         seq_lens = torch.tensor([item.seq_len + 1], dtype=torch.int64)
-        last_loc = engine.get_last_loc(engine.req_pool.req_to_token, torch.tensor([idx], dtype=torch.int64), torch.tensor([item.seq_len], dtype=torch.int64))
+        last_loc = engine.get_last_loc(
+            engine.req_pool.req_to_token, torch.tensor([idx], dtype=torch.int64), torch.tensor([item.seq_len], dtype=torch.int64)
+        )
         if fault_here and config.fault == "stale-last-loc":
             # The request's last page is released (retracted / relocated) after last_loc was
             # read and before it is used: the seed-002 shape.
@@ -336,5 +353,5 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
             victim_slots = prefix[-ps * 2 :] if len(prefix) >= 2 * ps else prefix
             engine.allocator.free(victim_slots)
             result.planted["double_alloc_candidates"] = int(victim_slots.numel())
-    engine.unlock(item.lock)  # type: ignore[attr-defined]
+    engine.unlock(item.lock)
     engine.req_pool.free(item.req)

@@ -6,7 +6,7 @@ value, so a command refuses a format it cannot write before it does any work.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.errors import KvdoctorError

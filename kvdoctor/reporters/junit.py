@@ -15,9 +15,11 @@ def render_junit(result: GateResult) -> str:
     failures = len(result.failed) if result.judged else 0
     errors = 0 if result.judged else 1
     tests = len(result.checks) + errors
-    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
-             f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
-             f'  <testsuite name="{SUITE}" tests="{tests}" failures="{failures}" errors="{errors}" skipped="0">']
+    lines = [
+        '<?xml version="1.0" encoding="UTF-8"?>',
+        f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
+        f'  <testsuite name="{SUITE}" tests="{tests}" failures="{failures}" errors="{errors}" skipped="0">',
+    ]
     for check in result.checks:
         lines.append(f'    <testcase classname="{SUITE}" name={quoteattr(check.name)}>')
         if check.passed:

@@ -9,23 +9,39 @@ from __future__ import annotations
 import json
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from kvdoctor.analysis import growth
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.findings import Finding
-from kvdoctor.collect.sampler import Sampler
 from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
 
 if TYPE_CHECKING:
     from kvdoctor.runner.watch import WatchResult
 
+
+class _Process(Protocol):
+    pid: int
+    title: str
+
+
+class _Tracked(Protocol):
+    info: _Process
+
+
+class SampledTree(Protocol):
+    """What the live view reads of a sampler: how many rounds, and the processes being followed."""
+
+    rounds: int
+    processes: dict[int, Any]
+
+
 WATCH_SCHEMA_ID = "kvdoctor.watch/1"
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
-LIVE_REFRESH_S = 0.5          # the live table is redrawn at most this often
-LIVE_GROWTH_EVERY_S = 5.0     # the (costlier) growth test for the table runs at most this often
-LIVE_RATE_WINDOW_S = 60.0     # the table's rate column is the slope over this recent span
-FLAG_CLASSES = ("anon", "pinned", "gpu", "rss")   # a row is flagged by the first of these that grows
+LIVE_REFRESH_S = 0.5  # the live table is redrawn at most this often
+LIVE_GROWTH_EVERY_S = 5.0  # the (costlier) growth test for the table runs at most this often
+LIVE_RATE_WINDOW_S = 60.0  # the table's rate column is the slope over this recent span
+FLAG_CLASSES = ("anon", "pinned", "gpu", "rss")  # a row is flagged by the first of these that grows
 
 
 def sparkline(values: list[float], width: int = 24) -> str:
@@ -49,21 +65,23 @@ def display_title(title: str) -> str:
 class LiveView:
     """The table on a TTY: one row per process; cheap enough to redraw twice a second."""
 
-    def __init__(self, sampler: Sampler, detector: MemoryGrowthDetector, pid: int) -> None:
+    def __init__(self, sampler: SampledTree, detector: MemoryGrowthDetector, pid: int, console: Any = None) -> None:
+        """`console`: where to draw (a rich Console; the terminal by default)."""
         from rich.console import Console
+
         from rich.live import Live
 
         self.sampler = sampler
         self.detector = detector
         self.pid = pid
-        self.console = Console()
+        self.console = console if console is not None else Console()
         self.live = Live(console=self.console, auto_refresh=False, transient=False)
         self._next_draw_s = 0.0
         self._next_growth_s = 0.0
         self._flagged: dict[int, growth.GrowthResult] = {}
         self._started_s = time.monotonic()
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         self.live.__enter__()
         return self
 
@@ -135,8 +153,12 @@ class LiveView:
             flagged = self._flagged.get(pid)
             shown_rate = flagged.bytes_per_s if flagged is not None else self._recent_rate(times, rss)
             tto = growth.time_to_oom_s(in_use, shown_rate, limit) if shown_rate else None
-            cells = [str(pid), display_title(tracked.info.title), format_optional_bytes(latest(pid, "rss")),
-                     format_optional_bytes(latest(pid, "anon"))]
+            cells = [
+                str(pid),
+                display_title(tracked.info.title),
+                format_optional_bytes(latest(pid, "rss")),
+                format_optional_bytes(latest(pid, "anon")),
+            ]
             cells += [format_optional_bytes(latest(pid, "pinned"))] if show_pinned else []
             cells += [format_optional_bytes(latest(pid, "gpu"))] if show_gpu else []
             cells += [
@@ -148,7 +170,7 @@ class LiveView:
         return table
 
 
-def write_watch_text(result: "WatchResult", out: TextIO) -> None:
+def write_watch_text(result: WatchResult, out: TextIO) -> None:
     """The summary a person reads after a watch: one line per process, then the findings."""
     print(
         f"kvdoctor watch {result.root_pid}: {len(result.processes)} process(es), {result.rounds} samples over "
@@ -169,7 +191,7 @@ def write_watch_text(result: "WatchResult", out: TextIO) -> None:
         print(f"{finding.severity.upper()} {finding.kind}: {finding.message}", file=out)
 
 
-def watch_report(result: "WatchResult") -> dict[str, Any]:
+def watch_report(result: WatchResult) -> dict[str, Any]:
     """The JSON a script reads after a watch (versioned: `schema` is "kvdoctor.watch/1")."""
     return {
         "schema": WATCH_SCHEMA_ID,
@@ -182,7 +204,7 @@ def watch_report(result: "WatchResult") -> dict[str, Any]:
     }
 
 
-def write_watch_json(result: "WatchResult", out: TextIO) -> None:
+def write_watch_json(result: WatchResult, out: TextIO) -> None:
     print(json.dumps(watch_report(result), default=str), file=out)
 
 

@@ -21,8 +21,9 @@ import ipaddress
 import math
 import socket
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.trace import schema
@@ -164,15 +165,9 @@ class MetricsState:
                 for (pid, allocator, state), value in sorted(self._kv.items())
             ]
             findings = [
-                ({"kind": kind, "severity": severity}, float(count))
-                for (kind, severity), count in sorted(self._finding_counts.items())
+                ({"kind": kind, "severity": severity}, float(count)) for (kind, severity), count in sorted(self._finding_counts.items())
             ]
-        return [
-            (MEMORY_BYTES, "gauge", memory),
-            (MEMORY_GROWTH, "gauge", growth),
-            (KV_SLOTS, "gauge", kv),
-            (FINDINGS, "counter", findings),
-        ]
+        return [(MEMORY_BYTES, "gauge", memory), (MEMORY_GROWTH, "gauge", growth), (KV_SLOTS, "gauge", kv), (FINDINGS, "counter", findings)]
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -252,11 +247,11 @@ class PrometheusExporter:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
-    def start(self) -> "PrometheusExporter":
+    def start(self) -> PrometheusExporter:
         render = self._render
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path not in ("/metrics", "/"):
                     self.send_error(404, "only /metrics is served")
@@ -272,7 +267,7 @@ class PrometheusExporter:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+            def log_message(self, format: str, *args: Any) -> None:
                 return
 
         server_class: type[_Server] = _Server6 if ":" in self.host else _Server

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.trace import schema
@@ -32,11 +33,11 @@ def _require(output_format: str) -> Any:
     """pandas (and pyarrow for Parquet), or one line saying how to get them."""
     needed = "pandas and pyarrow" if output_format == "parquet" else "pandas"
     try:
-        import pandas  # type: ignore[import-untyped]
+        import pandas
 
         if output_format == "parquet":
-            import pyarrow  # type: ignore[import-untyped]  # noqa: F401
-            import pyarrow.parquet  # type: ignore[import-untyped]  # noqa: F401
+            import pyarrow
+            import pyarrow.parquet  # noqa: F401
     except ImportError:
         raise KvdoctorError(
             f"export --format {output_format} needs {needed}, which {'are' if ' and ' in needed else 'is'} not installed",
@@ -115,7 +116,7 @@ def iter_frames(trace: str, columns: dict[str, bool], chunk_rows: int = CHUNK_RO
         buffer["name"].append(event.name)
         allocator = args.get("allocator")
         buffer["allocator"].append("" if allocator is None else str(allocator))
-        for name, key in zip(numeric, keys):
+        for name, key in zip(numeric, keys, strict=False):
             value: Any = args.get(key)
             buffer[name].append(None if not _is_number(value) else value if columns[name] else float(value))
         count += 1

@@ -12,7 +12,8 @@ EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "b
 def render_text(analysis: Analysis) -> str:
     lines = []
     procs = ", ".join(
-        f"{pid} {info.get('process_title', '')[:40]}".strip() + (f" [{info.get('engine')} {info.get('engine_version')}]" if info.get("engine") else "")
+        f"{pid} {info.get('process_title', '')[:40]}".strip()
+        + (f" [{info.get('engine')} {info.get('engine_version')}]" if info.get("engine") else "")
         for pid, info in sorted(analysis.processes.items())
     )
     lines.append(f"kvdoctor: {analysis.events} events from {analysis.source or 'the run'}" + (f"; processes: {procs}" if procs else ""))

@@ -46,7 +46,10 @@ def start_trace(trace_path: str, command: list[str], extra: dict[str, Any] | Non
         os.remove(trace_path)
     writer = TraceWriter(trace_path)
     header = schema.header_event(
-        pid=os.getpid(), engine="", engine_version="", process_title="kvdoctor " + " ".join(command)[:160],
+        pid=os.getpid(),
+        engine="",
+        engine_version="",
+        process_title="kvdoctor " + " ".join(command)[:160],
         extra={"command": command, **(extra or {})},
     )
     header.name = schema.RUN_HEADER

@@ -100,9 +100,18 @@ def open_trace(resolved: str, *, given: bool) -> tuple[TraceWriter, bool]:
 
 def _run_header(pid: int, sampler: Sampler, interval_s: float, duration_s: float | None) -> schema.Event:
     header = schema.header_event(
-        pid=os.getpid(), engine="", engine_version="", process_title=f"kvdoctor watch {pid}",
-        extra={"command": "watch", "root_pid": pid, "interval_s": interval_s, "duration_s": duration_s,
-               "memory_limit_bytes": sampler.memory_limit_bytes, "started_at_us": now_us()},
+        pid=os.getpid(),
+        engine="",
+        engine_version="",
+        process_title=f"kvdoctor watch {pid}",
+        extra={
+            "command": "watch",
+            "root_pid": pid,
+            "interval_s": interval_s,
+            "duration_s": duration_s,
+            "memory_limit_bytes": sampler.memory_limit_bytes,
+            "started_at_us": now_us(),
+        },
     )
     header.name = schema.RUN_HEADER
     header.cat = schema.CAT_SAMPLER
@@ -113,8 +122,15 @@ class WatchRecorder:
     """What happens to each round of samples: every event goes into the trace AND the analyzer
     (so a replay of the trace finds what the watch found), then to the extras."""
 
-    def __init__(self, writer: TraceWriter, analyzer: Analyzer, probe_tail: TraceTail | None,
-                 exporter: PrometheusExporter | None, live_view: LiveView | None, findings_every_s: float) -> None:
+    def __init__(
+        self,
+        writer: TraceWriter,
+        analyzer: Analyzer,
+        probe_tail: TraceTail | None,
+        exporter: PrometheusExporter | None,
+        live_view: LiveView | None,
+        findings_every_s: float,
+    ) -> None:
         self.writer, self.analyzer, self.probe_tail = writer, analyzer, probe_tail
         self.exporter, self.live_view, self.findings_every_s = exporter, live_view, findings_every_s
         self.attribution = _detector(analyzer, HostGrowthAttributionDetector)
@@ -156,17 +172,19 @@ def _process_summaries(sampler: Sampler, detector: MemoryGrowthDetector) -> list
     for tracked in sampler.tracked():
         info = tracked.info
         last = tracked.last or {}
-        out.append({
-            **info.to_dict(),
-            "samples": tracked.samples,
-            "exited": info.pid not in sampler.processes,
-            "rss_bytes": last.get("rss_bytes"),
-            "anon_bytes": last.get("rss_anon_bytes"),
-            "shmem_bytes": last.get("rss_shmem_bytes"),
-            "pinned_bytes": detector.latest(info.pid, "pinned"),
-            "gpu_bytes": last.get("gpu_bytes"),
-            "peak_rss_bytes": tracked.peak_rss_bytes,
-        })
+        out.append(
+            {
+                **info.to_dict(),
+                "samples": tracked.samples,
+                "exited": info.pid not in sampler.processes,
+                "rss_bytes": last.get("rss_bytes"),
+                "anon_bytes": last.get("rss_anon_bytes"),
+                "shmem_bytes": last.get("rss_shmem_bytes"),
+                "pinned_bytes": detector.latest(info.pid, "pinned"),
+                "gpu_bytes": last.get("gpu_bytes"),
+                "peak_rss_bytes": tracked.peak_rss_bytes,
+            }
+        )
     return out
 
 
@@ -204,7 +222,7 @@ def run_watch(
     path = os.path.abspath(trace_path) if trace_path else default_trace_path("watch", pid)
     probe_tail = None
     if attach:
-        probe_trace = attach_for_watch(pid, path)   # the probe's trace is named after the watch's
+        probe_trace = attach_for_watch(pid, path)  # the probe's trace is named after the watch's
         probe_tail = TraceTail(probe_trace, names=None) if probe_trace else None
     sampler = Sampler(pid, interval_s=interval_s)
     analyzer = watch_analyzer(growth_params, sampler.memory_limit_bytes)
@@ -242,5 +260,12 @@ def run_watch(
     writer.close()
     if owned:
         finish_trace(path, os.getpid())
-    return WatchResult(root_pid=pid, trace_path=path, findings=findings, processes=_process_summaries(sampler, memory),
-                       rounds=sampler.rounds, elapsed_s=elapsed_s, root_exited=not sampler.root_alive)
+    return WatchResult(
+        root_pid=pid,
+        trace_path=path,
+        findings=findings,
+        processes=_process_summaries(sampler, memory),
+        rounds=sampler.rounds,
+        elapsed_s=elapsed_s,
+        root_exited=not sampler.root_alive,
+    )

@@ -18,9 +18,8 @@ import pytest
 
 from kvdoctor.collect import attach as attach_module
 from kvdoctor.collect.attach import attach, attach_for_watch, preflight, target_python_version
-from kvdoctor.trace.reader import TraceTail
 from kvdoctor.errors import KvdoctorError
-
+from kvdoctor.trace.reader import TraceTail
 
 BUSY = textwrap.dedent(
     """
@@ -114,7 +113,7 @@ def test_a_failed_attach_leaves_the_target_running(spawn, tmp_path):
     time.sleep(0.5)
     assert child.poll() is None
     with open(f"/proc/{child.pid}/status") as fh:
-        state = [l for l in fh if l.startswith("State:")][0]
+        state = [ln for ln in fh if ln.startswith("State:")][0]
     assert "T" not in state.split()[1]
 
 
@@ -143,7 +142,7 @@ def test_attach_puts_the_probe_into_a_running_child(spawn, tmp_path):
         time.sleep(0.2)
         if os.path.exists(trace):
             with open(trace) as fh:
-                names = [json.loads(l.rstrip().rstrip(","))["name"] for l in fh if l.startswith("{")]
+                names = [json.loads(ln.rstrip().rstrip(","))["name"] for ln in fh if ln.startswith("{")]
     assert "kvdoctor_header" in names and "probe_status" in names
     assert child.poll() is None
 
@@ -178,8 +177,13 @@ POLLER = textwrap.dedent(
 def test_the_injected_code_starts_the_probe_and_reports_back(tmp_path, monkeypatch):
     """Everything but the debugger: the script gdb would run is run by the child itself."""
     drop = str(tmp_path / "drop")
-    child = subprocess.Popen([sys.executable, "-c", POLLER, drop], stdout=subprocess.PIPE, text=True, cwd="/",
-                             env={k: v for k, v in os.environ.items() if k != "KVDOCTOR_TRACE"})
+    child = subprocess.Popen(
+        [sys.executable, "-c", POLLER, drop],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env={k: v for k, v in os.environ.items() if k != "KVDOCTOR_TRACE"},
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
 
@@ -199,7 +203,7 @@ def test_the_injected_code_starts_the_probe_and_reports_back(tmp_path, monkeypat
             time.sleep(0.2)
             if os.path.exists(trace):
                 with open(trace) as fh:
-                    rows = [json.loads(l.rstrip().rstrip(",")) for l in fh if l.startswith("{") and l.endswith("\n")]
+                    rows = [json.loads(ln.rstrip().rstrip(",")) for ln in fh if ln.startswith("{") and ln.endswith("\n")]
                 components = {r["args"].get("component") for r in rows if r["name"] == "probe_status"}
         assert rows[0]["name"] == "kvdoctor_header" and rows[0]["pid"] == child.pid
         assert {"attach", "attribution"} <= components

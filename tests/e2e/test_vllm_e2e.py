@@ -14,23 +14,19 @@ import sys
 import time
 
 import pytest
-
 from conftest import SUPPORT
 
 sys.path.insert(0, SUPPORT)
 
-import loadgen  # noqa: E402
-import vllm_server  # noqa: E402
+import loadgen
+import vllm_server
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "vLLM available"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "vLLM available")]
 
 REQUESTS = 300
 CONCURRENCY = 8
-SKIP_FREE_CALL = 40   # the planted fault skips this free_blocks call (one that returns blocks)
-QUIET_S = 4.0         # after the load: time for the idle census (rate limit 2 s, quiet 1 s)
+SKIP_FREE_CALL = 40  # the planted fault skips this free_blocks call (one that returns blocks)
+QUIET_S = 4.0  # after the load: time for the idle census (rate limit 2 s, quiet 1 s)
 
 
 def _session(tmp_path_factory, name: str, *, skip_free: int = 0, watch: bool = False) -> dict:
@@ -158,8 +154,12 @@ def test_gate_judges_the_server_benchmark(request, tmp_path, run, expected):
 
     session = request.getfixturevalue(run)
     junit = tmp_path / "gate.xml"
-    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "gate", "--junit", str(junit), session["server"].trace],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "gate", "--junit", str(junit), session["server"].trace],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == expected, proc.stdout + proc.stderr
     failed = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
     assert failed == ([] if expected == 0 else ["max-orphan-slots"]), failed

@@ -10,11 +10,11 @@ import textwrap
 import time
 import tracemalloc
 
-from kvdoctor.trace import schema
+from conftest import REPO
+
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.findings import INFO, WARNING
-from conftest import REPO  # noqa: E402
-
+from kvdoctor.trace import schema
 
 GROWER = textwrap.dedent(
     """
@@ -56,9 +56,15 @@ def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
     trace = str(tmp_path / "attr.kvtrace.json")
     script = tmp_path / "grower.py"
     script.write_text(GROWER)
-    growing_line = GROWER.splitlines().index(next(l for l in GROWER.splitlines() if "GROWING LINE" in l)) + 1
-    env = dict(os.environ, KVDOCTOR_TRACE=trace, KVDOCTOR_ATTRIBUTION="1", KVDOCTOR_ATTRIBUTION_PERIOD_S="1.5",
-               KVDOCTOR_ATTRIBUTION_WINDOW_S="1.0", PYTHONPATH=REPO)
+    growing_line = GROWER.splitlines().index(next(ln for ln in GROWER.splitlines() if "GROWING LINE" in ln)) + 1
+    env = dict(
+        os.environ,
+        KVDOCTOR_TRACE=trace,
+        KVDOCTOR_ATTRIBUTION="1",
+        KVDOCTOR_ATTRIBUTION_PERIOD_S="1.5",
+        KVDOCTOR_ATTRIBUTION_WINDOW_S="1.0",
+        PYTHONPATH=REPO,
+    )
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -79,7 +85,7 @@ def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
     assert "torch tensor storage" in args["not_seen"] and args["torch_tensors"]["counted"] is False
     assert args["snapshots"] and all(os.path.exists(p) for p in args["snapshots"])
     after, before = (tracemalloc.Snapshot.load(p) for p in args["snapshots"][::-1][:2])
-    assert after.compare_to(before, "lineno")[0].size_diff > 0   # diffable outside the server
+    assert after.compare_to(before, "lineno")[0].size_diff > 0  # diffable outside the server
     statuses = [e["args"] for e in _events(trace, "probe_status") if e["args"].get("component") == "attribution"]
     assert statuses and statuses[0]["state"] == "on"
 
@@ -122,5 +128,9 @@ def test_a_failure_becomes_a_probe_status_event_not_an_exception():
 
 def test_the_detector_stays_quiet_below_its_threshold():
     detector = HostGrowthAttributionDetector()
-    detector.feed(schema.Event(ph="i", name="host_growth_sites", pid=3, args={"growth_bytes": 1000, "top_sites": [{"site": "a.py:1", "size_diff_bytes": 1000}]}))
+    detector.feed(
+        schema.Event(
+            ph="i", name="host_growth_sites", pid=3, args={"growth_bytes": 1000, "top_sites": [{"site": "a.py:1", "size_diff_bytes": 1000}]}
+        )
+    )
     assert detector.findings() == []

@@ -1,8 +1,8 @@
 """Do no harm: threads calling hooks at once, bounded buffers, a server killed mid-write, and
 traces that never carry prompt text or token ids."""
 
-import os
 import json
+import os
 import re
 import signal
 import subprocess
@@ -11,9 +11,7 @@ import threading
 import time
 import warnings
 
-import pytest
-
-from conftest import REPO, sglang_env
+from conftest import sglang_env
 
 warnings.filterwarnings("ignore")
 
@@ -22,9 +20,9 @@ def test_threads_share_one_probe_and_every_ledger_stays_consistent(tmp_path):
     """Four scheduler-like threads, each with its own real allocator, tree and request pool, hit the
     same probe (sites, emitter, request table, writer thread) at once; one of them leaks."""
     from kvdoctor.analysis.analyzer import analyze
+    from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
     from kvdoctor.probe import runtime
     from kvdoctor.trace.reader import iter_events
-    from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
 
     configs = [WorkloadConfig(fault="leak" if i == 2 else "none", page_size=1 + 3 * (i % 2), seed=i, turns=3) for i in range(4)]
     alone = [run_workload(c).outputs_digest for c in configs]
@@ -48,7 +46,7 @@ def test_threads_share_one_probe_and_every_ledger_stays_consistent(tmp_path):
         t.join()
     runtime.deactivate()
     assert not errors
-    assert [r.outputs_digest for r in results] == alone          # the host's results are untouched
+    assert [r.outputs_digest for r in results] == alone  # the host's results are untouched
     analysis = analyze(iter_events(path))
     assert [(f.kind, f.count) for f in analysis.errors] == [("orphan_slots", results[2].planted["orphan_slots"])]
     assert probe.failures == 0
@@ -61,7 +59,7 @@ def test_buffers_are_bounded_and_drops_are_reported(tmp_path):
 
     path = str(tmp_path / "drops.json")
     emitter = Emitter(path, max_buffered=100, flush_interval_s=3600, header_args={"engine": "sglang"})
-    for i in range(10_000):
+    for _i in range(10_000):
         emitter.emit("violation", {"kind": "double_free", "count": 1, "site": "x"})
     assert len(emitter.buffer) == 100 and emitter.dropped == 9_900
     emitter.close()
@@ -69,7 +67,7 @@ def test_buffers_are_bounded_and_drops_are_reported(tmp_path):
     assert kinds["events_dropped"].count == 9_900
 
 
-SERVER = r'''
+SERVER = r"""
 import sys, warnings
 warnings.filterwarnings("ignore")
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
@@ -77,13 +75,19 @@ run_workload(WorkloadConfig(fault="leak", turns=2))
 print("ready", flush=True)
 while True:
     run_workload(WorkloadConfig(turns=2))
-'''
+"""
 
 
 def test_a_server_killed_mid_write_leaves_a_readable_trace(tmp_path):
     trace = tmp_path / "killed.json"
-    proc = subprocess.Popen([sys.executable, "-m", "kvdoctor.cli", "run", "--trace", str(trace), "--", sys.executable, "-c", SERVER],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sglang_env("0.5.23"), cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdoctor.cli", "run", "--trace", str(trace), "--", sys.executable, "-c", SERVER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=sglang_env("0.5.23"),
+        cwd=tmp_path,
+    )
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(1.5)  # the writer thread has flushed a few batches by now
     child = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
@@ -92,8 +96,13 @@ def test_a_server_killed_mid_write_leaves_a_readable_trace(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 137
     assert "Traceback" not in err
-    replay = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "replay", str(trace), "--format", "json"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    replay = subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "replay", str(trace), "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert replay.returncode in (0, 1), replay.stderr
     assert '"events"' in replay.stdout and "kvdoctor_header" in trace.read_text()
 
@@ -107,8 +116,8 @@ def _parent(pid):
 
 
 def test_traces_carry_no_token_ids(tmp_path):
-    from kvdoctor.probe import runtime
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
+    from kvdoctor.probe import runtime
 
     path = str(tmp_path / "private.json")
     runtime.activate(path)
@@ -143,7 +152,7 @@ def test_traces_carry_no_token_ids(tmp_path):
     assert not leaked, leaked[:10]
 
 
-FORK_CHILD = r'''
+FORK_CHILD = r"""
 import json, os, sys
 from kvdoctor.probe import runtime
 probe = runtime.activate(sys.argv[1])
@@ -158,7 +167,7 @@ os.waitpid(child, 0)
 probe.status("on", "parent after fork")
 runtime.deactivate()
 print(json.dumps({"parent": os.getpid(), "child": child}))
-'''
+"""
 
 
 def test_a_forked_child_writes_under_its_own_pid(tmp_path):

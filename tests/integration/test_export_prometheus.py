@@ -18,22 +18,23 @@ pd = pytest.importorskip("pandas")
 pytest.importorskip("pyarrow")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from kvdoctor.trace import schema  # noqa: E402
-from kvdoctor.commands.export import export  # noqa: E402
-from kvdoctor.reporters.table import iter_frames, scan_columns  # noqa: E402
-from kvdoctor.errors import KvdoctorError  # noqa: E402
-from kvdoctor.analysis.findings import ERROR, Finding  # noqa: E402
-from kvdoctor.reporters.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
-from kvdoctor.trace.reader import iter_events  # noqa: E402
 from conftest import REPO  # noqa: E402
 
+from kvdoctor.analysis.findings import ERROR, Finding  # noqa: E402
+from kvdoctor.commands.export import export  # noqa: E402
+from kvdoctor.errors import KvdoctorError  # noqa: E402
+from kvdoctor.reporters.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
+from kvdoctor.reporters.table import iter_frames, scan_columns  # noqa: E402
+from kvdoctor.trace import schema  # noqa: E402
+from kvdoctor.trace.reader import iter_events  # noqa: E402
 
 
 def _cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("KVDOCTOR_TRACE", None)
-    return subprocess.run([sys.executable, "-m", "kvdoctor.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,7 @@ def demo_trace(tmp_path_factory) -> str:
 
 
 # --------------------------------------------------------------------------- export
+
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_export_demo_trace_reads_back(demo_trace, tmp_path, fmt):
@@ -89,10 +91,17 @@ def test_export_garbage_is_one_line_exit_2(tmp_path):
 
 
 def test_export_without_pandas_names_the_extra(demo_trace, tmp_path):
-    code = ("import sys; sys.modules['pandas'] = None; sys.modules['pyarrow'] = None; "
-            "from kvdoctor.cli import main; sys.argv = ['kvdoctor'] + sys.argv[1:]; main()")
-    proc = subprocess.run([sys.executable, "-c", code, "export", demo_trace, "--format", "parquet",
-                           "-o", str(tmp_path / "z.parquet")], capture_output=True, text=True, timeout=60, cwd=REPO)
+    code = (
+        "import sys; sys.modules['pandas'] = None; sys.modules['pyarrow'] = None; "
+        "from kvdoctor.cli import main; sys.argv = ['kvdoctor'] + sys.argv[1:]; main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "export", demo_trace, "--format", "parquet", "-o", str(tmp_path / "z.parquet")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'kvdoctor[export]'" in lines[0], proc.stderr
@@ -100,20 +109,34 @@ def test_export_without_pandas_names_the_extra(demo_trace, tmp_path):
 
 # --------------------------------------------------------------------------- prometheus
 
+
 def _families(text: str) -> dict:
     return {f.name: f for f in parser.text_string_to_metric_families(text)}
 
 
 def _state() -> MetricsState:
     state = MetricsState()
-    state.feed([
-        schema.Event(ph="C", name=schema.MEMORY_COUNTER, pid=41, ts=1e15,
-                     args={"rss_bytes": 300, "anon_bytes": 200, "pinned_bytes": 64, "title": '/usr/bin/python3  "serve"\nx'}),
-        schema.Event(ph="C", name=schema.LEDGER_COUNTER, pid=42, ts=1e15,
-                     args={"allocator": "TokenToKVPoolAllocator#0", "total_slots": 2048, "free_slots": 128, "owned_slots": 64}),
-    ])
-    growth = Finding(kind="memory_growth", severity=ERROR, message="grows", count=1, pid=41,
-                     evidence={"memory_class": "anon", "bytes_per_s": 1234.5})
+    state.feed(
+        [
+            schema.Event(
+                ph="C",
+                name=schema.MEMORY_COUNTER,
+                pid=41,
+                ts=1e15,
+                args={"rss_bytes": 300, "anon_bytes": 200, "pinned_bytes": 64, "title": '/usr/bin/python3  "serve"\nx'},
+            ),
+            schema.Event(
+                ph="C",
+                name=schema.LEDGER_COUNTER,
+                pid=42,
+                ts=1e15,
+                args={"allocator": "TokenToKVPoolAllocator#0", "total_slots": 2048, "free_slots": 128, "owned_slots": 64},
+            ),
+        ]
+    )
+    growth = Finding(
+        kind="memory_growth", severity=ERROR, message="grows", count=1, pid=41, evidence={"memory_class": "anon", "bytes_per_s": 1234.5}
+    )
     state.set_findings([growth])
     state.set_findings([growth])  # the same finding again is not counted twice
     return state
@@ -180,9 +203,28 @@ def test_watch_serves_prometheus_metrics(tmp_path):
         env = dict(os.environ)
         env.pop("KVDOCTOR_TRACE", None)
         watcher = subprocess.Popen(
-            [sys.executable, "-m", "kvdoctor.cli", "watch", str(child.pid), "--interval", "0.2", "--duration", "6",
-             "--prometheus", f"127.0.0.1:{port}", "--format", "json", "--trace", str(tmp_path / "w.kvtrace.json")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+            [
+                sys.executable,
+                "-m",
+                "kvdoctor.cli",
+                "watch",
+                str(child.pid),
+                "--interval",
+                "0.2",
+                "--duration",
+                "6",
+                "--prometheus",
+                f"127.0.0.1:{port}",
+                "--format",
+                "json",
+                "--trace",
+                str(tmp_path / "w.kvtrace.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
         )
         scrapes: list[str] = []
         deadline = time.monotonic() + 15

@@ -3,15 +3,13 @@ real 0.5.9 HostKVCache. Every fix is checked twice: the host's outcome is correc
 finding it corrected is still reported (a fix never hides a finding)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import REPO, sglang_env
 
-from conftest import REPO, SUPPORT, sglang_env
-
-CASES = r'''
+CASES = r"""
 import json, os, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 from kvdoctor.analysis.analyzer import analyze
@@ -28,13 +26,14 @@ for fault, ps, fixes in json.loads(sys.argv[1]):
     out.append({"fault": fault, "fixes": fixes, "diff": r.sglang_check["diff"], "digest": r.outputs_digest,
                 "findings": [[f.kind, f.count] for f in a.findings]})
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def run(cases, version="0.5.23"):
-    proc = subprocess.run([sys.executable, "-c", CASES, json.dumps(cases)], capture_output=True, text=True,
-                          env=sglang_env(version), cwd=REPO, timeout=600)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    proc = subprocess.run(
+        [sys.executable, "-c", CASES, json.dumps(cases)], capture_output=True, text=True, env=sglang_env(version), cwd=REPO, timeout=600
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     return json.loads(line[-1][7:])
 
@@ -46,9 +45,12 @@ def kinds(result):
 @pytest.fixture(scope="module")
 def fixed():
     cases = [
-        ["double-free", 1, []], ["double-free", 1, ["dedup-free"]],
-        ["index-out-of-range", 4, []], ["index-out-of-range", 4, ["clamp-last-loc"]],
-        ["relocate", 4, []], ["relocate", 4, ["recompute-last-loc"]],
+        ["double-free", 1, []],
+        ["double-free", 1, ["dedup-free"]],
+        ["index-out-of-range", 4, []],
+        ["index-out-of-range", 4, ["clamp-last-loc"]],
+        ["relocate", 4, []],
+        ["relocate", 4, ["recompute-last-loc"]],
         ["none", 4, ["dedup-free", "clamp-last-loc", "recompute-last-loc", "clone-host-indices"]],
     ]
     return run(cases)
@@ -57,10 +59,10 @@ def fixed():
 def test_dedup_free(fixed):
     without, with_fix = fixed[0], fixed[1]
     assert without["diff"] != 0 and "double_alloc" in kinds(without)
-    assert with_fix["diff"] == 0                      # the free list holds no duplicate
-    assert kinds(with_fix)["double_free"] == 64       # still reported
+    assert with_fix["diff"] == 0  # the free list holds no duplicate
+    assert kinds(with_fix)["double_free"] == 64  # still reported
     assert kinds(with_fix)["fix_applied"] == 64
-    assert "double_alloc" not in kinds(with_fix)      # the cascade is gone
+    assert "double_alloc" not in kinds(with_fix)  # the cascade is gone
 
 
 def test_clamp_last_loc(fixed):
@@ -74,7 +76,7 @@ def test_clamp_last_loc(fixed):
 def test_recompute_last_loc(fixed):
     without, with_fix = fixed[4], fixed[5]
     assert kinds(without)["stale_last_loc"] > 1 and "use_after_free" in kinds(without)
-    assert kinds(with_fix)["stale_last_loc"] == 1     # the relocation itself is still reported
+    assert kinds(with_fix)["stale_last_loc"] == 1  # the relocation itself is still reported
     assert kinds(with_fix)["fix_applied"] == 1
     assert "use_after_free" not in kinds(with_fix)
 
@@ -84,7 +86,7 @@ def test_fixes_change_nothing_on_a_clean_run(fixed):
     assert clean["findings"] == [] and clean["diff"] == 0
 
 
-HOST = r'''
+HOST = r"""
 import sys, warnings
 warnings.filterwarnings("ignore")
 from kvdoctor.probe import runtime
@@ -111,7 +113,7 @@ for i in range(3000):
     if i % 3 == 0:
         host.free(host.alloc(16))
 runtime.deactivate()
-'''
+"""
 
 
 @pytest.mark.parametrize("fix", [[], ["clone-host-indices"]], ids=["no-fix", "clone-host-indices"])
@@ -120,8 +122,9 @@ def test_retained_views_on_the_real_host_pool(tmp_path, fix):
     from kvdoctor.trace.reader import iter_events
 
     trace = str(tmp_path / "host.json")
-    proc = subprocess.run([sys.executable, "-c", HOST, trace, *fix], capture_output=True, text=True,
-                          env=sglang_env("0.5.9"), cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOST, trace, *fix], capture_output=True, text=True, env=sglang_env("0.5.9"), cwd=REPO, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = list(iter_events(trace))
     analysis = analyze(iter(events))
@@ -144,6 +147,11 @@ def test_fixes_command_lists_every_fix():
 
 
 def test_unknown_fix_is_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "run", "--fix", "make-it-fast", "--", "true"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "run", "--fix", "make-it-fast", "--", "true"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "make-it-fast" in proc.stderr

@@ -8,13 +8,11 @@ import sys
 import warnings
 
 import pytest
-import torch
-
 from conftest import REPO, sglang_env
 
 warnings.filterwarnings("ignore")
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 import torch
@@ -65,14 +63,14 @@ from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.trace.reader import iter_events
 out["findings"] = [[f.kind, f.count] for f in analyze(iter_events(path)).errors]
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 OWNED, FREE = 2, 1
 
 
 def run(version):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=sglang_env(version), cwd=REPO, timeout=300)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     return json.loads(line[-1][7:])
 
@@ -81,7 +79,7 @@ def run(version):
 def test_free_groups_staging_and_clear(version):
     out = run(version)
     for key in ("token-sort0", "token-sort1"):
-        assert out[key]["mid"] == [OWNED] * 8        # frees inside a group are not frees yet
+        assert out[key]["mid"] == [OWNED] * 8  # frees inside a group are not frees yet
         assert out[key]["end"] == [FREE] * 8
         assert out[key]["after_clear"] == [FREE] * 3
     if version == "0.5.23":

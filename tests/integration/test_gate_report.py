@@ -1,4 +1,3 @@
-import importlib.util
 import os
 import re
 import subprocess
@@ -6,20 +5,20 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+from conftest import REPO
+from support.browser import CHROMIUM, chromium
 
-from kvdoctor.trace import schema
+from kvdoctor.analysis.analyzer import analyze_trace
 from kvdoctor.analysis.gate import Budgets, judge
 from kvdoctor.commands.gate import gate
-from kvdoctor.units import parse_rate, parse_size
-from kvdoctor.analysis.analyzer import analyze_trace
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.html import render_html
+from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace
-from conftest import REPO  # noqa: E402
+from kvdoctor.units import parse_rate, parse_size
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
-CHROMIUM = "/usr/bin/chromium"
 
 
 def _env():
@@ -36,9 +35,17 @@ def demo_traces(tmp_path_factory):
     procs = {}
     for fault in ("leak", "none"):
         path = str(base / f"{fault}.kvtrace.json")
-        procs[fault] = (path, subprocess.Popen(
-            [sys.executable, "-m", "kvdoctor.cli", "demo", "--fault", fault, "--trace", path],
-            cwd=str(base), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs[fault] = (
+            path,
+            subprocess.Popen(
+                [sys.executable, "-m", "kvdoctor.cli", "demo", "--fault", fault, "--trace", path],
+                cwd=str(base),
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
     for fault, (path, proc) in procs.items():
         text, _ = proc.communicate(timeout=300)
         assert os.path.exists(path), text[-2000:]
@@ -117,8 +124,16 @@ def _memory_trace(path, anon_at):
     t0 = 1_700_000_000e6
     for i in range(600):
         anon = anon_at(float(i))
-        events.append(schema.Event(ph="C", name=schema.MEMORY_COUNTER, pid=7, ts=t0 + i * 1e6, cat=schema.CAT_SAMPLER,
-                                   args={"anon_bytes": int(anon), "rss_bytes": int(anon + 800 * MIB)}))
+        events.append(
+            schema.Event(
+                ph="C",
+                name=schema.MEMORY_COUNTER,
+                pid=7,
+                ts=t0 + i * 1e6,
+                cat=schema.CAT_SAMPLER,
+                args={"anon_bytes": int(anon), "rss_bytes": int(anon + 800 * MIB)},
+            )
+        )
     writer.write_batch(events)
     writer.close()
     finish_trace(path, 7)
@@ -138,8 +153,7 @@ def test_growing_memory_breaks_growth_budget(tmp_path):
 
 
 def test_plateau_passes_growth_budget(tmp_path):
-    path = _memory_trace(str(tmp_path / "flat.kvtrace.json"),
-                         lambda t: 2 * GIB + min(t, 90.0) * 20 * MIB + (int(t) % 7) * MIB)
+    path = _memory_trace(str(tmp_path / "flat.kvtrace.json"), lambda t: 2 * GIB + min(t, 90.0) * 20 * MIB + (int(t) % 7) * MIB)
     assert gate([path], max_growth="500MiB/h") == 0
 
 
@@ -150,7 +164,7 @@ def test_parse_size_units():
     assert parse_size("0") == 0
     assert parse_size("500MiB") == 500 * MIB
     assert parse_size("1.5GiB") == int(1.5 * GIB)
-    assert parse_size("10GB") == 10 * 1000 ** 3
+    assert parse_size("10GB") == 10 * 1000**3
     assert parse_size("2k") == 2048
     assert parse_size(" 7 B ") == 7
 
@@ -179,21 +193,6 @@ def test_parse_rate_rejects(bad):
 # --- HTML -------------------------------------------------------------------------------------
 
 
-def _chromium(tmp_path, *args):
-    """One headless Chromium run on a fresh profile; returns stdout. Virtual time makes it return once
-    the page has loaded and laid out (the report has no scripts), without wall-clock waits."""
-    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
-    proc = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--force-device-scale-factor=1", "--virtual-time-budget=5000",
-         f"--user-data-dir={profile}", *args],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
-
-
 def _rendered_text(dom):
     from html.parser import HTMLParser
 
@@ -216,14 +215,14 @@ def test_html_report_and_screenshot(demo_traces, tmp_path):
     url = html_path.as_uri()
 
     # What the browser parsed: the finding's kind, count and message are in the page's text.
-    text = _rendered_text(_chromium(tmp_path, "--dump-dom", url))
+    text = _rendered_text(chromium(tmp_path, "--dump-dom", url))
     assert "orphan_slots ×64" in text and "64 KV slot(s) leaked" in text, text[:2000]
     assert "1 error finding(s)" in text
 
     # What it drew: a full-size screenshot with text and the ledger plot laid out down the page.
     width, height = 1280, 1600
     png = tmp_path / "report.png"
-    _chromium(tmp_path, f"--screenshot={png}", f"--window-size={width},{height}", url)
+    chromium(tmp_path, f"--screenshot={png}", f"--window-size={width},{height}", url)
     from PIL import Image
 
     image = Image.open(png).convert("RGB")
@@ -232,6 +231,5 @@ def test_html_report_and_screenshot(demo_traces, tmp_path):
     background_share = max(colours)[0] / (width * height)
     assert len(colours) > 64 and background_share < 0.9, f"{len(colours)} colours, background {background_share:.0%}"
     background = max(colours)[1]
-    ink_rows = [y for y in range(0, height, 4)
-                if sum(1 for x in range(0, width, 4) if image.getpixel((x, y)) != background) > 8]
+    ink_rows = [y for y in range(0, height, 4) if sum(1 for x in range(0, width, 4) if image.getpixel((x, y)) != background) > 8]
     assert ink_rows and ink_rows[0] < 100 and ink_rows[-1] > height // 2, "the report is not laid out down the page"

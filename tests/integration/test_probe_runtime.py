@@ -9,12 +9,11 @@ import sys
 import warnings
 
 import pytest
-
 from conftest import REPO, sglang_env
 
 warnings.filterwarnings("ignore")
 
-CHILD_SCRIPT = r'''
+CHILD_SCRIPT = r"""
 import multiprocessing as mp, sys, warnings
 warnings.filterwarnings("ignore")
 
@@ -27,12 +26,18 @@ if __name__ == "__main__":
     p = ctx.Process(target=scheduler, args=(sys.argv[1],), name="scheduler")
     p.start(); p.join()
     sys.exit(3 if p.exitcode == 0 else 9)
-'''
+"""
 
 
 def kvdoctor(*args, env=None, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvdoctor.cli", *args], capture_output=True, text=True,
-                          env=env or sglang_env("0.5.23"), cwd=cwd or REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env or sglang_env("0.5.23"),
+        cwd=cwd or REPO,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("fault,errors", [("leak", 1), ("none", 0)])
@@ -68,8 +73,21 @@ def _workload_once(fault="none"):
     return out
 
 
-ROLES = ["alloc", "alloc_extend", "alloc_decode", "free", "free_segment", "tree_insert", "tree_evict",
-         "tree_lock", "tree_unlock", "req_alloc", "req_free", "req_write", "clear"]
+ROLES = [
+    "alloc",
+    "alloc_extend",
+    "alloc_decode",
+    "free",
+    "free_segment",
+    "tree_insert",
+    "tree_evict",
+    "tree_lock",
+    "tree_unlock",
+    "req_alloc",
+    "req_free",
+    "req_write",
+    "clear",
+]
 
 
 def test_a_failing_hook_never_changes_the_host(tmp_path):
@@ -181,7 +199,9 @@ def _under_run(code: str, tmp_path, extra_pythonpath: str = "") -> subprocess.Co
 def test_a_process_without_an_engine_imports_nothing_of_kvdoctor(tmp_path):
     """The probe's start-up cost in the many processes that never import an engine is a few lines:
     no kvdoctor module (and so no numpy, no map parsing) is loaded, and no trace is written."""
-    proc = _under_run("import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.startswith(('kvdoctor', 'numpy')))))", tmp_path)
+    proc = _under_run(
+        "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.startswith(('kvdoctor', 'numpy')))))", tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
     assert proc.stderr == ""
@@ -189,8 +209,10 @@ def test_a_process_without_an_engine_imports_nothing_of_kvdoctor(tmp_path):
 
 
 def test_importing_an_engine_turns_the_probe_on_before_its_first_module(tmp_path):
-    code = ("import sglang.srt.mem_cache.allocator.token as t; from kvdoctor.probe import runtime; "
-            "print(runtime.current() is not None, hasattr(t.TokenToKVPoolAllocator.alloc, '__kvdoctor_role__'))")
+    code = (
+        "import sglang.srt.mem_cache.allocator.token as t; from kvdoctor.probe import runtime; "
+        "print(runtime.current() is not None, hasattr(t.TokenToKVPoolAllocator.alloc, '__kvdoctor_role__'))"
+    )
     proc = _under_run(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "True"]

@@ -5,13 +5,17 @@ slots it affects from the real indices, and the findings must name that number.
 """
 
 import pytest
-
 from conftest import run_cases
 
 FAULTS_ALL_PAGES = ["none", "leak", "double-free", "index-out-of-range", "double-alloc"]
 CASES_0523 = [[ps, f] for ps in (1, 4) for f in FAULTS_ALL_PAGES] + [[4, "stale-last-loc"]]
 # 0.5.23's default tree, UnifiedRadixCache (a Rust tree core), under the same workload
-CASES_0523_UNIFIED = [[ps, f, "unified"] for ps in (1, 4) for f in ("none", "leak", "double-free", "stale-last-loc") if not (ps == 1 and f == "stale-last-loc")]
+CASES_0523_UNIFIED = [
+    [ps, f, "unified"]
+    for ps in (1, 4)
+    for f in ("none", "leak", "double-free", "stale-last-loc")
+    if not (ps == 1 and f == "stale-last-loc")
+]
 # 0.5.9's paged alloc_extend/alloc_decode launch Triton kernels unconditionally: CPU covers page_size 1.
 CASES_059 = [[1, f] for f in FAULTS_ALL_PAGES]
 

@@ -9,27 +9,29 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import REPO, SUPPORT
+from conftest import SUPPORT
 
 sys.path.insert(0, SUPPORT)
 
-import vllm_server  # noqa: E402
+import vllm_server
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "vLLM available"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "vLLM available")]
 
 
 def run_case(case: str, tmp_path) -> tuple[dict, dict, list[dict]]:
     trace = str(tmp_path / f"{case}.kvtrace.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") and k != "PYTHONPATH"}
-    proc = subprocess.run([vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_ledger_cases.py"), case, trace],
-                          capture_output=True, text=True, timeout=300, cwd=vllm_server.REPO, env=env)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    proc = subprocess.run(
+        [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_ledger_cases.py"), case, trace],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=vllm_server.REPO,
+        env=env,
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    result = json.loads(line[-1][len("RESULT "):])
+    result = json.loads(line[-1][len("RESULT ") :])
     assert result["ledger_on"] and result["hooked_calls"] > 0, result
     analysis = analyze_with_refcount(trace)
     censuses = []

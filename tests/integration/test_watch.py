@@ -16,27 +16,22 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
+from conftest import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdoctor.analysis import growth
-from kvdoctor.trace import schema
-from kvdoctor.commands.watch import watch
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
-from kvdoctor.errors import KvdoctorError
-from kvdoctor.collect.procfs import (
-    check_process,
-    find_process_tree,
-    guess_role,
-    machine_memory_limit_bytes,
-    sample_process,
-)
+from kvdoctor.collect.procfs import check_process, find_process_tree, guess_role, machine_memory_limit_bytes, sample_process
 from kvdoctor.collect.sampler import Sampler
+from kvdoctor.commands.watch import watch
+from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.live import LiveView, sparkline
+from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
-from conftest import REPO  # noqa: E402
 
 MIB = 1024 * 1024
 GB = 1e9
@@ -117,10 +112,7 @@ def spawn():
     procs: list[subprocess.Popen] = []
 
     def start(code: str, *args: str, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [kwargs.pop("python", sys.executable), "-c", code, *args],
-            stdout=subprocess.PIPE, text=True, **kwargs,
-        )
+        proc = subprocess.Popen([kwargs.pop("python", sys.executable), "-c", code, *args], stdout=subprocess.PIPE, text=True, **kwargs)
         procs.append(proc)
         line = proc.stdout.readline()
         assert line.strip() == "ready", f"child did not start: {line!r}"
@@ -149,7 +141,7 @@ def test_growing_child_is_flagged_as_anon_growth_at_the_right_rate(spawn, tmp_pa
     assert code == 1
     growth_findings = [f for f in report["findings"] if f["kind"] == "memory_growth" and f["pid"] == child.pid]
     classes = sorted(f["evidence"]["memory_class"] for f in growth_findings)
-    assert classes == ["anon"], report["findings"]   # rss is not reported twice for the same growth
+    assert classes == ["anon"], report["findings"]  # rss is not reported twice for the same growth
     evidence = growth_findings[0]["evidence"]
     measured_mib_s = evidence["bytes_per_s"] / MIB
     assert abs(measured_mib_s - rate_mib_s) <= 0.3 * rate_mib_s, measured_mib_s
@@ -175,7 +167,7 @@ def test_child_that_warms_up_to_a_plateau_is_not_flagged(spawn, tmp_path, capsys
     report = json.loads(capsys.readouterr().out)
     assert report["findings"] == [] and code == 0
     proc = next(p for p in report["processes"] if p["pid"] == child.pid)
-    assert proc["anon_bytes"] >= 190 * MIB      # it did take the memory, and then held it
+    assert proc["anon_bytes"] >= 190 * MIB  # it did take the memory, and then held it
 
 
 def test_child_exiting_mid_watch_leaves_a_readable_trace(spawn, tmp_path, capsys):
@@ -214,10 +206,10 @@ def test_watch_appends_to_a_trace_that_kvdoctor_run_is_still_writing(spawn, tmp_
     writer.close()
     stats = ReadStats()
     events = list(iter_events(trace, stats))
-    assert events[0].args["process_title"] == "kvdoctor run"           # the owner's header stays first
+    assert events[0].args["process_title"] == "kvdoctor run"  # the owner's header stays first
     assert sum(1 for e in events if e.name == schema.RUN_HEADER) == 2
     assert any(e.name == schema.MEMORY_COUNTER and e.pid == child.pid for e in events)
-    assert events[-1].name == schema.LEDGER_COUNTER and not stats.clean_end   # left open for its owner
+    assert events[-1].name == schema.LEDGER_COUNTER and not stats.clean_end  # left open for its owner
 
 
 def test_sampler_follows_children_that_appear_and_exit(spawn):
@@ -292,7 +284,7 @@ def test_attach_prints_one_line_and_watches_from_outside(spawn, tmp_path, capsys
     child = spawn(EXITER)
     watch(child.pid, interval_s=0.2, duration_s=5, trace_path=str(tmp_path / "a.kvtrace.json"), output_format="json", attach=True)
     err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if "attach is not available" in l]
+    lines = [ln for ln in err.splitlines() if "attach is not available" in ln]
     assert len(lines) == 1 and f"pid {child.pid}" in lines[0] and "kvdoctor run --" in lines[0]
 
 
@@ -301,8 +293,8 @@ def test_pinned_memory_is_read_from_dev_zero_shared_mappings(spawn):
     reading = sample_process(child.pid, with_pinned=True)
     assert reading is not None
     assert reading["pinned_host_bytes"] >= 60 * MIB
-    assert reading["pinned_host_bytes"] <= 70 * MIB        # the private anonymous mapping is not pinned
-    assert reading["rss_shmem_bytes"] >= 60 * MIB           # shared /dev/zero is shmem to the kernel
+    assert reading["pinned_host_bytes"] <= 70 * MIB  # the private anonymous mapping is not pinned
+    assert reading["rss_shmem_bytes"] >= 60 * MIB  # shared /dev/zero is shmem to the kernel
     assert reading["rss_anon_bytes"] >= 60 * MIB
     assert reading["threads"] >= 1 and reading["open_files"] >= 3 and reading["cpu_s"] >= 0
     cheap = sample_process(child.pid, with_pinned=False)
@@ -344,7 +336,7 @@ def test_find_process_tree_and_roles(spawn):
 def test_machine_memory_limit_is_positive_and_at_most_ram():
     limit = machine_memory_limit_bytes()
     with open("/proc/meminfo") as fh:
-        total = int(next(l for l in fh if l.startswith("MemTotal:")).split()[1]) * 1024
+        total = int(next(ln for ln in fh if ln.startswith("MemTotal:")).split()[1]) * 1024
     assert limit is not None and 0 < limit <= total
     assert machine_memory_limit_bytes(os.getpid()) == limit
 
@@ -457,7 +449,7 @@ def test_leak_that_starts_late_in_a_long_watch_is_found():
 
 def test_slow_drift_below_the_minimum_rate_is_not_flagged():
     times = FakeClock(1).ticks(3600)
-    values = [3 * GB + 10 * MIB / 3600 * (t - times[0]) for t in times]   # 10 MiB/h
+    values = [3 * GB + 10 * MIB / 3600 * (t - times[0]) for t in times]  # 10 MiB/h
     assert growth.detect_growth(times, values) is None
     assert growth.detect_growth(times, values, min_rate_bytes_per_s=1 * MIB / 3600) is not None
 
@@ -465,7 +457,7 @@ def test_slow_drift_below_the_minimum_rate_is_not_flagged():
 def test_warmup_counts_from_origin():
     times = FakeClock(1).ticks(200)
     values = [3 * GB + 1 * MIB * (t - times[0]) for t in times]
-    assert growth.detect_growth(times, values, warmup_s=180) is None   # only 20 s left: too short
+    assert growth.detect_growth(times, values, warmup_s=180) is None  # only 20 s left: too short
     assert growth.detect_growth(times, values, warmup_s=180, origin_s=times[0] - 170) is not None
 
 
@@ -474,7 +466,7 @@ def test_theil_sen_ignores_outliers_and_bounds_the_slope():
     times = [float(i) for i in range(300)]
     values = [5.0 * t + rng.gauss(0, 1) for t in times]
     for i in range(0, 300, 7):
-        values[i] += 10_000   # spikes a least-squares fit would follow
+        values[i] += 10_000  # spikes a least-squares fit would follow
     est = growth.theil_sen(times, values)
     assert est is not None and abs(est.slope - 5.0) < 0.1
     assert est.lower < 5.0 < est.upper
@@ -492,11 +484,7 @@ def test_theil_sen_without_numpy_matches(monkeypatch):
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    slope=st.floats(-1e7, 1e7, allow_nan=False),
-    offset=st.floats(0, 1e11, allow_nan=False),
-    n=st.integers(3, 400),
-)
+@given(slope=st.floats(-1e7, 1e7, allow_nan=False), offset=st.floats(0, 1e11, allow_nan=False), n=st.integers(3, 400))
 def test_theil_sen_recovers_an_exact_line(slope, offset, n):
     times = [i * 0.1 for i in range(n)]
     est = growth.theil_sen(times, [offset + slope * t for t in times])
@@ -532,17 +520,32 @@ def _feed_series(detector: MemoryGrowthDetector, pid: int, seconds: int, make_ar
 
 def test_detector_reports_the_narrowest_class_once():
     detector = MemoryGrowthDetector(memory_limit_bytes=64 * 2**30)
-    detector.feed(schema.header_event(pid=11, engine="sglang", engine_version="", process_title="sglang::scheduler",
-                                      extra={"process_start_s": 1_700_000_000.0 - 3600}))
+    detector.feed(
+        schema.header_event(
+            pid=11, engine="sglang", engine_version="", process_title="sglang::scheduler", extra={"process_start_s": 1_700_000_000.0 - 3600}
+        )
+    )
     leak = 10 * GB / 3600
-    _feed_series(detector, 11, 300, lambda k: {
-        "anon_bytes": 2 * GB + leak * k, "rss_bytes": 3 * GB + leak * k, "shmem_bytes": 1 * GB, "file_bytes": 0,
-    })
+    _feed_series(
+        detector,
+        11,
+        300,
+        lambda k: {"anon_bytes": 2 * GB + leak * k, "rss_bytes": 3 * GB + leak * k, "shmem_bytes": 1 * GB, "file_bytes": 0},
+    )
     # pinned grows, and so does shmem which contains it, and rss which contains that
-    _feed_series(detector, 12, 300, lambda k: {
-        "anon_bytes": 1 * GB, "rss_bytes": 2 * GB + leak * k, "shmem_bytes": 1 * GB + leak * k,
-        "pinned_bytes": 0.5 * GB + leak * k, "file_bytes": 0, "title": "sglang::detokenizer",
-    })
+    _feed_series(
+        detector,
+        12,
+        300,
+        lambda k: {
+            "anon_bytes": 1 * GB,
+            "rss_bytes": 2 * GB + leak * k,
+            "shmem_bytes": 1 * GB + leak * k,
+            "pinned_bytes": 0.5 * GB + leak * k,
+            "file_bytes": 0,
+            "title": "sglang::detokenizer",
+        },
+    )
     # only rss grows (file-backed growth, say): rss stands in
     _feed_series(detector, 13, 300, lambda k: {"anon_bytes": 1 * GB, "rss_bytes": 2 * GB + leak * k})
     findings = detector.findings()
@@ -553,20 +556,29 @@ def test_detector_reports_the_narrowest_class_once():
     assert first.message.startswith("sglang::scheduler (pid 11) anonymous memory grows 9.")
     assert "reaches the memory limit in" in first.message
     ev = first.evidence
-    for key in ("bytes_per_s", "bytes_per_hour", "lower_bound_bytes_per_s", "window_start_s", "window_end_s",
-                "memory_class", "process_title", "pid", "samples", "current_bytes", "time_to_oom_s"):
+    for key in (
+        "bytes_per_s",
+        "bytes_per_hour",
+        "lower_bound_bytes_per_s",
+        "window_start_s",
+        "window_end_s",
+        "memory_class",
+        "process_title",
+        "pid",
+        "samples",
+        "current_bytes",
+        "time_to_oom_s",
+    ):
         assert key in ev
     assert ev["process_title"] == "sglang::scheduler"
-    assert ev["samples"] == 300       # the process started an hour earlier: nothing is warm-up
+    assert ev["samples"] == 300  # the process started an hour earlier: nothing is warm-up
     assert next(f for f in findings if f.pid == 12).evidence["process_title"] == "sglang::detokenizer"
     json.dumps([f.to_dict() for f in findings])
 
 
 def test_detector_gpu_growth_uses_the_gpu_total():
     detector = MemoryGrowthDetector(growth.GrowthParams(warmup_s=0))
-    _feed_series(detector, 21, 200, lambda k: {
-        "rss_bytes": 1 * GB, "gpu_bytes": 10 * GB + 5 * MIB * k, "gpu_total_bytes": 80 * GB,
-    })
+    _feed_series(detector, 21, 200, lambda k: {"rss_bytes": 1 * GB, "gpu_bytes": 10 * GB + 5 * MIB * k, "gpu_total_bytes": 80 * GB})
     (finding,) = detector.findings()
     assert finding.evidence["memory_class"] == "gpu"
     assert finding.evidence["limit_bytes"] == 80 * GB
@@ -598,3 +610,40 @@ def test_detector_ignores_other_events_and_junk():
 
 def test_check_process_accepts_our_own_process():
     check_process(os.getpid())
+
+
+def test_live_view_screenshot(tmp_path):
+    """The live table as a user sees it: a growing scheduler's row flagged in red with its rate and
+    time to OOM, a flat detokenizer beside it; drawn by rich, exported as SVG, shot by Chromium."""
+    from PIL import Image
+    from rich.console import Console
+    from support.browser import CHROMIUM, chromium
+
+    detector = MemoryGrowthDetector(FAST)
+    gib, mib = 1 << 30, 1 << 20
+    detector.feed(schema.Event(ph="M", name=schema.RUN_HEADER, pid=1, args={"memory_limit_bytes": 64 * gib}))
+    for second in range(240):  # four minutes at 1 Hz: the scheduler grows 10 GiB/h, the detokenizer is flat
+        anon = 2 * gib + second * 10 * gib // 3600 + (second % 7) * mib
+        detector.feed(_counter(4242, second, anon_bytes=anon, rss_bytes=anon + 90 * mib))
+        detector.feed(_counter(4343, second, anon_bytes=300 * mib + (second % 5) * mib, rss_bytes=390 * mib))
+    procs = {
+        pid: SimpleNamespace(info=SimpleNamespace(pid=pid, title=title))
+        for pid, title in ((4242, "sglang::scheduler_TP0"), (4343, "sglang::detokenizer"))
+    }
+    console = Console(record=True, width=120, file=io.StringIO(), force_terminal=True, color_system="truecolor")
+    with LiveView(SimpleNamespace(rounds=240, processes=procs), detector, 4242, console=console):
+        pass  # leaving the view draws it once more, with the growth test run
+    text = console.export_text(clear=False)
+    assert "sglang::scheduler_TP0" in text and "sglang::detokenizer" in text
+    scheduler_row = next(line for line in text.splitlines() if line.strip().startswith("4242"))
+    assert "/h !" in scheduler_row and "—" not in scheduler_row.split("/h !")[1]  # flagged, with a time to OOM
+    svg = tmp_path / "watch.svg"
+    svg.write_text(console.export_svg(title="kvdoctor watch"), encoding="utf-8")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is not installed: no screenshot of the live view")
+    png = tmp_path / "watch.png"
+    chromium(tmp_path, f"--screenshot={png}", "--window-size=1100,700", svg.as_uri())
+    image = Image.open(png).convert("RGB")
+    pixels = list(image.getdata())
+    reddish = sum(1 for r, g, b in pixels if r > 150 and g < 110 and b < 110)
+    assert len(set(pixels)) > 32 and reddish > 200, f"{len(set(pixels))} colours, {reddish} red pixels"

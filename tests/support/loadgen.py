@@ -33,20 +33,14 @@ def check_local(base_url: str) -> str:
 
 
 def make_prompts(
-    count: int,
-    *,
-    seed: int = 0,
-    groups: int = 6,
-    prefix_len: int = 256,
-    suffix_len: tuple[int, int] = (8, 96),
-    vocab: int = 512,
+    count: int, *, seed: int = 0, groups: int = 6, prefix_len: int = 256, suffix_len: tuple[int, int] = (8, 96), vocab: int = 512
 ) -> list[list[int]]:
     """`count` token-id prompts in `groups` families: each family shares its first `prefix_len`
     tokens, then every prompt has its own suffix. Token ids avoid 0..2 (special ids)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(max(1, groups))]
     prompts = []
-    for i in range(min(count, MAX_REQUESTS)):
+    for _i in range(min(count, MAX_REQUESTS)):
         prefix = prefixes[rng.randrange(len(prefixes))]
         # some prompts take only part of the family prefix, so hits end mid-prefix too
         cut = prefix_len if rng.random() < 0.7 else rng.randrange(prefix_len // 2, prefix_len)
@@ -75,8 +69,9 @@ def wait_healthy(base_url: str, timeout_s: float = 240.0, proc: Any = None) -> f
 
 def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> dict[str, Any]:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}).encode()
-    req = urllib.request.Request(check_local(base_url) + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        check_local(base_url) + "/v1/completions", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 

@@ -25,20 +25,20 @@ pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
 out = {"case": case}
 
 a = pool.get_new_blocks(4)
-pool.touch(a[:2])                      # a prefix-cache hit shares two of them
-pool.free_blocks(reversed(a))          # one-shot iterator, as vLLM's own callers pass it
-pool.free_blocks(iter(a[:2]))          # the sharer lets go
+pool.touch(a[:2])  # a prefix-cache hit shares two of them
+pool.free_blocks(reversed(a))  # one-shot iterator, as vLLM's own callers pass it
+pool.free_blocks(iter(a[:2]))  # the sharer lets go
 
 if case == "double_free":
     b = pool.get_new_blocks(3)
     pool.free_blocks(b)
-    pool.free_blocks(b[1:2])           # vLLM does not check: its ref_cnt goes to -1
+    pool.free_blocks(b[1:2])  # vLLM does not check: its ref_cnt goes to -1
     out["block_ids"] = [b[1].block_id]
 elif case == "double_alloc":
     b = pool.get_new_blocks(1)[0]
-    b.ref_cnt = 0                      # an unhooked path "frees" it while it is still in use ...
+    b.ref_cnt = 0  # an unhooked path "frees" it while it is still in use ...
     pool.free_block_queue.append(b)
-    rest = pool.get_new_blocks(pool.get_num_free_blocks())   # ... and it is handed out again
+    rest = pool.get_new_blocks(pool.get_num_free_blocks())  # ... and it is handed out again
     out["block_ids"] = [b.block_id]
     pool.free_blocks(rest)
 elif case == "leak":
@@ -47,7 +47,7 @@ elif case == "leak":
     out["block_ids"] = sorted(x.block_id for x in b[2:])
 elif case == "unhooked":
     b = pool.get_new_blocks(2)
-    b[0].ref_cnt += 1                  # vLLM's count moves, the ledger never hears of it
+    b[0].ref_cnt += 1  # vLLM's count moves, the ledger never hears of it
     pool.free_blocks(b)
     out["block_ids"] = [b[0].block_id]
 

@@ -16,17 +16,14 @@ DEFAULT_DIR = os.path.join(REPO, ".venv-vllm", "tiny-llama")
 
 def ensure_model(directory: str = DEFAULT_DIR) -> str:
     directory = os.path.abspath(directory)
-    if os.path.exists(os.path.join(directory, "config.json")) and any(
-        name.endswith(".safetensors") for name in os.listdir(directory)
-    ):
+    if os.path.exists(os.path.join(directory, "config.json")) and any(name.endswith(".safetensors") for name in os.listdir(directory)):
         return directory
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
     tmp = directory + ".tmp"
     LlamaForCausalLM(cfg).save_pretrained(tmp)

@@ -26,17 +26,19 @@ def available() -> str:
     """'' when the vLLM venv is there, else why not."""
     if not os.path.exists(VENV_PYTHON):
         return ".venv-vllm does not exist: run .ci/setup-vllm (about 2 minutes) to test against real vLLM"
-    if not os.path.isdir(os.path.join(VENV, "lib", "python3.11", "site-packages", "vllm")) and subprocess.run(
-        [VENV_PYTHON, "-c", "import vllm"], capture_output=True
-    ).returncode != 0:
+    if (
+        not os.path.isdir(os.path.join(VENV, "lib", "python3.11", "site-packages", "vllm"))
+        and subprocess.run([VENV_PYTHON, "-c", "import vllm"], capture_output=True).returncode != 0
+    ):
         return ".venv-vllm has no vLLM: run .ci/setup-vllm again"
     return ""
 
 
 def ensure_model() -> str:
     if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
-        subprocess.run([VENV_PYTHON, os.path.join(REPO, "tests", "support", "vllm_model.py"), MODEL_DIR],
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [VENV_PYTHON, os.path.join(REPO, "tests", "support", "vllm_model.py"), MODEL_DIR], check=True, capture_output=True, timeout=300
+        )
     return MODEL_DIR
 
 
@@ -63,9 +65,23 @@ class Server:
         self.startup_s = 0.0
 
     def command(self) -> list[str]:
-        serve = [VENV_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", ensure_model(),
-                 "--skip-tokenizer-init", "--max-model-len", "512", "--gpu-memory-utilization", "0.1",
-                 "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port)]
+        serve = [
+            VENV_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            ensure_model(),
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            "512",
+            "--gpu-memory-utilization",
+            "0.1",
+            "--enable-prefix-caching",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if not self.probe:
             return serve
         return [VENV_PYTHON, "-m", "kvdoctor.cli", "run", "--trace", self.trace, "--"] + serve
@@ -82,12 +98,13 @@ class Server:
             env["KVDOCTOR_TEST_FAULT_OUT"] = self.fault_out
         return env
 
-    def start(self, timeout_s: float = 300.0) -> "Server":
+    def start(self, timeout_s: float = 300.0) -> Server:
         import loadgen
 
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), env=self.env(), cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(), env=self.env(), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             self.startup_s = loadgen.wait_healthy(self.base_url, timeout_s, proc=self.proc)
         except Exception:
@@ -167,7 +184,7 @@ class Server:
                 data = fh.read().decode("utf-8", "replace")
         except OSError:
             return ""
-        lines = [l for l in data.splitlines() if "is ignored: it is neither a file" not in l]
+        lines = [ln for ln in data.splitlines() if "is ignored: it is neither a file" not in ln]
         return "\n".join(lines)[-n:]
 
     def fault(self) -> dict[str, Any] | None:
@@ -191,8 +208,9 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 def replay(trace: str) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -200,9 +218,13 @@ def replay(trace: str) -> tuple[int, dict[str, Any]]:
 
 
 def watch(pid: int, trace: str, duration_s: float = 10.0) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "watch", str(pid), "--duration", str(duration_s),
-                           "--format", "json", "--trace", trace],
-                          capture_output=True, text=True, timeout=duration_s + 120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "watch", str(pid), "--duration", str(duration_s), "--format", "json", "--trace", trace],
+        capture_output=True,
+        text=True,
+        timeout=duration_s + 120,
+        cwd=REPO,
+    )
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:

@@ -16,9 +16,9 @@ warnings.filterwarnings("ignore")
 def main() -> None:
     cases = json.loads(sys.argv[1])
     from kvdoctor.analysis.analyzer import analyze
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
     from kvdoctor.probe import runtime
     from kvdoctor.trace.reader import iter_events
-    from kvdoctor.demo.workload import WorkloadConfig, run_workload
 
     out = []
     tmp = tempfile.mkdtemp()
@@ -31,12 +31,27 @@ def main() -> None:
         version = probe.version_of("sglang")
         runtime.deactivate()
         analysis = analyze(iter_events(path))
-        out.append({
-            "page_size": page_size, "fault": fault, "tree": tree, "version": version, "planted": result.planted,
-            "digest": result.outputs_digest, "sglang_check": result.sglang_check,
-            "findings": [{"kind": f.kind, "count": f.count, "severity": f.severity, "site": str(f.evidence.get("site", "")),
-                          "evidence": f.evidence} for f in analysis.findings],
-        })
+        out.append(
+            {
+                "page_size": page_size,
+                "fault": fault,
+                "tree": tree,
+                "version": version,
+                "planted": result.planted,
+                "digest": result.outputs_digest,
+                "sglang_check": result.sglang_check,
+                "findings": [
+                    {
+                        "kind": f.kind,
+                        "count": f.count,
+                        "severity": f.severity,
+                        "site": str(f.evidence.get("site", "")),
+                        "evidence": f.evidence,
+                    }
+                    for f in analysis.findings
+                ],
+            }
+        )
     print("RESULT " + json.dumps(out, default=str))
 
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvdoctor.cli import app
-from kvdoctor.units import parse_rate, parse_size
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.units import parse_rate, parse_size
 
 EXAMPLES = int(os.environ.get("KVDOCTOR_FUZZ_EXAMPLES", "2500"))
 RUNNER = CliRunner()
@@ -41,7 +41,7 @@ def test_replay_any_file_any_format(content, fmt):
 
 
 @settings(max_examples=EXAMPLES, deadline=2000, suppress_health_check=list(HealthCheck))
-@given(growth=words, orphans=st.one_of(st.integers(-10**20, 10**20).map(str), words), fail_on=words)
+@given(growth=words, orphans=st.one_of(st.integers(-(10**20), 10**20).map(str), words), fail_on=words)
 def test_gate_any_budget(growth, orphans, fail_on):
     path = os.path.join(TMP, "gate.kvtrace.json")
     with open(path, "wb") as fh:
@@ -50,7 +50,7 @@ def test_gate_any_budget(growth, orphans, fail_on):
 
 
 @settings(max_examples=EXAMPLES, deadline=4000, suppress_health_check=list(HealthCheck))
-@given(pid=st.one_of(st.integers(-10**12, 10**12).map(str), words), interval=st.one_of(st.floats(allow_nan=True).map(str), words))
+@given(pid=st.one_of(st.integers(-(10**12), 10**12).map(str), words), interval=st.one_of(st.floats(allow_nan=True).map(str), words))
 def test_watch_any_pid_and_interval(pid, interval):
     digits = pid.strip()
     if digits.isascii() and digits.isdigit() and 0 < int(digits) < 1 << 22 and os.path.exists(f"/proc/{int(digits)}"):

@@ -10,8 +10,16 @@ from kvdoctor.probe.ledger import slots as L
 
 
 def device_ledger(events, size=64, page_size=1):
-    return L.SlotLedger(name="t", size=size, page_size=page_size, device="cpu", emit=lambda n, a: events.append(a),
-                        requests=L.RequestTable(), sites=L.CallSites(), xp=arrays.DeviceArrays("cpu"))
+    return L.SlotLedger(
+        name="t",
+        size=size,
+        page_size=page_size,
+        device="cpu",
+        emit=lambda n, a: events.append(a),
+        requests=L.RequestTable(),
+        sites=L.CallSites(),
+        xp=arrays.DeviceArrays("cpu"),
+    )
 
 
 def test_device_path_finds_what_the_host_path_finds():
@@ -20,12 +28,12 @@ def test_device_path_finds_what_the_host_path_finds():
     slots = torch.arange(1, 9)
     led.on_alloc(slots, 1, only_page_starts=False)
     led.on_free(slots, 2, evicting=False)
-    led.on_free(slots[:3], 3, evicting=False)                    # 3 slots freed twice
+    led.on_free(slots[:3], 3, evicting=False)  # 3 slots freed twice
     led.on_alloc(torch.tensor([2, 3]), 4, only_page_starts=False)
-    led.on_alloc(torch.tensor([2]), 4, only_page_starts=False)   # handed out twice
+    led.on_alloc(torch.tensor([2]), 4, only_page_starts=False)  # handed out twice
     led.on_alloc(torch.tensor([65 + 1]), 5, only_page_starts=False)  # one past the buffer (rows = 65)
-    led.check_last_loc(torch.tensor([7, -1]), 6)                 # 7 is free: stale
-    assert events == []                                          # nothing read back yet
+    led.check_last_loc(torch.tensor([7, -1]), 6)  # 7 is free: stale
+    assert events == []  # nothing read back yet
     led.poll(force=True)
     got = {e["kind"]: e for e in events}
     assert got["double_free"]["count"] == 3 and got["double_free"]["slot_ids"] == [1, 2, 3]

@@ -5,7 +5,7 @@ import os
 import sys
 
 import pytest
-from conftest import REPO  # noqa: E402
+from conftest import REPO
 
 torch = pytest.importorskip("torch")
 
@@ -23,8 +23,9 @@ def test_slope():
 def test_summary_rates_per_backup_and_minute():
     import hicache_19332
 
-    samples = [{"t": t, "RssAnon": (1000 + 2 * t) * 2**20, "RssShmem": 0, "VmRSS": 0, "backups": 10 * t, "storage_sets": t}
-               for t in range(40)]
+    samples = [
+        {"t": t, "RssAnon": (1000 + 2 * t) * 2**20, "RssShmem": 0, "VmRSS": 0, "backups": 10 * t, "storage_sets": t} for t in range(40)
+    ]
     s = hicache_19332.summarize(samples)
     assert s["RssAnon_MiB_per_1000_backups"] == pytest.approx(200.0)
     assert s["RssAnon_MiB_per_min"] == pytest.approx(120.0)
@@ -40,7 +41,7 @@ def test_page_aware_clamp_keeps_part1_inside(page_size):
     for bad in (rows, rows + 5, -7, 10**9):
         last = torch.full_like(prefix, bad)
         fixed = clamp_last_loc(last, rows, page_size, prefix)
-        part1 = (-prefix) % page_size                      # slots alloc_extend writes at last_loc + 1 + i
+        part1 = (-prefix) % page_size  # slots alloc_extend writes at last_loc + 1 + i
         assert bool(((fixed + part1) <= rows - 1).all())
         assert bool(((fixed + 1) % page_size == prefix % page_size).all())
     good = torch.tensor([-1, 0, 5, rows - 1])

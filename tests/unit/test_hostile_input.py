@@ -20,16 +20,16 @@ import time
 import traceback
 
 import pytest
+from conftest import REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.trace import schema
 from kvdoctor.analysis.analyzer import Analysis, analyze
 from kvdoctor.errors import KvdoctorError, TraceError
+from kvdoctor.trace import schema
+from kvdoctor.trace.codec import loads as _loads
 from kvdoctor.trace.reader import ReadStats, iter_events
 from kvdoctor.trace.writer import TraceWriter, encode_event, finish_trace
-from kvdoctor.trace.codec import loads as _loads
-from conftest import REPO  # noqa: E402
 
 EXAMPLES = int(os.environ.get("KVDOCTOR_FUZZ_EXAMPLES", "2500"))
 READER_PROPERTIES = 4
@@ -173,16 +173,36 @@ JUNK = st.recursive(
 )
 ARG_KEYS = st.sampled_from(
     [
-        "kind", "count", "slot_ids", "allocator", "site", "requests", "sites", "allocated_at",
-        "orphan_slots", "orphan_slot_ids", "orphan_allocated_at", "orphan_requests", "reason", "idle",
-        "free_slots", "tree_slots", "total_slots", "tree_holds_free_slot_ids", "tree_freed_slots",
-        "ledger_disagrees_slots", "state", "dropped_events", "write_error", "fix", "name", "rss",
+        "kind",
+        "count",
+        "slot_ids",
+        "allocator",
+        "site",
+        "requests",
+        "sites",
+        "allocated_at",
+        "orphan_slots",
+        "orphan_slot_ids",
+        "orphan_allocated_at",
+        "orphan_requests",
+        "reason",
+        "idle",
+        "free_slots",
+        "tree_slots",
+        "total_slots",
+        "tree_holds_free_slot_ids",
+        "tree_freed_slots",
+        "ledger_disagrees_slots",
+        "state",
+        "dropped_events",
+        "write_error",
+        "fix",
+        "name",
+        "rss",
     ]
 )
 KIND_VALUES = st.one_of(st.sampled_from(schema.VIOLATION_KINDS + (schema.ORPHAN_SLOTS, schema.TREE_HOLDS_FREE_SLOT)), JUNK)
-COUNT_VALUES = st.one_of(
-    st.integers(min_value=-(2**63), max_value=2**63), st.sampled_from([10**30, -(10**30), -1, 0, 3]), JUNK_STRINGS
-)
+COUNT_VALUES = st.one_of(st.integers(min_value=-(2**63), max_value=2**63), st.sampled_from([10**30, -(10**30), -1, 0, 3]), JUNK_STRINGS)
 ARG_VALUES = st.one_of(
     COUNT_VALUES,
     st.lists(st.integers(min_value=-(2**63), max_value=2**63), max_size=10),  # slot ids
@@ -205,8 +225,16 @@ NAMES = st.one_of(
     st.sampled_from([schema.VIOLATION, schema.CENSUS]),
     st.sampled_from(
         [
-            schema.VIOLATION, schema.CENSUS, schema.PROBE_STATUS, schema.PROBE_STATS, schema.LEDGER_COUNTER,
-            schema.MEMORY_COUNTER, schema.FIX_APPLIED, schema.FINDING, schema.PROCESS_NAME, schema.TRACE_END,
+            schema.VIOLATION,
+            schema.CENSUS,
+            schema.PROBE_STATUS,
+            schema.PROBE_STATS,
+            schema.LEDGER_COUNTER,
+            schema.MEMORY_COUNTER,
+            schema.FIX_APPLIED,
+            schema.FINDING,
+            schema.PROCESS_NAME,
+            schema.TRACE_END,
         ]
     ),
     st.text(max_size=8),
@@ -221,7 +249,11 @@ def events_strategy(draw, max_size=8):
             schema.Event(
                 ph=draw(st.one_of(st.sampled_from(["M", "C", "i", "X", "B"]), st.text(max_size=2))),
                 name=draw(NAMES),
-                pid=draw(st.one_of(st.sampled_from([1, 2]), st.integers(min_value=-(2**63), max_value=2**63 - 1), st.sampled_from([1, 2, 10**30]))),
+                pid=draw(
+                    st.one_of(
+                        st.sampled_from([1, 2]), st.integers(min_value=-(2**63), max_value=2**63 - 1), st.sampled_from([1, 2, 10**30])
+                    )
+                ),
                 ts=draw(st.floats(allow_nan=True, allow_infinity=True)),
                 cat=draw(st.sampled_from(["", schema.CAT_PROBE, schema.CAT_SAMPLER])),
                 tid=draw(st.integers(min_value=0, max_value=2**31)),
@@ -268,7 +300,9 @@ def mutate(data: bytes, draw) -> bytes:
         st.binary(max_size=2048),
         st.binary(max_size=2048).map(lambda b: b"[\n" + b),
         st.binary(max_size=1024).map(lambda b: b"[\n" + encode_event(default_header()) + b),
-        st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b",", b"\n", b'"', b"kvdoctor_header", b":", b"1", b" "]), max_size=64).map(b"".join),
+        st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b",", b"\n", b'"', b"kvdoctor_header", b":", b"1", b" "]), max_size=64).map(
+            b"".join
+        ),
     )
 )
 def test_arbitrary_bytes(fuzz_dir, data):
@@ -333,17 +367,34 @@ def test_truncated_trace_keeps_complete_lines(fuzz_dir, events, finish, cut):
     expected = sum(1 for end in ends if end <= k)
     assert stats.events == expected, f"cut at {k}/{len(data)}: read {stats.events}, expected {expected}"
     assert stats.corrupt_lines == sum(1 for end in bad if end <= k)
-    complete_before_cut = [l for l in data[:k].split(b"\n")[1:-1] if l.strip() not in (b"", b"]")]
+    complete_before_cut = [ln for ln in data[:k].split(b"\n")[1:-1] if ln.strip() not in (b"", b"]")]
     assert stats.events + stats.corrupt_lines >= len(complete_before_cut)
 
 
 SCHEMAS = st.one_of(
     st.sampled_from(
         [
-            "kvdoctor.trace/2", "kvdoctor.trace/0", "other/1", "kvdoctor.trace/-1", "kvdoctor.trace/x",
-            "kvdoctor.trace/", "kvdoctor.trace", "", "kvdoctor.trace/1.0", "kvdoctor.trace/ 2", "kvdoctor.trace/99",
-            "kvdoctor.trace/" + "9" * 5000, "KVDOCTOR.TRACE/1", "/1", "kvdoctor.trace/1/1", None, 1, 2.0, ["kvdoctor.trace/1"],
-            {"v": 1}, schema.SCHEMA_ID,
+            "kvdoctor.trace/2",
+            "kvdoctor.trace/0",
+            "other/1",
+            "kvdoctor.trace/-1",
+            "kvdoctor.trace/x",
+            "kvdoctor.trace/",
+            "kvdoctor.trace",
+            "",
+            "kvdoctor.trace/1.0",
+            "kvdoctor.trace/ 2",
+            "kvdoctor.trace/99",
+            "kvdoctor.trace/" + "9" * 5000,
+            "KVDOCTOR.TRACE/1",
+            "/1",
+            "kvdoctor.trace/1/1",
+            None,
+            1,
+            2.0,
+            ["kvdoctor.trace/1"],
+            {"v": 1},
+            schema.SCHEMA_ID,
         ]
     ),
     st.integers(min_value=2, max_value=2**62).map(lambda v: f"kvdoctor.trace/{v}"),
@@ -433,17 +484,16 @@ WRONG_TYPE_CASES = {
     "violation slot_ids is an int (first event of a group)": [_violation(count=1, slot_ids=5), _violation(count=1)],
     "violation requests count is a string": [_violation(requests={"r": "x"}), _violation(requests={"r": 1})],
     "census orphan_slot_ids is an int": [schema.Event(ph="i", name=schema.CENSUS, pid=7, args={"orphan_slots": 3, "orphan_slot_ids": 5})],
-    "census orphan_slot_ids is a dict": [schema.Event(ph="i", name=schema.CENSUS, pid=7, args={"orphan_slots": 3, "orphan_slot_ids": {"a": 1}})],
+    "census orphan_slot_ids is a dict": [
+        schema.Event(ph="i", name=schema.CENSUS, pid=7, args={"orphan_slots": 3, "orphan_slot_ids": {"a": 1}})
+    ],
     "census tree_holds_free_slot_ids is an int": [
         schema.Event(ph="i", name=schema.CENSUS, pid=7, args={"tree_freed_slots": 2, "tree_holds_free_slot_ids": 7})
     ],
 }
 
 
-@pytest.mark.parametrize(
-    "case",
-    list(WRONG_TYPE_CASES),
-)
+@pytest.mark.parametrize("case", list(WRONG_TYPE_CASES))
 def test_detectors_survive_wrong_types(tmp_path, case):
     path = str(tmp_path / "case.kvtrace.json")
     build_trace(path, WRONG_TYPE_CASES[case])
@@ -532,7 +582,9 @@ def test_cli_run_nonexistent_command(tmp_path):
 
 def test_cli_watch_nonexistent_pid(tmp_path):
     proc = cli("watch", "999999999", "--duration", "1", "--format", "text", "--trace", str(tmp_path / "w.kvtrace.json"), cwd=str(tmp_path))
-    if "No such command" in proc.stderr or ("internal error" in proc.stderr and ("ImportError" in proc.stderr or "ModuleNotFoundError" in proc.stderr)):
+    if "No such command" in proc.stderr or (
+        "internal error" in proc.stderr and ("ImportError" in proc.stderr or "ModuleNotFoundError" in proc.stderr)
+    ):
         pytest.xfail("`kvdoctor watch` is not implemented yet: " + proc.stderr.strip()[:200])
     assert_one_line_error(proc)
 

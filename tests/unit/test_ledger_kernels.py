@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, random, sys
 import torch
 from kvdoctor.probe.ledger import arrays
@@ -58,14 +57,14 @@ for seed in range(int(sys.argv[1])):
     same["alloc_site"] = bool(torch.equal(a.alloc_site[:-1], b.alloc_site[:-1]))  # the sink row is scratch
     out.append({"seed": seed, "same": same, "counters": b.counters.tolist()})
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def test_triton_kernels_match_the_torch_path():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, "12"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     results = json.loads(line[-1][7:])
     for r in results:

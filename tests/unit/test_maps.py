@@ -20,11 +20,14 @@ def test_version_order_follows_releases():
     assert version_key("not a version") is None
 
 
-@pytest.mark.parametrize("spec,inside,outside", [
-    (">=0.5.10,<0.5.16", ["0.5.10", "0.5.13.post1", "0.5.15.post1"], ["0.5.9", "0.5.16", "0.5.23"]),
-    (["0.5.9"], ["0.5.9"], ["0.5.9.post1", "0.5.10"]),
-    ("==0.5.23", ["0.5.23"], ["0.5.22"]),
-])
+@pytest.mark.parametrize(
+    "spec,inside,outside",
+    [
+        (">=0.5.10,<0.5.16", ["0.5.10", "0.5.13.post1", "0.5.15.post1"], ["0.5.9", "0.5.16", "0.5.23"]),
+        (["0.5.9"], ["0.5.9"], ["0.5.9.post1", "0.5.10"]),
+        ("==0.5.23", ["0.5.23"], ["0.5.22"]),
+    ],
+)
 def test_version_ranges(spec, inside, outside):
     covered = VersionRange(spec)
     assert all(v in covered for v in inside)

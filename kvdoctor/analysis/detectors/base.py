@@ -63,8 +63,7 @@ class ViolationDetector:
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         """The finding's sentence: `template` filled with the count, allocator, site, the slots
         (" (slots 5, 6, ...)") and the request that holds most of them; override for more."""
-        return self.template.format(count=count, allocator=allocator, site=site, slots=ids_text(evidence),
-                                    request=first_request(evidence))
+        return self.template.format(count=count, allocator=allocator, site=site, slots=ids_text(evidence), request=first_request(evidence))
 
 
 def as_list(value: Any) -> list[Any]:

@@ -6,5 +6,7 @@ from kvdoctor.trace import schema
 
 class DoubleFreeDetector(ViolationDetector):
     kind = schema.DOUBLE_FREE
-    template = ("{count} KV slot(s) freed while already free{slots} by {site}; "
-                "the allocator now lists them twice and will hand each to two requests")
+    template = (
+        "{count} KV slot(s) freed while already free{slots} by {site}; "
+        "the allocator now lists them twice and will hand each to two requests"
+    )

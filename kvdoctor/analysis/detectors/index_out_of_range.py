@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from kvdoctor.trace import schema
 from kvdoctor.analysis.detectors.base import ViolationDetector
+from kvdoctor.trace import schema
 
 
 class IndexOutOfRangeDetector(ViolationDetector):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
 from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
 from kvdoctor.trace import schema
 from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
 

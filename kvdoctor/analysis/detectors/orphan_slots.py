@@ -19,7 +19,7 @@ class OrphanSlotsDetector:
     consumes = frozenset({schema.CENSUS})
 
     def __init__(self) -> None:
-        self.latest: dict[tuple[int, str], dict[str, Any]] = {}     # (pid, allocator): its latest census
+        self.latest: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): its latest census
         self.max_seen: dict[tuple[int, str], int] = {}
         self.censuses = 0
 
@@ -74,10 +74,15 @@ class OrphanSlotsDetector:
             dangling = as_list(args.get("tree_holds_free_slot_ids"))
             freed = as_count(args.get("tree_freed_slots"))
             if freed:
-                out.append(Finding(
-                    schema.TREE_HOLDS_FREE_SLOT, ERROR,
-                    f"the radix tree still holds {freed} slot(s) that were freed outside eviction "
-                    f"(slots {', '.join(str(i) for i in dangling[:8])}); the next allocations hand them out twice",
-                    freed, {"allocator": allocator, "slot_ids": dangling, "pid": pid}, pid,
-                ))
+                out.append(
+                    Finding(
+                        schema.TREE_HOLDS_FREE_SLOT,
+                        ERROR,
+                        f"the radix tree still holds {freed} slot(s) that were freed outside eviction "
+                        f"(slots {', '.join(str(i) for i in dangling[:8])}); the next allocations hand them out twice",
+                        freed,
+                        {"allocator": allocator, "slot_ids": dangling, "pid": pid},
+                        pid,
+                    )
+                )
         return out

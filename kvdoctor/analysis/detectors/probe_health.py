@@ -16,12 +16,12 @@ class ProbeHealthDetector:
     consumes = frozenset({schema.VIOLATION, schema.PROBE_STATUS, schema.PROBE_STATS, schema.CENSUS, schema.FIX_APPLIED})
 
     def __init__(self) -> None:
-        self.off: dict[int, str] = {}                       # pid: why the probe turned itself off
-        self.partial: dict[int, str] = {}                   # pid: what it could not hook
-        self.dropped: dict[int, int] = {}                   # pid: most events dropped so far
+        self.off: dict[int, str] = {}  # pid: why the probe turned itself off
+        self.partial: dict[int, str] = {}  # pid: what it could not hook
+        self.dropped: dict[int, int] = {}  # pid: most events dropped so far
         self.write_error: dict[int, str] = {}
-        self.disagree: dict[tuple[int, str], dict[str, Any]] = {}   # (pid, allocator): the census
-        self.fixes: dict[tuple[int, str], int] = {}         # (pid, fix): corrections made
+        self.disagree: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): the census
+        self.fixes: dict[tuple[int, str], int] = {}  # (pid, fix): corrections made
         self.pids_with_violations: set[int] = set()
 
     def feed(self, event: schema.Event) -> None:
@@ -47,28 +47,73 @@ class ProbeHealthDetector:
     def findings(self) -> list[Finding]:
         out = []
         for pid, reason in self.off.items():
-            out.append(Finding(schema.PROBE_OFF, WARNING, f"the probe turned itself off in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
+            out.append(
+                Finding(
+                    schema.PROBE_OFF, WARNING, f"the probe turned itself off in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid
+                )
+            )
         for pid, reason in self.partial.items():
-            out.append(Finding(schema.PROBE_PARTIAL, WARNING, f"the probe hooked only part of the engine in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid))
+            out.append(
+                Finding(
+                    schema.PROBE_PARTIAL,
+                    WARNING,
+                    f"the probe hooked only part of the engine in pid {pid}: {reason}",
+                    0,
+                    {"reason": reason, "pid": pid},
+                    pid,
+                )
+            )
         for pid, count in self.dropped.items():
             if count:
-                out.append(Finding(schema.EVENTS_DROPPED, WARNING, f"pid {pid} dropped {count} trace event(s) because the writer fell behind; counts may be low", count, {"pid": pid}, pid))
+                out.append(
+                    Finding(
+                        schema.EVENTS_DROPPED,
+                        WARNING,
+                        f"pid {pid} dropped {count} trace event(s) because the writer fell behind; counts may be low",
+                        count,
+                        {"pid": pid},
+                        pid,
+                    )
+                )
         for pid, err in self.write_error.items():
-            out.append(Finding(schema.TRACE_WRITE_FAILED, WARNING, f"pid {pid} stopped writing its trace: {err}", 0, {"error": err, "pid": pid}, pid))
+            out.append(
+                Finding(
+                    schema.TRACE_WRITE_FAILED, WARNING, f"pid {pid} stopped writing its trace: {err}", 0, {"error": err, "pid": pid}, pid
+                )
+            )
         for (pid, allocator), args in self.disagree.items():
             if pid in self.pids_with_violations:
                 continue  # explained: double frees and double allocations put duplicates in the free list
             n = as_count(args.get("ledger_disagrees_slots"))
             host_only = as_list(args.get("free_only_in_host_slot_ids"))
             ledger_only = as_list(args.get("free_only_in_ledger_slot_ids"))
-            out.append(Finding(
-                schema.LEDGER_DISAGREES, WARNING,
-                f"the ledger of {allocator} disagrees with the allocator's own free list on {n} slot(s) at the "
-                f"{args.get('reason', '')} census (free only in the allocator: {host_only[:8]}; free only in the ledger: "
-                f"{ledger_only[:8]}): a path kvdoctor does not hook moved slots, so its slot findings there are not trusted",
-                n, {"allocator": allocator, "pid": pid, "slot_ids": list(host_only) + list(ledger_only),
-                    "free_only_in_host_slot_ids": host_only, "free_only_in_ledger_slot_ids": ledger_only}, pid,
-            ))
+            out.append(
+                Finding(
+                    schema.LEDGER_DISAGREES,
+                    WARNING,
+                    f"the ledger of {allocator} disagrees with the allocator's own free list on {n} slot(s) at the "
+                    f"{args.get('reason', '')} census (free only in the allocator: {host_only[:8]}; free only in the ledger: "
+                    f"{ledger_only[:8]}): a path kvdoctor does not hook moved slots, so its slot findings there are not trusted",
+                    n,
+                    {
+                        "allocator": allocator,
+                        "pid": pid,
+                        "slot_ids": list(host_only) + list(ledger_only),
+                        "free_only_in_host_slot_ids": host_only,
+                        "free_only_in_ledger_slot_ids": ledger_only,
+                    },
+                    pid,
+                )
+            )
         for (pid, fix), count in self.fixes.items():
-            out.append(Finding(schema.FIX_APPLIED, INFO, f"fix {fix} corrected the host {count} time(s) in pid {pid}", count, {"fix": fix, "pid": pid}, pid))
+            out.append(
+                Finding(
+                    schema.FIX_APPLIED,
+                    INFO,
+                    f"fix {fix} corrected the host {count} time(s) in pid {pid}",
+                    count,
+                    {"fix": fix, "pid": pid},
+                    pid,
+                )
+            )
         return out

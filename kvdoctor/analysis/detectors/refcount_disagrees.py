@@ -22,7 +22,8 @@ class RefcountDisagreesDetector(ViolationDetector):
         shown = ", ".join(str(b) for b in blocks[:8]) + (", ..." if len(blocks) > 8 else "")
         return (
             f"vLLM's ref_cnt disagrees with the ledger on {evidence.get('blocks', '?')} block(s) ({count} slot(s)) "
-            f"of {allocator} at the {site}" + (f" (blocks {shown})" if shown else "")
+            f"of {allocator} at the {site}"
+            + (f" (blocks {shown})" if shown else "")
             + f"; vLLM's free queue holds {evidence.get('host_free_blocks', '?')} block(s), the ledger counts "
             f"{evidence.get('ledger_free_blocks', '?')} free: a path kvdoctor does not hook changed reference counts"
         )

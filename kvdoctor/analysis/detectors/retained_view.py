@@ -45,8 +45,11 @@ class RetainedViewDetector:
                 continue
             storing = args.get("storing_sites") if isinstance(args.get("storing_sites"), dict) else {}
             alloc_sites = args.get("alloc_sites") if isinstance(args.get("alloc_sites"), dict) else {}
-            where = max(storing, key=lambda k: as_count(storing[k])) if storing else (
-                max(alloc_sites, key=lambda k: as_count(alloc_sites[k])) if alloc_sites else "unknown")
+            where = (
+                max(storing, key=lambda k: as_count(storing[k]))
+                if storing
+                else (max(alloc_sites, key=lambda k: as_count(alloc_sites[k])) if alloc_sites else "unknown")
+            )
             t0, r0 = self.first[pid]
             span_s = max((self.last_ts[pid] - t0) / 1e6, 0.0)
             rate = (retained - r0) / span_s * 3600 if span_s > 1 else 0.0
@@ -58,9 +61,16 @@ class RetainedViewDetector:
                 "torch.cat, and every node.host_value pins an old copy. Clone the indices where they are stored "
                 "(kvdoctor run --fix clone-host-indices) or upgrade SGLang"
             )
-            evidence = {"retained_bytes": retained, "own_bytes": own, "long_lived_views": views,
-                        "distinct_storages": args.get("distinct_storages"), "storing_sites": storing,
-                        "alloc_sites": alloc_sites, "peak_retained_bytes": self.peak[pid],
-                        "retained_bytes_per_hour": round(rate), "pid": pid}
+            evidence = {
+                "retained_bytes": retained,
+                "own_bytes": own,
+                "long_lived_views": views,
+                "distinct_storages": args.get("distinct_storages"),
+                "storing_sites": storing,
+                "alloc_sites": alloc_sites,
+                "peak_retained_bytes": self.peak[pid],
+                "retained_bytes_per_hour": round(rate),
+                "pid": pid,
+            }
             out.append(Finding(schema.RETAINED_VIEW, severity, message, views, evidence, pid))
         return out

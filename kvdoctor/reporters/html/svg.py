@@ -5,10 +5,12 @@ of free / owned / tree slots."""
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvdoctor.analysis.findings import Finding
-from kvdoctor.reporters.html.text import escape as _e, human_duration, human_rate
+from kvdoctor.reporters.html.text import escape as _e
+from kvdoctor.reporters.html.text import human_duration, human_rate
 from kvdoctor.units import as_float
 
 PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
@@ -21,11 +23,11 @@ MARGIN_L = 78
 MARGIN_R = 20
 MARGIN_T = 16
 MARGIN_B = 46
-MIN_SPAN_S = 0.5   # samples closer together than this are drawn as one (the last)
+MIN_SPAN_S = 0.5  # samples closer together than this are drawn as one (the last)
 
 
 def _byte_unit(max_value: float) -> tuple[float, str]:
-    for scale, name in ((1024.0 ** 4, "TiB"), (1024.0 ** 3, "GiB"), (1024.0 ** 2, "MiB"), (1024.0, "KiB")):
+    for scale, name in ((1024.0**4, "TiB"), (1024.0**3, "GiB"), (1024.0**2, "MiB"), (1024.0, "KiB")):
         if max_value >= scale:
             return scale, name
     return 1.0, "B"
@@ -72,8 +74,20 @@ def _fmt_tick(v: float) -> str:
 class _Frame:
     """Maps data (seconds, values) to pixel space and draws the axes."""
 
-    def __init__(self, x_lo: float, x_hi: float, y_lo: float, y_hi: float, *, y_scale: float, y_unit: str,
-                 x_scale: float, x_unit: str, width: int = WIDTH, height: int = HEIGHT) -> None:
+    def __init__(
+        self,
+        x_lo: float,
+        x_hi: float,
+        y_lo: float,
+        y_hi: float,
+        *,
+        y_scale: float,
+        y_unit: str,
+        x_scale: float,
+        x_unit: str,
+        width: int = WIDTH,
+        height: int = HEIGHT,
+    ) -> None:
         if x_hi <= x_lo:
             x_hi = x_lo + 1.0
         if y_hi <= y_lo:
@@ -108,25 +122,30 @@ class _Frame:
             y = self.py(t * self.y_scale)
             out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#eef0f3"/>')
             out.append(f'<text x="{left - 8}" y="{y + 4:.1f}" font-size="11" fill="#6b7280" text-anchor="end">{_e(_fmt_tick(t))}</text>')
-        for t in (self.x_ticks if show_x_ticks else []):
+        for t in self.x_ticks if show_x_ticks else []:
             x = self.px(t * self.x_scale)
             out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#f5f6f8"/>')
             out.append(f'<line x1="{x:.1f}" y1="{bottom}" x2="{x:.1f}" y2="{bottom + 4}" stroke="#9ca3af"/>')
             out.append(f'<text x="{x:.1f}" y="{bottom + 17}" font-size="11" fill="#6b7280" text-anchor="middle">{_e(_fmt_tick(t))}</text>')
         out.append(f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#9ca3af"/>')
         out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#9ca3af"/>')
-        out.append(f'<text x="{(left + right) / 2:.1f}" y="{self.h - 8}" font-size="12" fill="#374151" text-anchor="middle">'
-                   f'{_e(x_label)}</text>')
+        out.append(
+            f'<text x="{(left + right) / 2:.1f}" y="{self.h - 8}" font-size="12" fill="#374151" text-anchor="middle">{_e(x_label)}</text>'
+        )
         cy = (top + bottom) / 2
-        out.append(f'<text x="16" y="{cy:.1f}" font-size="12" fill="#374151" text-anchor="middle" '
-                   f'transform="rotate(-90 16 {cy:.1f})">{_e(y_label)}</text>')
+        out.append(
+            f'<text x="16" y="{cy:.1f}" font-size="12" fill="#374151" text-anchor="middle" '
+            f'transform="rotate(-90 16 {cy:.1f})">{_e(y_label)}</text>'
+        )
         return out
 
 
 def _svg(frame: _Frame, body: list[str], title: str, y_label: str) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {frame.w} {frame.h}" width="100%" '
-            f'role="img" aria-label="{_e(title)}" preserveAspectRatio="xMidYMid meet">'
-            f'<title>{_e(title)}</title>' + "".join(frame.axes(y_label)) + "".join(body) + "</svg>")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {frame.w} {frame.h}" width="100%" '
+        f'role="img" aria-label="{_e(title)}" preserveAspectRatio="xMidYMid meet">'
+        f"<title>{_e(title)}</title>" + "".join(frame.axes(y_label)) + "".join(body) + "</svg>"
+    )
 
 
 def _polyline(points: Sequence[tuple[float, float]], colour: str, *, width: float = 2.0, dash: str = "") -> str:
@@ -163,8 +182,7 @@ def _finding_matches_field(finding: Finding, field: str) -> bool:
 def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Finding], title: str) -> str:
     ts = [(t - t0_us) / 1e6 for t in entry.get("ts_us", [])]
     values = entry.get("values", [])
-    fields = sorted({k for v in values for k in v if k.endswith("_bytes")},
-                    key=lambda k: (k != "rss_bytes", k))
+    fields = sorted({k for v in values for k in v if k.endswith("_bytes")}, key=lambda k: (k != "rss_bytes", k))
     fields = [f for f in fields if any(v.get(f) for v in values)] or fields
     if not ts or not fields:
         return ""
@@ -174,7 +192,7 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
         match = next((fld for fld in fields if _finding_matches_field(f, fld)), None)
         if rate is None or match is None:
             continue
-        last = next(((t, v[match]) for t, v in zip(reversed(ts), reversed(values)) if match in v), None)
+        last = next(((t, v[match]) for t, v in zip(reversed(ts), reversed(values), strict=False) if match in v), None)
         if last is None:
             continue
         trends.append((f, match, rate, last))
@@ -189,7 +207,7 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
     all_vals = [v[f] for v in values for f in fields if f in v]
     y_hi = max(all_vals) if all_vals else 1.0
     y_lo = 0.0
-    for f, match, rate, (lt, lv) in trends:
+    for _field, _match, rate, (lt, lv) in trends:
         y_hi = max(y_hi, lv + rate * (x_hi - lt), lv + rate * (ts[0] - lt))
         y_lo = min(y_lo, lv + rate * (ts[0] - lt))
     y_hi *= 1.05
@@ -204,13 +222,13 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
     for i, field in enumerate(fields):
         colour = PALETTE[i % len(PALETTE)]
         colours[field] = colour
-        pts = [(frame.px(t), frame.py(v[field])) for t, v in zip(ts, values) if field in v]
+        pts = [(frame.px(t), frame.py(v[field])) for t, v in zip(ts, values, strict=False) if field in v]
         if len(pts) > 1:
             body.append(_polyline(pts, colour))
         body.extend(_markers(pts, colour, limit=40 if len(pts) > 1 else 1))
         legend.append((colour, _class_name(field), ""))
     oom_lines = []
-    for f, match, rate, (lt, lv) in trends:
+    for _field, _match, rate, (lt, lv) in trends:
         colour = colours.get(match, "#111827")
         a = (ts[0], lv + rate * (ts[0] - lt))
         b = (x_hi, lv + rate * (x_hi - lt))
@@ -221,18 +239,21 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
         tx = min(frame.px(b[0]) - 4, WIDTH - MARGIN_R - 4)
         ty = max(frame.py(b[1]) - 8, MARGIN_T + 12)
         body.append(f'<text x="{tx:.1f}" y="{ty:.1f}" font-size="12" font-weight="600" fill="#111827" text-anchor="end">{_e(text)}</text>')
-        legend.append(("#111827", f"fitted trend of {_class_name(match)} ({human_rate(rate)})", "dash"))
+        legend.append(("#111827", f"fitted trend of {_class_name(str(match or ''))} ({human_rate(rate)})", "dash"))
         oom = as_float(f.evidence.get("time_to_oom_s"))
         if oom is not None and oom > 0:
-            oom_lines.append(f"{_class_name(match)} grows {human_rate(rate)}: projected out of memory in {human_duration(oom)} after the last sample")
+            oom_lines.append(
+                f"{_class_name(str(match or ''))} grows {human_rate(rate)}: projected out of memory in {human_duration(oom)} after the last sample"
+            )
         else:
-            oom_lines.append(f"{_class_name(match)} grows {human_rate(rate)} (no memory limit known to project an out-of-memory time)")
+            oom_lines.append(
+                f"{_class_name(str(match or ''))} grows {human_rate(rate)} (no memory limit known to project an out-of-memory time)"
+            )
     svg = _svg(frame, body, f"memory of {title}", f"memory ({y_unit})")
     n = len(entry.get("ts_us", []))
     sub = f"{_e(label)} · {n} sample{'s' if n != 1 else ''}" + (f" over {_e(human_duration(ts[-1] - ts[0]))}" if len(ts) > 1 else "")
     oom_html = "".join(f'<p class="oom">{_e(line)}</p>' for line in oom_lines)
-    return (f'<div class="plot"><h3>Memory by class — {_e(title)}</h3><div class="sub">{sub}</div>'
-            f"{svg}{_legend(legend)}{oom_html}</div>")
+    return f'<div class="plot"><h3>Memory by class — {_e(title)}</h3><div class="sub">{sub}</div>{svg}{_legend(legend)}{oom_html}</div>'
 
 
 def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> str:
@@ -240,8 +261,11 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
     values = entry.get("values", [])
     if not ts:
         return ""
-    layers = [k for k in ("free_slots", "owned_slots", "tree_slots", "unaccounted_slots")
-              if any(v.get(k) for v in values) or k in ("free_slots", "owned_slots", "tree_slots")]
+    layers = [
+        k
+        for k in ("free_slots", "owned_slots", "tree_slots", "unaccounted_slots")
+        if any(v.get(k) for v in values) or k in ("free_slots", "owned_slots", "tree_slots")
+    ]
     totals = [v.get("total_slots") for v in values]
     stacked_max = max(sum(v.get(k, 0) or 0 for k in layers) for v in values)
     y_hi = max([stacked_max] + [t for t in totals if isinstance(t, (int, float))]) * 1.05 or 1.0
@@ -265,23 +289,27 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
             if n <= 0:
                 continue
             y1, y0 = frame.py(below + n), frame.py(below)
-            body.append(f'<rect x="{cx - half:.1f}" y="{y1:.1f}" width="{2 * half}" height="{max(y0 - y1, 0.5):.1f}" '
-                        f'fill="{SLOT_COLOURS[k]}" stroke="#ffffff" stroke-width="1"/>')
+            body.append(
+                f'<rect x="{cx - half:.1f}" y="{y1:.1f}" width="{2 * half}" height="{max(y0 - y1, 0.5):.1f}" '
+                f'fill="{SLOT_COLOURS[k]}" stroke="#ffffff" stroke-width="1"/>'
+            )
             if y0 - y1 >= 14:
-                body.append(f'<text x="{cx:.1f}" y="{(y0 + y1) / 2 + 4:.1f}" font-size="11" fill="#1f2937" text-anchor="middle">'
-                            f'{_e(SLOT_LABELS[k])}: {int(n)}</text>')
+                body.append(
+                    f'<text x="{cx:.1f}" y="{(y0 + y1) / 2 + 4:.1f}" font-size="11" fill="#1f2937" text-anchor="middle">'
+                    f"{_e(SLOT_LABELS[k])}: {int(n)}</text>"
+                )
             below += n
     else:
         base = [0.0] * len(ts)
         for k in layers:
-            top = [b + float(v.get(k, 0) or 0) for b, v in zip(base, values)]
-            upper = [(frame.px(t), frame.py(y)) for t, y in zip(ts, top)]
-            lower = [(frame.px(t), frame.py(y)) for t, y in zip(reversed(ts), reversed(base))]
+            top = [b + float(v.get(k, 0) or 0) for b, v in zip(base, values, strict=False)]
+            upper = [(frame.px(t), frame.py(y)) for t, y in zip(ts, top, strict=False)]
+            lower = [(frame.px(t), frame.py(y)) for t, y in zip(reversed(ts), reversed(base), strict=False)]
             pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in upper + lower)
             body.append(f'<polygon points="{pts}" fill="{SLOT_COLOURS[k]}" fill-opacity="0.9" stroke="none"/>')
             body.append(_polyline(upper, "#ffffff", width=0.8))
             base = top
-    total_pts = [(frame.px(t), frame.py(tot)) for t, tot in zip(ts, totals) if isinstance(tot, (int, float))]
+    total_pts = [(frame.px(t), frame.py(tot)) for t, tot in zip(ts, totals, strict=False) if isinstance(tot, (int, float))]
     if total_pts:
         if single:
             x, y = total_pts[0]
@@ -295,9 +323,15 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
     last = values[-1]
     counts = ", ".join(f"{SLOT_LABELS[k]} {int(last.get(k, 0) or 0)}" for k in layers)
     n = len(entry.get("ts_us", []))
-    sub = (f"{_e(label)} · {n} sample{'s' if n != 1 else ''}"
-           + (f" over {_e(human_duration(ts[-1] - ts[0]))}" if len(ts) > 1 else
-              f", the last at {_e(human_duration(ts[0]))}" if n > 1 else f" at {_e(human_duration(ts[0]))}")
-           + f" · last: {_e(counts)}")
-    return (f'<div class="plot"><h3>KV slot ledger — {_e(title)}</h3><div class="sub">{sub}</div>'
-            f"{svg}{_legend(legend)}</div>")
+    sub = (
+        f"{_e(label)} · {n} sample{'s' if n != 1 else ''}"
+        + (
+            f" over {_e(human_duration(ts[-1] - ts[0]))}"
+            if len(ts) > 1
+            else f", the last at {_e(human_duration(ts[0]))}"
+            if n > 1
+            else f" at {_e(human_duration(ts[0]))}"
+        )
+        + f" · last: {_e(counts)}"
+    )
+    return f'<div class="plot"><h3>KV slot ledger — {_e(title)}</h3><div class="sub">{sub}</div>{svg}{_legend(legend)}</div>'

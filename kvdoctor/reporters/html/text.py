@@ -8,7 +8,7 @@ from typing import Any
 
 from kvdoctor.units import format_bytes, format_duration, format_rate
 
-REPORT_DIGITS = 1   # "1.5 GiB": one decimal everywhere on the page
+REPORT_DIGITS = 1  # "1.5 GiB": one decimal everywhere on the page
 
 
 def human_bytes(value: float) -> str:

@@ -39,8 +39,16 @@ def _patch(module):
                 ids = sorted({b.block_id for b in real})
                 if _OUT:
                     with open(_OUT, "w") as fh:
-                        json.dump({"call": _N, "blocks": len(ids), "block_ids": ids,
-                                   "hash_block_size": getattr(self, "hash_block_size", None), "pid": os.getpid()}, fh)
+                        json.dump(
+                            {
+                                "call": _N,
+                                "blocks": len(ids),
+                                "block_ids": ids,
+                                "hash_block_size": getattr(self, "hash_block_size", None),
+                                "pid": os.getpid(),
+                            },
+                            fh,
+                        )
                 return None
         return original(self, blocks)
 

@@ -51,12 +51,16 @@ class DemoRun:
     def workload_lines(self) -> list[str]:
         """What was run, and what SGLang's own idle check would have said about it."""
         allocator = "PagedTokenToKVPoolAllocator" if self.page_size > 1 else "TokenToKVPoolAllocator"
-        lines = [f"workload: {self.requests} requests in multi-turn chats through SGLang {self.engine_version}'s real "
-                 f"{allocator} (page_size {self.page_size}) and RadixCache; {self.evictions} evictions; planted fault: {self.fault}"]
+        lines = [
+            f"workload: {self.requests} requests in multi-turn chats through SGLang {self.engine_version}'s real "
+            f"{allocator} (page_size {self.page_size}) and RadixCache; {self.evictions} evictions; planted fault: {self.fault}"
+        ]
         check = self.sglang_check
         if check.get("diff"):
-            lines.append(f"SGLang's own idle check would only say: token_to_kv_pool_allocator memory leak detected! "
-                         f"available={check['available']}, evictable={check['evictable']}, protected={check['protected']}, diff={check['diff']}")
+            lines.append(
+                f"SGLang's own idle check would only say: token_to_kv_pool_allocator memory leak detected! "
+                f"available={check['available']}, evictable={check['evictable']}, protected={check['protected']}, diff={check['diff']}"
+            )
         return lines
 
 
@@ -90,6 +94,13 @@ def run_demo(fault: str, page_size: int | None = None, trace_path: str | None = 
     result = run_workload(WorkloadConfig(fault=fault, page_size=page_size))
     runtime.deactivate()
     finish_trace(trace_path, os.getpid())
-    return DemoRun(fault=fault, page_size=page_size, trace_path=trace_path, engine_version=probe.version_of('sglang'),
-                   requests=result.requests, evictions=result.evictions, sglang_check=dict(result.sglang_check),
-                   analysis=analyze_recorded(trace_path))
+    return DemoRun(
+        fault=fault,
+        page_size=page_size,
+        trace_path=trace_path,
+        engine_version=probe.version_of("sglang"),
+        requests=result.requests,
+        evictions=result.evictions,
+        sglang_check=dict(result.sglang_check),
+        analysis=analyze_recorded(trace_path),
+    )
