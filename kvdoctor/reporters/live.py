@@ -68,7 +68,6 @@ class LiveView:
     def __init__(self, sampler: SampledTree, detector: MemoryGrowthDetector, pid: int, console: Any = None) -> None:
         """`console`: where to draw (a rich Console; the terminal by default)."""
         from rich.console import Console
-
         from rich.live import Live
 
         self.sampler = sampler
