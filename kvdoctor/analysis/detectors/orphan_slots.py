@@ -1,8 +1,11 @@
-"""orphan_slots: slots neither free, nor in the tree, nor owned by a live request, at a census.
+"""orphan_slots: slots neither free, nor in the tree, nor owned by a live request.
 
-The census runs when the engine goes idle and at exit. The latest census of each allocator is the
-verdict (a later census sees leaks an earlier one saw, unless the pool was cleared in between);
-the largest count seen is kept in the evidence.
+A census runs when the engine goes idle, at exit, and (rolling) every few seconds while it is
+busy. The latest census of each allocator is the verdict (a later census sees leaks an earlier one
+saw, unless the pool was cleared in between); the largest count seen is kept in the evidence.
+Slots a request still owned when it gave back its row are reported by the probe at once; they are
+the finding when no census came after them (a server killed while busy), and the evidence of the
+census's finding otherwise.
 """
 
 from __future__ import annotations
@@ -16,29 +19,54 @@ from kvdoctor.units import as_count
 
 
 class OrphanSlotsDetector:
-    consumes = frozenset({schema.CENSUS})
+    consumes = frozenset({schema.CENSUS, schema.VIOLATION})
 
     def __init__(self) -> None:
         self.latest: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): its latest census
+        self.latest_ts: dict[tuple[int, str], float] = {}
         self.max_seen: dict[tuple[int, str], int] = {}
+        self.at_release: dict[tuple[int, str], dict[str, Any]] = {}  # slots leaked at a request's release
         self.censuses = 0
 
     def feed(self, event: schema.Event) -> None:
+        args = event.args
+        key = (event.pid, str(args.get("allocator", "")))
+        if event.name == schema.VIOLATION:
+            if args.get("kind") == schema.ORPHAN_SLOTS:
+                self._released(key, event)
+            return
         if event.name != schema.CENSUS:
             return
         self.censuses += 1
-        key = (event.pid, str(event.args.get("allocator", "")))
-        self.latest[key] = event.args
-        self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(event.args.get("orphan_slots")))
+        self.latest[key] = args
+        self.latest_ts[key] = event.ts
+        self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(args.get("orphan_slots")))
+
+    def _released(self, key: tuple[int, str], event: schema.Event) -> None:
+        args = event.args
+        found = self.at_release.setdefault(key, {"count": 0, "slot_ids": [], "requests": {}, "allocated_at": {}, "last_ts": 0.0})
+        found["count"] += as_count(args.get("count"))
+        found["last_ts"] = event.ts
+        found["slot_ids"] = (found["slot_ids"] + [i for i in as_list(args.get("slot_ids")) if isinstance(i, int)])[:64]
+        for name in ("requests", "allocated_at"):
+            value = args.get(name)
+            if isinstance(value, dict):
+                for k, v in list(value.items())[:16]:
+                    found[name][str(k)] = as_count(found[name].get(str(k), 0)) + as_count(v)
 
     def findings(self) -> list[Finding]:
         out = []
+        for key, found in self.at_release.items():
+            if key in self.latest and self.latest_ts[key] >= found["last_ts"]:
+                self.latest[key] = {**self.latest[key], "leaked_at_release": found}
+                continue
+            out.append(self._release_finding(key, found))
         for (pid, allocator), args in self.latest.items():
             count = as_count(args.get("orphan_slots"))
             if count:
                 sites = args.get("orphan_allocated_at") if isinstance(args.get("orphan_allocated_at"), dict) else {}
                 top_site = max(sites, key=lambda k: as_count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
-                reqs = args.get("orphan_requests") if isinstance(args.get("orphan_requests"), dict) else {}
+                reqs: dict[str, Any] = args["orphan_requests"] if isinstance(args.get("orphan_requests"), dict) else {}
                 top_req = max(reqs, key=lambda k: as_count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
                 ids = as_list(args.get("orphan_slot_ids"))
                 evidence = {
@@ -54,6 +82,15 @@ class OrphanSlotsDetector:
                     "total_slots": args.get("total_slots"),
                     "pid": pid,
                 }
+                released = args.get("leaked_at_release")
+                if isinstance(released, dict):
+                    # The release named the request that held the slots; a census can name only the
+                    # row, whose last user may be a later request.
+                    evidence["first_seen"] = f"at the release of {', '.join(list(released['requests'])[:4])}"
+                    evidence["requests"] = (
+                        released["requests"] if as_count(released["count"]) >= count else {**reqs, **released["requests"]}
+                    )
+                    top_req = max(released["requests"], key=lambda k: released["requests"][k]) if released["requests"] else top_req
                 shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
                 if args.get("engine") == "vllm":
                     blocks = as_count(args.get("orphan_blocks"))
@@ -86,3 +123,26 @@ class OrphanSlotsDetector:
                     )
                 )
         return out
+
+    @staticmethod
+    def _release_finding(key: tuple[int, str], found: dict[str, Any]) -> Finding:
+        pid, allocator = key
+        count = as_count(found["count"])
+        ids = found["slot_ids"]
+        shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+        sites = found["allocated_at"]
+        top_site = max(sites, key=lambda k: sites[k]) if sites else "unknown"
+        requests = ", ".join(list(found["requests"])[:4]) or "a request"
+        message = (
+            f"{count} KV slot(s) leaked: still owned by {requests} when it gave back its row, never freed nor inserted "
+            f"into the radix tree (slots {shown}); allocated by {top_site}. Found while the server was busy"
+        )
+        evidence = {
+            "allocator": allocator,
+            "census": "release",
+            "slot_ids": ids,
+            "allocated_at": sites,
+            "requests": found["requests"],
+            "pid": pid,
+        }
+        return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)

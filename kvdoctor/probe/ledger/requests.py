@@ -6,30 +6,44 @@ The slot ledger names a slot's owner by its row; this table turns a row into "ri
 
 from __future__ import annotations
 
+import threading
+
+MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
+
 
 class RequestTable:
-    """Which request rows (req_pool_idx) are live, and the request id each one serves."""
+    """Which request rows (req_pool_idx) are live, and the request id each one serves.
+
+    Changed by the scheduler's thread and read by the writer thread's rolling census: changes and
+    `live_rows()` hold a lock."""
 
     def __init__(self) -> None:
         self.live: dict[int, str] = {}
         self.finished: dict[int, str] = {}
         self.ever_allocated = 0
+        self._lock = threading.Lock()
 
     def allocated(self, index: int, rid: str) -> None:
-        self.live[index] = rid
-        self.finished.pop(index, None)
-        self.ever_allocated += 1
+        with self._lock:
+            self.live[index] = rid
+            self.finished.pop(index, None)
+            self.ever_allocated += 1
 
     def freed(self, index: int) -> None:
-        rid = self.live.pop(index, None)
-        if rid is not None:
-            self.finished[index] = rid
-            if len(self.finished) > 4096:  # bounded: forget the oldest finished rows
-                self.finished.pop(next(iter(self.finished)))
+        with self._lock:
+            rid = self.live.pop(index, None)
+            if rid is not None:
+                self.finished[index] = rid
+                if len(self.finished) > MAX_FINISHED_ROWS:  # forget the oldest finished rows
+                    self.finished.pop(next(iter(self.finished)))
 
     def cleared(self) -> None:
         for index in list(self.live):
             self.freed(index)
+
+    def live_rows(self) -> list[int]:
+        with self._lock:
+            return list(self.live)
 
     def describe(self, index: int) -> str:
         if index < 0:
@@ -37,7 +51,7 @@ class RequestTable:
         if index in self.live:
             return f"req_pool_idx {index} (rid {self.live[index]}, live)"
         if index in self.finished:
-            return f"req_pool_idx {index} (rid {self.finished[index]}, finished)"
+            return f"req_pool_idx {index} (last used by rid {self.finished[index]}, finished)"
         return f"req_pool_idx {index}"
 
     @property

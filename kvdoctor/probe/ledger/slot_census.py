@@ -183,7 +183,7 @@ class SlotReadback:
             if idle:
                 orphan_mask = owned | (body == 0)
             else:
-                live = np.array(sorted(self.requests.live), dtype=np.int64)
+                live = np.array(sorted(self.requests.live_rows()), dtype=np.int64)
                 dead_owner = (owner[: self.num_pages + 1] >= 0) & ~np.isin(owner[: self.num_pages + 1], live)
                 orphan_mask = (owned & dead_owner) | (body == 0)
             orphan_mask[0] = False
@@ -194,7 +194,7 @@ class SlotReadback:
                 "reason": reason,
                 "idle": idle,
                 "page_size": self.page_size,
-                "live_requests": len(self.requests.live),
+                "live_requests": len(self.requests.live_rows()),
                 **self.counts(state),
                 "orphan_slots": int(orphan_pages.size) * self.page_size,
                 "orphan_slot_ids": self._slot_ids(orphan_pages),

@@ -277,6 +277,8 @@ class ReqFreeRole(SlotRole):
         index = resolve(req, hook.options.get("req_index_attr", "req_pool_idx"))
         if index is None and isinstance(req, int):
             index = req
+        if isinstance(index, int):
+            sglang_state(probe).check_release(obj, index)
         return index
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
@@ -288,6 +290,12 @@ class ReqFreeRole(SlotRole):
 
 class ReqFreeRowsRole(SlotRole):
     reads = {"indices": 0}
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        state = sglang_state(probe)
+        for index in hook.arg(args, kwargs, "indices") or []:
+            state.check_release(obj, int(index))
+        return None
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
@@ -314,6 +322,7 @@ class ReqWriteRole(SlotRole):
             owner = row
         else:
             return
+        sglang_state(probe).note_row_write(obj, row, indices[1], values)
         with ledger.lock:
             ledger.on_owner(values, owner)
 

@@ -9,10 +9,14 @@ disagreement between the ledger and SGLang is visible in the same event.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvdoctor.probe.hooks import positive_ints
+from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.trace import schema
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
 
 MAX_LAST_LOC_SOURCES = 64  # recent get_last_loc results remembered (to name the rows they read)
+ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
 
 
 class SglangState:
@@ -35,6 +40,9 @@ class SglangState:
         self.last_loc_sources: dict[int, tuple[Any, Any, Any, Any]] = {}
         self.census_pending = False
         self.last_idle_census = -1e9
+        self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
+        self.rolling: dict[int, RollingCensus] = {}
+        self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
 
     # ----- ledgers -----
 
@@ -85,6 +93,46 @@ class SglangState:
         source = self.last_loc_sources.get(id(last_loc))
         return source if source is not None and source[0] is last_loc else None
 
+    # ----- a request's release -----
+
+    def note_row_write(self, pool: Any, rows: Any, columns: Any, values: Any) -> None:
+        """Remembers how far each row of the request pool was written (host pools), so that its
+        release is checked against exactly the slots it pointed at."""
+        extent = self.row_extent
+        if extent is None:
+            table = getattr(pool, "req_to_token", None)
+            if table is None or getattr(table, "device", None) is None or table.device.type != "cpu":
+                return
+            extent = self.row_extent = np.zeros(int(table.shape[0]), dtype=np.int64)
+        if isinstance(rows, int):
+            if isinstance(columns, slice):
+                stop = columns.stop if columns.stop is not None else (columns.start or 0) + int(values.numel())
+            elif hasattr(columns, "numel") and columns.numel():
+                stop = int(columns.max()) + 1
+            else:
+                return
+            if 0 <= rows < extent.size and stop > extent[rows]:
+                extent[rows] = stop
+        elif hasattr(columns, "numel") and columns.numel() == rows.numel():
+            r, c = rows.numpy().reshape(-1), columns.numpy().reshape(-1)
+            inside = (r >= 0) & (r < extent.size)
+            np.maximum.at(extent, r[inside], c[inside] + 1)
+
+    def check_release(self, pool: Any, row: int) -> None:
+        """Before a row is given back: the slots it pointed at must be free or the tree's by now."""
+        if self.row_extent is None or not 0 <= row < self.row_extent.size:
+            return
+        extent = int(self.row_extent[row])
+        self.row_extent[row] = 0
+        ledger = self.primary
+        table = getattr(pool, "req_to_token", None)
+        if not extent or ledger is None or table is None or not ledger.xp.sync_free_branching:
+            return  # a device ledger is left to the rolling census: reading the row would be a sync
+        rid = self.requests.live.get(row, "?")
+        violation = leaked_at_release(ledger, table[row, :extent], row, rid)
+        if violation is not None:
+            self.probe.emitter.emit(schema.VIOLATION, violation)
+
     # ----- censuses -----
 
     def request_rows_freed(self) -> None:
@@ -131,6 +179,12 @@ class SglangState:
             if not probe.ledger_is_on("slots"):
                 break
             try:
+                rolling = self.rolling.get(id(ledger))
+                if rolling is None:
+                    rolling = self.rolling[id(ledger)] = RollingCensus(ledger, self.rolling_interval_s)
+                census = rolling.tick(self.requests.live_rows())
+                if census is not None:
+                    probe.emitter.emit(schema.CENSUS, census)
                 ledger.poll()
                 if ledger.xp.sync_free_branching:
                     probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())

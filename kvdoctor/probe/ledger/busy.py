@@ -1,0 +1,106 @@
+"""Leaks named while the server is busy: at a request's release, and by rolling censuses.
+
+A production server is rarely idle, and an idle census is when the slot ledger used to name
+leaks. Two checks need no idle moment:
+
+- **At release.** SGLang frees a request's slots (or gives them to the radix tree) before it
+  gives back the request's row. The slots the row pointed at (`req_to_token[row, :n]`, `n` the
+  furthest position written to it) that are still owned by that row when it is released are
+  leaked, now, with the request that leaked them.
+- **Rolling census.** Every few seconds a copy of the ledger (asynchronous on a GPU) is read:
+  pages owned by a row that is no longer live, or allocated and never written to any row. Only
+  pages that stay so, unchanged, across two censuses are named: a request caught between its
+  allocation and its row write, or between its frees and its release, is not a leak.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.ledger.states import OWNED
+from kvdoctor.trace import schema
+
+ROLLING_CENSUS_INTERVAL_S = 5.0
+
+
+def leaked_at_release(ledger: SlotLedger, slots: Any, row: int, rid: str) -> dict[str, Any] | None:
+    """The violation for the slots a released row still owns (host ledgers), or None."""
+    pages = np.unique(ledger.xp.index(slots) // ledger.page_size)
+    pages = pages[(pages > 0) & (pages <= ledger.num_pages)]
+    with ledger.lock:
+        still = pages[(ledger.state[pages] == OWNED) & (ledger.owner[pages] == row)]
+        if not still.size:
+            return None
+        args: dict[str, Any] = {
+            "kind": schema.ORPHAN_SLOTS,
+            "when": "release",
+            "allocator": ledger.name,
+            "count": int(still.size) * ledger.page_size,
+            "page_size": ledger.page_size,
+            "request": f"req_pool_idx {row} (rid {rid})",
+            "note": "still owned by the request when it gave back its row: never freed nor inserted into the tree",
+        }
+        args.update(ledger._page_evidence(still, ledger.owner, ledger.alloc_site))
+    args["requests"] = {args["request"]: args["count"]}  # the row's request now, not whoever uses the row later
+    return args
+
+
+class RollingCensus:
+    """The rolling census of one ledger: a snapshot every interval, evaluated when it has landed."""
+
+    def __init__(self, ledger: SlotLedger, interval_s: float = ROLLING_CENSUS_INTERVAL_S) -> None:
+        self.ledger = ledger
+        self.interval_s = interval_s
+        self.next_s = time.monotonic() + interval_s
+        self._pending: Any = None
+        self._pending_live: list[int] = []
+        self._previous: dict[int, tuple[int, int]] = {}
+        self._reported: tuple[int, ...] = (0,)  # nothing reported: the first clean census says nothing
+
+    def tick(self, live_rows: list[int]) -> dict[str, Any] | None:
+        """Called from the writer thread; returns the census to emit when its verdict changed."""
+        ledger = self.ledger
+        if self._pending is None:
+            if time.monotonic() < self.next_s:
+                return None
+            self.next_s = time.monotonic() + self.interval_s
+            with ledger.lock:
+                self._pending = ledger.xp.snapshot([ledger.state, ledger.owner, ledger.alloc_site])
+                self._pending_live = live_rows
+            if not self._pending.ready():
+                return None
+        elif not self._pending.ready():
+            return None
+        state, owner, alloc_site = self._pending.get()
+        live = np.array(self._pending_live, dtype=np.int64)
+        self._pending = None
+        body = slice(1, ledger.num_pages + 1)
+        owned = state[body] == OWNED
+        unowned_or_dead = (owner[body] < 0) | ~np.isin(owner[body], live)
+        pages = np.nonzero(owned & unowned_or_dead)[0] + 1
+        current = {int(p): (int(owner[p]), int(alloc_site[p])) for p in pages}
+        persisted = np.array(sorted(p for p, sign in current.items() if self._previous.get(p) == sign), dtype=np.int64)
+        self._previous = current
+        key = tuple(int(p) for p in persisted[:64]) + (int(persisted.size),)
+        if key == self._reported:
+            return None
+        self._reported = key
+        counts = ledger.counts(state)
+        counts.pop("tree_freed_slots")  # judged at idle and exit only: a rolling census is not a tree audit
+        return {
+            "allocator": ledger.name,
+            "reason": "rolling",
+            "idle": False,
+            "page_size": ledger.page_size,
+            "live_requests": len(live),
+            **counts,
+            "orphan_slots": int(persisted.size) * ledger.page_size,
+            "orphan_slot_ids": ledger._slot_ids(persisted),
+            "orphan_allocated_at": ledger._alloc_sites(alloc_site, persisted),
+            "orphan_requests": ledger._requests(owner, persisted),
+            "persisted_s": self.interval_s,
+        }
