@@ -41,6 +41,10 @@ FIX_APPLIED = "fix_applied"  # ph i: an optional fix changed the host's behaviou
 # The counters a trace carries, one row per event when exported as a table.
 COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, HICACHE_COUNTER, PROBE_STATS})
 
+# The call site given to slots that were in use, held by no request or tree node, when the probe
+# adopted an allocator's state late (attach): they leaked before it arrived.
+SITE_BEFORE_ATTACH = "before kvdoctor attached"
+
 CAT_PROBE = "kvdoctor.probe"
 CAT_SAMPLER = "kvdoctor.sampler"
 CAT_ANALYSIS = "kvdoctor.analysis"

@@ -101,6 +101,12 @@ class OrphanSlotsDetector:
                         f"but held by no live request at the {args.get('reason', '')} census (slots {shown}); allocated "
                         f"by {top_site} for {top_req}, and their reference count never went back to 0"
                     )
+                elif top_site == schema.SITE_BEFORE_ATTACH:
+                    message = (
+                        f"{count} KV slot(s) leaked before kvdoctor attached: when it adopted the allocator's state no live "
+                        f"request and no tree node held them, and none did at the {args.get('reason', '')} census (slots "
+                        f"{shown}). This is SGLang's 'memory leak detected ... diff={count}', with names"
+                    )
                 else:
                     message = (
                         f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
+BEFORE_ATTACH = -2  # the owner of slots held by no one when the probe adopted the allocator
 
 
 class RequestTable:
@@ -46,6 +47,8 @@ class RequestTable:
             return list(self.live)
 
     def describe(self, index: int) -> str:
+        if index == BEFORE_ATTACH:
+            return "no request or tree node when kvdoctor attached (leaked before attach)"
         if index < 0:
             return "unknown request"
         if index in self.live:

@@ -19,6 +19,7 @@ from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.sglang.adopt import adopt, needs_adoption
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -61,19 +62,36 @@ class SglangState:
         self.hosts[id(ledger)] = allocator
         if self.primary is None:
             self.primary = ledger
-        probe.emitter.emit(
-            schema.PROBE_STATUS,
-            {
-                "component": "ledger",
-                "state": "on",
-                "reason": f"ledger for {name}",
-                "allocator": name,
-                "size": size,
-                "page_size": page_size,
-                "device": str(device),
-            },
-        )
+        status = {
+            "component": "ledger",
+            "state": "on",
+            "reason": f"ledger for {name}",
+            "allocator": name,
+            "size": size,
+            "page_size": page_size,
+            "device": str(device),
+        }
+        free_pages = host_free_pages(allocator)
+        if needs_adoption(ledger, free_pages):
+            found = adopt(self, ledger, allocator, free_pages, self._map_classes("tree"), self._request_index_attr())
+            status.update(found)
+            status["reason"] = (
+                f"ledger for {name}, adopted in use: {found['free_slots']} slots free, {found['tree_slots']} in the tree, "
+                f"{found['live_requests']} live request(s), {found['held_by_no_one_slots']} held by no one (leaked before attach)"
+            )
+        probe.emitter.emit(schema.PROBE_STATUS, status)
         return ledger
+
+    def _map_classes(self, kind: str) -> set[str]:
+        probe_map = self.probe.maps.get("sglang")
+        return {c.cls for c in probe_map.classes if c.kind == kind} if probe_map is not None else set()
+
+    def _request_index_attr(self) -> str:
+        probe_map = self.probe.maps.get("sglang")
+        for spec in probe_map.classes if probe_map is not None else []:
+            if spec.kind == "requests":
+                return str(spec.options.get("req_index_attr", "req_pool_idx"))
+        return "req_pool_idx"
 
     def tree_ledger(self, tree: Any) -> SlotLedger | None:
         """The ledger of the allocator a radix tree frees into (None if the tree names none)."""
