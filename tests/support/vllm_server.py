@@ -15,6 +15,9 @@ import sys
 import time
 from typing import Any
 
+import servers
+from servers import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV = os.path.join(REPO, ".venv-vllm")
 VENV_PYTHON = os.path.join(VENV, "bin", "python")
@@ -40,12 +43,6 @@ def ensure_model() -> str:
             [VENV_PYTHON, os.path.join(REPO, "tests", "support", "vllm_model.py"), MODEL_DIR], check=True, capture_output=True, timeout=300
         )
     return MODEL_DIR
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -127,27 +124,7 @@ class Server:
     def descendants(self) -> dict[int, str]:
         """pid -> title of every process under this run (the API server, EngineCore, Worker)."""
         assert self.proc is not None
-        parent: dict[int, int] = {}
-        titles: dict[int, str] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    stat = fh.read()
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    titles[int(entry)] = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-        out: dict[int, str] = {}
-        frontier = {self.proc.pid}
-        while frontier:
-            kids = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in out}
-            for pid in kids:
-                out[pid] = titles.get(pid, "")
-            frontier = kids
-        return out
+        return servers.descendants(self.proc.pid)
 
     def engine_core_pid(self) -> int | None:
         for pid, title in self.descendants().items():
@@ -156,36 +133,11 @@ class Server:
         return None
 
     def stop(self, timeout_s: float = 90.0) -> int | None:
-        """SIGINT, as Ctrl-C would (kvdoctor run forwards it); then SIGKILL to the group if it hangs."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGINT)
-                self.returncode = self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                self.returncode = self.proc.wait(timeout=30)
-        else:
-            self.returncode = self.proc.returncode
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of this run's session still left
-        except OSError:
-            pass
-        self._log.close()
+        self.returncode = servers.stop(self.proc, self._log, timeout_s)
         return self.returncode
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as fh:
-                data = fh.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-        lines = [ln for ln in data.splitlines() if "is ignored: it is neither a file" not in ln]
-        return "\n".join(lines)[-n:]
+        return servers.log_tail(self.log_path, n)
 
     def fault(self) -> dict[str, Any] | None:
         try:

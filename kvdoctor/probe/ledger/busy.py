@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvdoctor.probe.ledger.requests import RELEASED
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.ledger.states import OWNED
 from kvdoctor.trace import schema
@@ -45,6 +46,7 @@ def leaked_at_release(ledger: SlotLedger, slots: Any, row: int, rid: str) -> dic
             "note": "still owned by the request when it gave back its row: never freed nor inserted into the tree",
         }
         args.update(ledger._page_evidence(still, ledger.owner, ledger.alloc_site))
+        ledger.owner[still] = RELEASED  # no longer the row's: the next request in that row must not inherit them
     args["requests"] = {args["request"]: args["count"]}  # the row's request now, not whoever uses the row later
     return args
 

@@ -10,6 +10,8 @@ import threading
 
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
 BEFORE_ATTACH = -2  # the owner of slots held by no one when the probe adopted the allocator
+RELEASED = -3  # the owner of slots a request still held when it gave back its row (its row may serve another now)
+ORPHANED_OWNERS = (BEFORE_ATTACH, RELEASED)  # owners that make an owned slot an orphan at any census
 
 
 class RequestTable:
@@ -49,6 +51,8 @@ class RequestTable:
     def describe(self, index: int) -> str:
         if index == BEFORE_ATTACH:
             return "no request or tree node when kvdoctor attached (leaked before attach)"
+        if index == RELEASED:
+            return "a request that released its row without freeing them (leaked at release)"
         if index < 0:
             return "unknown request"
         if index in self.live:

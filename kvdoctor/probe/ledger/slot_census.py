@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvdoctor.probe.callsites import CallSites
-from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, RequestTable
+from kvdoctor.probe.ledger.requests import ORPHANED_OWNERS, RequestTable
 from kvdoctor.probe.ledger.states import FREE, KIND_BITS, KIND_SLOT, MAX_IDS_IN_EVIDENCE, MAX_NAMED_PAGES, OWNED, TREE
 from kvdoctor.trace import schema
 
@@ -185,7 +185,7 @@ class SlotReadback:
             else:
                 live = np.array(sorted(self.requests.live_rows()), dtype=np.int64)
                 rows = owner[: self.num_pages + 1]
-                dead_owner = ((rows >= 0) & ~np.isin(rows, live)) | (rows == BEFORE_ATTACH)
+                dead_owner = ((rows >= 0) & ~np.isin(rows, live)) | np.isin(rows, ORPHANED_OWNERS)
                 orphan_mask = (owned & dead_owner) | (body == 0)
             orphan_mask[0] = False
             orphan_pages = np.nonzero(orphan_mask)[0]

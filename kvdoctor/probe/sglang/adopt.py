@@ -59,13 +59,11 @@ def adopt(
         rows = set(range(1, int(table.shape[0]))) - {int(r) for r in getattr(pool, "free_slots", [])}
         live_rows |= rows
         for row in sorted(rows):
-            found = requests.get(row)
+            found = _request_of(requests.get(row, []), table[row], ps, ledger, st)
             if found is None:
                 read_whole += 1
-                length = int(table.shape[1])
-                rid = "?"
-            else:
-                rid, length = found
+                found = ("?", int(table.shape[1]))
+            rid, length = found
             pages = _pages(table[row, :length], ps, ledger)
             pages = pages[st[pages] == OWNED]
             owner[pages] = row
@@ -92,6 +90,20 @@ def adopt(
     }
 
 
+def _request_of(
+    candidates: list[tuple[str, int]], row_slots: Any, page_size: int, ledger: SlotLedger, st: np.ndarray
+) -> tuple[str, int] | None:
+    """The request in a row: of the request objects naming that row (another engine in the same
+    process may have one too), the longest whose slots are all in use in this allocator."""
+    best: tuple[str, int] | None = None
+    for rid, length in candidates:
+        if 0 < length <= row_slots.shape[0] and (best is None or length > best[1]):
+            pages = _pages(row_slots[:length], page_size, ledger)
+            if pages.size and not np.any(st[pages] == FREE):
+                best = (rid, length)
+    return best
+
+
 def _pages(values: Any, page_size: int, ledger: SlotLedger, *, as_pages: bool = False) -> np.ndarray:
     if values is None:
         return np.zeros(0, dtype=np.int64)
@@ -107,13 +119,13 @@ def _tree_values(tree: Any) -> Any:
         return None
 
 
-def _find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> tuple[list[Any], list[Any], dict[int, tuple[str, int]]]:
+def _find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> tuple[list[Any], list[Any], dict[int, list[tuple[str, int]]]]:
     """The trees (of the map's tree classes) and request pools that use `allocator`, and row ->
-    (rid, allocated length) of the request objects in the heap. Attributes are read only from
+    [(rid, allocated length)] of the request objects in the heap. Attributes are read only from
     objects of those classes (by name), so no other object's properties run."""
     length_attr = index_attr.rsplit(".", 1)[0] + ".kv_allocated_len" if "." in index_attr else "kv_allocated_len"
     trees: list[Any] = []
-    requests: dict[int, tuple[str, int]] = {}
+    requests: dict[int, list[tuple[str, int]]] = {}
     for obj in gc.get_objects():
         name = type(obj).__name__
         try:
@@ -123,7 +135,7 @@ def _find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> tu
                 row = resolve(obj, index_attr)
                 length = resolve(obj, length_attr)
                 if isinstance(row, int) and isinstance(length, int):
-                    requests[row] = (str(getattr(obj, "rid", "?")), length)
+                    requests.setdefault(row, []).append((str(getattr(obj, "rid", "?")), length))
         except Exception:
             continue
     pools = list({id(p): p for p in (getattr(t, "req_to_token_pool", None) for t in trees) if p is not None}.values())

@@ -14,22 +14,11 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.probe import fixes
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument, resolve
 from kvdoctor.probe.ledger.slots import SlotLedger
-from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.probe.sglang.state import group_open, sglang_state
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
-
-
-def _group_open(obj: Any, hook: Hook) -> bool:
-    """A free group is open: frees are staged and recorded when the group ends."""
-    attr = hook.options.get("group_attr")
-    if not attr:
-        return False
-    value = getattr(obj, attr, None)
-    if hook.options.get("group_open_when") == "false":
-        return value is False
-    return value is not None
 
 
 class SlotRole(Role):
@@ -133,7 +122,7 @@ class FreeRole(SlotRole):
     as_pages = False
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        if _group_open(obj, hook):
+        if group_open(obj, hook.options):
             return None  # staged in the group; recorded when the group ends
         return (sglang_state(probe).ledger_for(obj), site)
 
@@ -176,6 +165,7 @@ class GroupEndRole(SlotRole):
             for pages in staged:
                 if hasattr(pages, "numel") and pages.numel():
                     ledger.on_free(pages, site, evicting=probe.local.evicting > 0, as_pages=True)
+        sglang_state(probe).judge_deferred_releases()
 
 
 class ClearRole(SlotRole):

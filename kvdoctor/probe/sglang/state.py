@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MAX_LAST_LOC_SOURCES = 64  # recent get_last_loc results remembered (to name the rows they read)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
+QUIET_S = 1.0  # an idle engine this long without a release gets its census from the writer thread
 
 
 class SglangState:
@@ -41,6 +42,8 @@ class SglangState:
         self.last_loc_sources: dict[int, tuple[Any, Any, Any, Any]] = {}
         self.census_pending = False
         self.last_idle_census = -1e9
+        self.last_release_s = -1e9
+        self.deferred_releases: list[tuple[Any, int, str]] = []  # (slots, row, rid) judged at a group's end
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
@@ -147,15 +150,58 @@ class SglangState:
         if not extent or ledger is None or table is None or not ledger.xp.sync_free_branching:
             return  # a device ledger is left to the rolling census: reading the row would be a sync
         rid = self.requests.live.get(row, "?")
-        violation = leaked_at_release(ledger, table[row, :extent], row, rid)
+        slots = table[row, :extent]
+        allocator = self.hosts.get(id(ledger))
+        if allocator is not None and group_open(allocator, self.allocator_options(allocator)):
+            # The scheduler frees a batch's slots in a group and applies them at the group's end,
+            # after it gave back the rows: judge the row then (a copy: the row is reused).
+            self.deferred_releases.append((slots.clone(), row, rid))
+            return
+        self._judge_release(ledger, slots, row, rid)
+
+    def judge_deferred_releases(self) -> None:
+        """At a free group's end, once its frees are in the ledger."""
+        pending, self.deferred_releases = self.deferred_releases, []
+        ledger = self.primary
+        if ledger is None:
+            return
+        for slots, row, rid in pending:
+            self._judge_release(ledger, slots, row, rid)
+
+    def _judge_release(self, ledger: SlotLedger, slots: Any, row: int, rid: str) -> None:
+        violation = leaked_at_release(ledger, slots, row, rid)
         if violation is not None:
             self.probe.emitter.emit(schema.VIOLATION, violation)
+
+    def allocator_options(self, allocator: Any) -> dict[str, Any]:
+        """The map's options for this allocator's class (free-group attributes and the like)."""
+        probe_map = self.probe.maps.get("sglang")
+        names = {c.__name__ for c in type(allocator).__mro__}
+        for spec in probe_map.classes if probe_map is not None else []:
+            if spec.kind == "allocator" and spec.cls in names and spec.options:
+                return spec.options
+        return {}
 
     # ----- censuses -----
 
     def request_rows_freed(self) -> None:
+        self.last_release_s = time.monotonic()
         if self.requests.idle:
             self.census_pending = True
+
+    def quiet_census_if_due(self) -> None:
+        """From the writer thread: the idle census the last release asked for, once the engine has
+        stayed idle for QUIET_S (no allocation came to take it)."""
+        now = time.monotonic()
+        if (
+            self.census_pending
+            and self.requests.idle
+            and now - self.last_release_s >= QUIET_S
+            and now - self.last_idle_census >= self.probe.idle_census_interval_s
+        ):
+            self.census_pending = False
+            self.last_idle_census = now
+            self.census_all("idle")
 
     def census_if_due(self) -> None:
         """Before an allocation: the idle census the last free asked for, if the rate limit allows."""
@@ -193,6 +239,8 @@ class SglangState:
     # ----- EngineState -----
 
     def periodic(self, probe: Probe) -> None:
+        if probe.ledger_is_on("slots"):
+            self.quiet_census_if_due()
         for ledger in list(self.ledgers.values()):
             if not probe.ledger_is_on("slots"):
                 break
@@ -218,6 +266,17 @@ class SglangState:
             self.census_all(reason)
             for ledger in self.ledgers.values():
                 probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+
+
+def group_open(allocator: Any, options: dict[str, Any]) -> bool:
+    """A free group is open on the allocator: its frees are staged and applied at the group's end."""
+    attr = options.get("group_attr")
+    if not attr:
+        return False
+    value = getattr(allocator, attr, None)
+    if options.get("group_open_when") == "false":
+        return value is False
+    return value is not None
 
 
 def sglang_state(probe: Probe) -> SglangState:

@@ -1,0 +1,77 @@
+"""What the real-server tests share: a free port, a server's process tree, stopping it the way an
+operator would (SIGINT, then SIGKILL to its session if it hangs), and its log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from typing import IO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(root_pid: int) -> dict[int, str]:
+    """pid -> command line (or title) of every process below `root_pid`."""
+    parent: dict[int, int] = {}
+    titles: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                titles[int(entry)] = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out: dict[int, str] = {}
+    frontier = {root_pid}
+    while frontier:
+        kids = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in out}
+        for pid in kids:
+            out[pid] = titles.get(pid, "")
+        frontier = kids
+    return out
+
+
+def stop(proc: subprocess.Popen | None, log: IO[bytes] | None, timeout_s: float = 90.0) -> int | None:
+    """SIGINT, as Ctrl-C would (kvdoctor run forwards it); SIGKILL to the session if it hangs, and
+    to whatever of the session is still left afterwards."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            code = proc.wait(timeout=30)
+    else:
+        code = proc.returncode
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    if log is not None:
+        log.close()
+    return code
+
+
+def log_tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [ln for ln in data.splitlines() if "is ignored: it is neither a file" not in ln]
+    return "\n".join(lines)[-n:]

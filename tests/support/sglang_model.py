@@ -1,0 +1,43 @@
+"""Makes the tiny model the SGLang server tests serve: a 1,024-entry byte-level BPE tokenizer trained
+on a few sentences and a random bf16 Llama (hidden 256, 2 layers, 4 heads / 2 KV heads), saved
+locally. No download.
+
+    python tests/support/sglang_model.py OUT_DIR
+"""
+
+import os
+import sys
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+
+def make(out: str) -> None:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Hello world, this is a tiny tokenizer for SGLang tests.",
+        "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore.",
+    ] * 50
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(out)
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(fast), max_position_embeddings=2048, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, torch_dtype="bfloat16", tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+
+
+if __name__ == "__main__":
+    target = sys.argv[1]
+    if not os.path.exists(os.path.join(target, "config.json")):
+        make(target)
+    print(target)

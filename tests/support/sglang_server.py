@@ -1,0 +1,199 @@
+"""Starts a real SGLang 0.5.23 server on this CPU machine (`python -m sglang.launch_server --device
+cpu`, the tiny local model in `.venv/sglang-tiny-model`), optionally under `kvdoctor run`, drives
+it with SGLang's own `bench_serving` and with a client of shared prefixes, aborts and long prompts,
+and stops it the way an operator would (SIGINT).
+
+Faults are planted by `tests/support/sglang_fault/sitecustomize.py` (put on the server's PYTHONPATH):
+`fault="leak"` skips one `free`, `"double-free"` repeats one, `"stale-last-loc"` and
+`"index-out-of-range"` change one `last_loc` handed to `alloc_decode`; what was planted is written
+to `fault.json`. `attach_on_signal=True` lets the test put the probe in later (SIGUSR2 to the
+scheduler runs the very code `kvdoctor attach` injects), for a server started without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import loadgen
+import servers
+from servers import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUPPORT = os.path.join(REPO, "tests", "support")
+FAULT_DIR = os.path.join(SUPPORT, "sglang_fault")
+PYTHON = os.path.join(REPO, ".venv", "bin", "python")
+MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-model")
+BASE_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--mem-fraction-static", "0.05", "--sleep-on-idle", "--log-level", "warning"]
+
+
+def available() -> str:
+    """'' when a server can start here, else why not."""
+    if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
+        return f"{MODEL_DIR} is missing: run .ci/setup (it makes the tiny model)"
+    probe = subprocess.run([PYTHON, "-c", "import fastapi, uvicorn, sglang.srt.entrypoints.http_server"], capture_output=True,
+                           env=server_env({}), timeout=120)
+    if probe.returncode != 0:
+        return "the SGLang server's packages do not import: run .ci/setup (" + probe.stderr.decode()[-300:] + ")"
+    return ""
+
+
+def vocab_size() -> int:
+    with open(os.path.join(MODEL_DIR, "config.json")) as fh:
+        return int(json.load(fh)["vocab_size"])
+
+
+def server_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith("KVDOCTOR_"):
+            del env[key]
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([FAULT_DIR, SUPPORT])})  # the fault sitecustomize; the sgl_kernel stand-in
+    env.update(extra)
+    return env
+
+
+class Server:
+    """One server run; `flags` are SGLang's (page size, radix cache, chunked prefill, policy)."""
+
+    def __init__(self, workdir: str, *, flags: list[str] | None = None, probe: bool = True, fault: str = "", fault_at: int = 0,
+                 attach_on_signal: bool = False, max_total_tokens: int = 16384) -> None:
+        self.workdir = workdir
+        self.flags = list(flags or [])
+        self.probe = probe
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.trace = os.path.join(workdir, "sglang.kvtrace.json")
+        self.fault_out = os.path.join(workdir, "fault.json")
+        self.attach_params = os.path.join(workdir, "attach-params.json")
+        self.log_path = os.path.join(workdir, "server.log")
+        self.extra_env = {"KVDOCTOR_TEST_FAULT": fault, "KVDOCTOR_TEST_FAULT_AT": str(fault_at), "KVDOCTOR_TEST_FAULT_OUT": self.fault_out}
+        if fault:
+            # SGLang's own idle check ends the scheduler at the first leak it counts; the planted
+            # fault is for kvdoctor to name, on a server that keeps serving. Clean runs keep it on.
+            self.extra_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "false"
+        if attach_on_signal:
+            self.extra_env["KVDOCTOR_TEST_ATTACH_PARAMS"] = self.attach_params
+        self.max_total_tokens = max_total_tokens
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+        self.returncode: int | None = None
+
+    def command(self) -> list[str]:
+        serve = [PYTHON, "-m", "sglang.launch_server", "--model-path", MODEL_DIR, "--port", str(self.port),
+                 "--max-total-tokens", str(self.max_total_tokens), *BASE_FLAGS, *self.flags]
+        if not self.probe:
+            return serve
+        return [PYTHON, "-m", "kvdoctor.cli", "run", "--trace", self.trace, "--"] + serve
+
+    def start(self, timeout_s: float = 240.0) -> Server:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command(), env=server_env(self.extra_env), cwd=self.workdir, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            loadgen.wait_healthy(self.base_url, timeout_s, proc=self.proc)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"SGLang server did not come up; log tail:\n{self.log_tail()}") from None
+        return self
+
+    def scheduler_pid(self) -> int | None:
+        assert self.proc is not None
+        for pid, title in servers.descendants(self.proc.pid).items():
+            if title.startswith("sglang::scheduler"):
+                return pid
+        return None
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, *, timeout_s: float = 120.0) -> dict[str, Any]:
+        body = json.dumps({"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                                                         "ignore_eos": True}}).encode()
+        request = urllib.request.Request(self.base_url + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def conversations(self, turns: int = 3, users: int = 6, *, long_every: int = 4, abort_every: int = 5, seed: int = 0) -> dict[str, int]:
+        """Multi-turn chats from `users` threads: each turn resends the whole history (shared
+        prefixes for the radix tree), every `long_every`-th user sends long prompts (evictions,
+        retractions on a small pool), every `abort_every`-th request is abandoned mid-flight."""
+        prompts = loadgen.make_prompts(users, seed=seed, groups=2, prefix_len=64, suffix_len=(8, 32), vocab=vocab_size())
+        counts = {"ok": 0, "aborted": 0, "errors": 0}
+        lock = threading.Lock()
+
+        def user(number: int) -> None:
+            history = list(prompts[number])
+            if long_every and number % long_every == long_every - 1:
+                history = history * 12
+            for turn in range(turns):
+                abandon = abort_every and (number * turns + turn) % abort_every == abort_every - 1
+                try:
+                    out = self.generate(history, 48, timeout_s=0.05 if abandon else 120.0)
+                    history += out.get("output_ids", [])[:16] + prompts[(number + turn) % len(prompts)][:12]
+                    key = "ok"
+                except Exception:
+                    key = "aborted" if abandon else "errors"
+                with lock:
+                    counts[key] += 1
+
+        threads = [threading.Thread(target=user, args=(n,)) for n in range(users)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return counts
+
+    def bench_serving(self, prompts: int = 48, concurrency: int = 8) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [PYTHON, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(self.port),
+             "--model", MODEL_DIR, "--tokenizer", MODEL_DIR, "--dataset-name", "random-ids", "--num-prompts", str(prompts),
+             "--random-input-len", "96", "--random-output-len", "24", "--max-concurrency", str(concurrency), "--disable-tqdm"],
+            env=server_env({}), capture_output=True, text=True, timeout=600, cwd=self.workdir,
+        )
+
+    def attach_now(self, trace: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Puts the probe into the running scheduler with the code `kvdoctor attach` injects."""
+        from kvdoctor import PACKAGE_ROOT
+
+        status = os.path.join(self.workdir, "attach-status.json")
+        with open(self.attach_params, "w") as fh:
+            json.dump({"trace_path": trace, "fixes": [], "attribution": False, "status_path": status, "package_root": PACKAGE_ROOT}, fh)
+        pid = self.scheduler_pid()
+        assert pid, "no sglang::scheduler process"
+        os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(status):
+                with open(status) as fh:
+                    return json.load(fh)
+            time.sleep(0.2)
+        raise TimeoutError("the scheduler did not answer the attach")
+
+    def stop(self, timeout_s: float = 120.0) -> int | None:
+        self.returncode = servers.stop(self.proc, self._log, timeout_s)
+        return self.returncode
+
+    def log_tail(self, n: int = 4000) -> str:
+        return servers.log_tail(self.log_path, n)
+
+    def fault(self) -> dict[str, Any] | None:
+        try:
+            with open(self.fault_out) as fh:
+                return json.load(fh)
+        except OSError:
+            return None
+
+
+def replay(trace: str) -> tuple[int, dict[str, Any]]:
+    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    try:
+        return proc.returncode, json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"replay gave no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}") from None
