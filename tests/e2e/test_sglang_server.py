@@ -21,12 +21,9 @@ from conftest import SUPPORT
 
 sys.path.insert(0, SUPPORT)
 
-import sglang_server  # noqa: E402
+import sglang_server
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(bool(sglang_server.available()), reason=sglang_server.available() or "ok"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(sglang_server.available()), reason=sglang_server.available() or "ok")]
 
 
 def _events(trace: str) -> list[dict]:
@@ -52,8 +49,14 @@ def _drive(server: sglang_server.Server) -> None:
 CONFIGS = {
     "radix, page 1": [],
     "page 16, chunked prefill 64, fcfs": ["--page-size", "16", "--chunked-prefill-size", "64", "--schedule-policy", "fcfs"],
-    "no radix cache, page 16, no overlap, lof": ["--disable-radix-cache", "--page-size", "16", "--disable-overlap-schedule",
-                                                 "--schedule-policy", "lof"],
+    "no radix cache, page 16, no overlap, lof": [
+        "--disable-radix-cache",
+        "--page-size",
+        "16",
+        "--disable-overlap-schedule",
+        "--schedule-policy",
+        "lof",
+    ],
 }
 
 
@@ -91,7 +94,9 @@ def test_a_leak_is_named_within_seconds_while_the_load_goes_on(tmp_path):
             time.sleep(0.5)
             planted = (server.fault() or {}).get("leak")
             if planted and os.path.exists(server.trace):
-                named = next((e for e in _events(server.trace) if e["name"] == "violation" and e["args"].get("kind") == "orphan_slots"), None)
+                named = next(
+                    (e for e in _events(server.trace) if e["name"] == "violation" and e["args"].get("kind") == "orphan_slots"), None
+                )
         assert planted and named, "the planted leak was not named"
         delay_s = named["ts"] / 1e6 - planted["time_s"]
         assert delay_s < 10.0 and loader.is_alive(), f"named {delay_s:.1f} s after the drop"
@@ -126,8 +131,9 @@ def test_planted_double_free_stale_last_loc_and_index_out_of_range_are_counted_e
 def test_a_probe_put_into_a_server_that_already_leaked_names_exactly_what_it_lost(tmp_path):
     """Started without kvdoctor; a leak; then the probe goes in with the code `kvdoctor attach`
     injects (gdb itself cannot call into processes on this machine: see test_attach)."""
-    server = sglang_server.Server(str(tmp_path), probe=False, flags=["--disable-radix-cache"], fault="leak", fault_at=10,
-                                  attach_on_signal=True).start()
+    server = sglang_server.Server(
+        str(tmp_path), probe=False, flags=["--disable-radix-cache"], fault="leak", fault_at=10, attach_on_signal=True
+    ).start()
     trace = str(tmp_path / "attached.kvtrace.json")
     try:
         _drive(server)

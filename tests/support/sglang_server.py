@@ -38,8 +38,9 @@ def available() -> str:
     """'' when a server can start here, else why not."""
     if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
         return f"{MODEL_DIR} is missing: run .ci/setup (it makes the tiny model)"
-    probe = subprocess.run([PYTHON, "-c", "import fastapi, uvicorn, sglang.srt.entrypoints.http_server"], capture_output=True,
-                           env=server_env({}), timeout=120)
+    probe = subprocess.run(
+        [PYTHON, "-c", "import fastapi, uvicorn, sglang.srt.entrypoints.http_server"], capture_output=True, env=server_env({}), timeout=120
+    )
     if probe.returncode != 0:
         return "the SGLang server's packages do not import: run .ci/setup (" + probe.stderr.decode()[-300:] + ")"
     return ""
@@ -55,8 +56,15 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
     for key in list(env):
         if key.startswith("KVDOCTOR_"):
             del env[key]
-    env.update({"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([FAULT_DIR, SUPPORT])})  # the fault sitecustomize; the sgl_kernel stand-in
+    env.update(
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([FAULT_DIR, SUPPORT]),
+        }
+    )  # the fault sitecustomize; the sgl_kernel stand-in
     env.update(extra)
     return env
 
@@ -64,8 +72,17 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
 class Server:
     """One server run; `flags` are SGLang's (page size, radix cache, chunked prefill, policy)."""
 
-    def __init__(self, workdir: str, *, flags: list[str] | None = None, probe: bool = True, fault: str = "", fault_at: int = 0,
-                 attach_on_signal: bool = False, max_total_tokens: int = 16384) -> None:
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        flags: list[str] | None = None,
+        probe: bool = True,
+        fault: str = "",
+        fault_at: int = 0,
+        attach_on_signal: bool = False,
+        max_total_tokens: int = 16384,
+    ) -> None:
         self.workdir = workdir
         self.flags = list(flags or [])
         self.probe = probe
@@ -88,16 +105,33 @@ class Server:
         self.returncode: int | None = None
 
     def command(self) -> list[str]:
-        serve = [PYTHON, "-m", "sglang.launch_server", "--model-path", MODEL_DIR, "--port", str(self.port),
-                 "--max-total-tokens", str(self.max_total_tokens), *BASE_FLAGS, *self.flags]
+        serve = [
+            PYTHON,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            MODEL_DIR,
+            "--port",
+            str(self.port),
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            *BASE_FLAGS,
+            *self.flags,
+        ]
         if not self.probe:
             return serve
         return [PYTHON, "-m", "kvdoctor.cli", "run", "--trace", self.trace, "--"] + serve
 
     def start(self, timeout_s: float = 240.0) -> Server:
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), env=server_env(self.extra_env), cwd=self.workdir, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=server_env(self.extra_env),
+            cwd=self.workdir,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             loadgen.wait_healthy(self.base_url, timeout_s, proc=self.proc)
         except Exception:
@@ -113,8 +147,9 @@ class Server:
         return None
 
     def generate(self, input_ids: list[int], max_new_tokens: int, *, timeout_s: float = 120.0) -> dict[str, Any]:
-        body = json.dumps({"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
-                                                                         "ignore_eos": True}}).encode()
+        body = json.dumps(
+            {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        ).encode()
         request = urllib.request.Request(self.base_url + "/generate", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return json.loads(resp.read())
@@ -151,10 +186,37 @@ class Server:
 
     def bench_serving(self, prompts: int = 48, concurrency: int = 8) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [PYTHON, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(self.port),
-             "--model", MODEL_DIR, "--tokenizer", MODEL_DIR, "--dataset-name", "random-ids", "--num-prompts", str(prompts),
-             "--random-input-len", "96", "--random-output-len", "24", "--max-concurrency", str(concurrency), "--disable-tqdm"],
-            env=server_env({}), capture_output=True, text=True, timeout=600, cwd=self.workdir,
+            [
+                PYTHON,
+                "-m",
+                "sglang.bench_serving",
+                "--backend",
+                "sglang",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--model",
+                MODEL_DIR,
+                "--tokenizer",
+                MODEL_DIR,
+                "--dataset-name",
+                "random-ids",
+                "--num-prompts",
+                str(prompts),
+                "--random-input-len",
+                "96",
+                "--random-output-len",
+                "24",
+                "--max-concurrency",
+                str(concurrency),
+                "--disable-tqdm",
+            ],
+            env=server_env({}),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=self.workdir,
         )
 
     def attach_now(self, trace: str, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -191,8 +253,9 @@ class Server:
 
 
 def replay(trace: str) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:

@@ -36,8 +36,10 @@ _FAULTS = {f for f in os.environ.get("KVDOCTOR_TEST_FAULT", "").split(",") if f}
 _AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_AT", "0") or 0)
 _OUT = os.environ.get("KVDOCTOR_TEST_FAULT_OUT", "")
 _ATTACH_PARAMS = os.environ.get("KVDOCTOR_TEST_ATTACH_PARAMS", "")
-_MODULES = {"sglang.srt.mem_cache.allocator.base": ("leak", "double-free"),
-            "sglang.srt.mem_cache.allocator.paged": ("stale-last-loc", "index-out-of-range")}
+_MODULES = {
+    "sglang.srt.mem_cache.allocator.base": ("leak", "double-free"),
+    "sglang.srt.mem_cache.allocator.paged": ("stale-last-loc", "index-out-of-range"),
+}
 _lock = threading.Lock()
 _seen = {}
 _planted = {}
