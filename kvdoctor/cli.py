@@ -30,6 +30,7 @@ TRACE_OPTION: Any = typer.Option(
     None, "--trace", metavar="PATH", help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)"
 )
 FIX_OPTION: Any = typer.Option([], "--fix", metavar="NAME", help="turn on an optional fix by name (see `kvdoctor fixes`)")
+FORCE_OPTION: Any = typer.Option(False, "--force", help="replace an existing file at the paths given (never a device or directory)")
 
 
 def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
@@ -76,11 +77,12 @@ def run(
     fix: list[str] = FIX_OPTION,
     output_format: str = typer.Option("text", "--format", help=f"summary format (on stderr): {REPORT_FORMAT_HELP}"),
     sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
     from kvdoctor.commands.run import run as run_command
 
-    return run_command(list(ctx.args), trace, list(fix), output_format, sample_interval)
+    return run_command(list(ctx.args), trace, list(fix), output_format, sample_interval, force=force)
 
 
 @app.command()
@@ -89,11 +91,12 @@ def replay(
     trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
     output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
     output: str | None = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Analyse a recorded trace: exit 0 clean, 1 error findings, 2 unusable input."""
     from kvdoctor.commands.replay import replay as replay_command
 
-    return replay_command(trace, output_format, output)
+    return replay_command(trace, output_format, output, force=force)
 
 
 @app.command()
@@ -105,11 +108,12 @@ def demo(
     page_size: int | None = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc and relocate)"),
     trace: str | None = TRACE_OPTION,
     output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Drive SGLang's real allocator and radix tree with a planted fault and show the diagnosis."""
     from kvdoctor.commands.demo import demo as demo_command
 
-    return demo_command(fault, page_size, trace, output_format)
+    return demo_command(fault, page_size, trace, output_format, force=force)
 
 
 @app.command()
@@ -143,11 +147,12 @@ def export(
     output: str | None = typer.Option(
         None, "-o", "--output", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"
     ),
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Write a trace's counters (kv_slots, memory, hicache, probe_stats) as a CSV or Parquet table, one row per event."""
     from kvdoctor.commands.export import export as export_command
 
-    return export_command(trace, output_format, output)
+    return export_command(trace, output_format, output, force=force)
 
 
 @app.command(context_settings=PASS_THROUGH)
@@ -158,17 +163,23 @@ def gate(
         DEFAULT_MAX_GROWTH, "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"
     ),
     max_orphan_slots: int = typer.Option(0, "--max-orphan-slots", help="fail if more KV slots are orphaned at the census"),
-    fail_on: str = typer.Option(",".join(DEFAULT_FAIL_ON), "--fail-on", help="finding kinds that fail the gate (comma-separated)"),
+    fail_on: str = typer.Option(
+        ",".join(DEFAULT_FAIL_ON), "--fail-on", help="finding kinds checked one by one (every error finding fails the gate anyway)"
+    ),
+    allow: str = typer.Option("", "--allow", metavar="KIND[,KIND]", help="error finding kinds that do not fail the gate"),
+    engine: str = typer.Option("any", "--engine", help="the engine whose probe must report: sglang, vllm or any"),
     junit: str | None = typer.Option(None, "--junit", help="write a JUnit XML report here"),
     baseline: str | None = typer.Option(None, "--baseline", help="a previous trace; fail on regressions over it"),
     html: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     trace: str | None = TRACE_OPTION,
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Judge TRACE.json, or run CMD (after --) under the probe, against budgets: exit 0 pass, 1 fail, 2 could not judge."""
+    from kvdoctor.commands.gate import budgets_from
     from kvdoctor.commands.gate import gate as gate_command
 
-    budgets: dict[str, Any] = {"max_growth": max_growth, "max_orphan_slots": max_orphan_slots, "fail_on": fail_on}
-    return gate_command(list(ctx.args), **budgets, junit=junit, baseline=baseline, html=html, trace=trace)
+    budgets = budgets_from(max_growth, max_orphan_slots, fail_on, allow, engine)
+    return gate_command(list(ctx.args), budgets, junit=junit, baseline=baseline, html=html, trace=trace, force=force)
 
 
 @app.command()

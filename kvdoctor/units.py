@@ -106,6 +106,9 @@ _SIZE_UNITS = {
     "tb": 1000**4,
 }
 _TIME_UNITS = {
+    "ms": 0.001,
+    "msec": 0.001,
+    "millisecond": 0.001,
     "s": 1.0,
     "sec": 1.0,
     "second": 1.0,
@@ -118,6 +121,7 @@ _TIME_UNITS = {
     "d": DAY_S,
     "day": DAY_S,
 }
+MAX_SIZE_BYTES = float(1 << 62)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -129,7 +133,10 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _SIZE_UNITS:
         raise KvdoctorError(f"unknown size unit {match.group(2)!r} in {text!r}", "use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    return int(round(number * _SIZE_UNITS[unit]))
+    size = number * _SIZE_UNITS[unit]
+    if not math.isfinite(size) or size >= MAX_SIZE_BYTES:
+        raise KvdoctorError(f"size {text!r} is beyond any machine's memory", "write a size below 4 EiB, e.g. 500MiB")
+    return int(round(size))
 
 
 def parse_rate(text: str) -> float:
@@ -138,9 +145,9 @@ def parse_rate(text: str) -> float:
     if not slash:
         raise KvdoctorError(f"unreadable rate {text!r}", "write a size per time, e.g. 500MiB/h, 10MB/s, 1GiB/hour")
     per = per.strip().lower()
-    unit = per[:-1] if per.endswith("s") and per[:-1] in _TIME_UNITS and per not in _TIME_UNITS else per
+    unit = per[:-1] if per.endswith("s") and len(per) >= 3 and per[:-1] in _TIME_UNITS else per  # "hours", "mins", not "ms"
     if unit not in _TIME_UNITS:
-        raise KvdoctorError(f"unknown time unit {per!r} in {text!r}", "use /s, /min, /h or /day")
+        raise KvdoctorError(f"unknown time unit {per!r} in {text!r}", "use /ms, /s, /min, /h or /day")
     return parse_size(size_text) / _TIME_UNITS[unit]
 
 

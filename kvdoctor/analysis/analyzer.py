@@ -31,6 +31,7 @@ REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"  # the JSON r
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
 PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024  # smaller traces replay too fast to need a bar
 PROGRESS_EVERY_EVENTS = 20_000
+MAX_PROCESSES = 4096  # distinct pids analysed; a trace naming more is crafted or broken: the rest is noted
 
 D = TypeVar("D")
 _HEADERS = (schema.HEADER, schema.RUN_HEADER)
@@ -56,6 +57,7 @@ class Analysis:
     notes: list[str] = dataclasses.field(default_factory=list)
     source: str = ""
     series: dict[str, Any] = dataclasses.field(default_factory=dict)
+    censuses: int = 0  # how many times a ledger was counted whole: 0 means no orphan verdict exists
 
     @property
     def errors(self) -> list[Finding]:
@@ -68,6 +70,7 @@ class Analysis:
             "events": self.events,
             "findings": [f.to_dict() for f in self.findings],
             "processes": {str(pid): info for pid, info in self.processes.items()},
+            "censuses": self.censuses,
             "notes": self.notes,
         }
 
@@ -120,25 +123,35 @@ class Analyzer:
         self._series = SeriesCollector()
         self._sinks: list[_Sink] = [self._series, *self.detectors]
         self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
+        self._pids: set[int] = set()
+        self.censuses = 0
+        self.ignored_events = 0  # from processes beyond MAX_PROCESSES
 
     def feed(self, event: schema.Event) -> None:
         self.feed_all((event,))
 
     def feed_all(self, events: Iterable[schema.Event]) -> None:
         """The hot loop of every replay: the sinks of an event name are looked up once."""
-        routes, processes, sinks = self._routes, self.processes, self._sinks
+        routes, processes, sinks, pids = self._routes, self.processes, self._sinks, self._pids
         count = 0
         for event in events:
             count += 1
+            if event.pid not in pids:
+                if len(pids) >= MAX_PROCESSES:
+                    self.ignored_events += 1
+                    continue
+                pids.add(event.pid)
             name = event.name
             feeds = routes.get(name)
             if feeds is None:
                 feeds = routes[name] = [s.feed for s in sinks if _reads(s, name)]
             if name in _HEADERS:
                 info = processes.setdefault(event.pid, {})
-                info.update({k: event.args.get(k) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
+                info.update({k: str(event.args[k]) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
             elif name == schema.PROCESS_NAME and event.args.get("name"):
-                processes.setdefault(event.pid, {})["process_title"] = event.args["name"]
+                processes.setdefault(event.pid, {})["process_title"] = str(event.args["name"])
+            elif name == schema.CENSUS:
+                self.censuses += 1
             for feed in feeds:
                 feed(event)
         self.events += count
@@ -156,13 +169,19 @@ class Analyzer:
         return findings
 
     def finish(self, notes: Iterable[str] = ()) -> Analysis:
+        notes = list(notes)
+        if self.ignored_events:
+            notes.append(
+                f"the trace names more than {MAX_PROCESSES} processes: {self.ignored_events} event(s) of the others were not analysed"
+            )
         return Analysis(
             findings=self.findings(),
             processes=self.processes,
             events=self.events,
-            notes=list(notes),
+            notes=notes,
             source=self.source,
             series=self._series.series,
+            censuses=self.censuses,
         )
 
 

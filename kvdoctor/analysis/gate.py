@@ -1,19 +1,21 @@
 """Judging an analysis against budgets, for CI: every budget is one check that passes or fails.
 
-"Could not judge" is its own outcome: an analysis with no events, or in which no process was ever
-probed or sampled (only the run header of `kvdoctor run`, as a command that never started Python,
-or never imported SGLang with the probe, leaves behind). Passing such a run would be a false
-green, so it is neither pass nor fail.
+A gate that passes a crashed benchmark is worse than none, so it fails when the command failed,
+when no probe reported from the engine it was meant to watch, and on any error finding the user
+did not waive by name. "Could not judge" is its own outcome: an analysis with no events, or a
+check with nothing to judge (no census ran, so no slot was ever counted: no orphan verdict exists)
+while nothing else failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.analysis.findings import Finding
-from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE
+from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.trace import schema
 from kvdoctor.units import HOUR_S, MIB, as_float, as_int, format_rate
 
@@ -30,11 +32,36 @@ def _rate_text(bytes_per_s: float) -> str:
     return format_rate(bytes_per_s, digits=RATE_DIGITS)
 
 
+ANY_ENGINE = "any"
+ENGINES = (ANY_ENGINE, "sglang", "vllm")
+BUDGETED_KINDS = (schema.ORPHAN_SLOTS, schema.MEMORY_GROWTH)  # judged by their own budgets
+
+
 @dataclasses.dataclass
 class Budgets:
     max_growth_bytes_per_s: float = 500 * MIB / HOUR_S
     max_orphan_slots: int = 0
     fail_on: set[str] = dataclasses.field(default_factory=lambda: set(DEFAULT_FAIL_ON))
+    allow: set[str] = dataclasses.field(default_factory=set)  # error kinds the user waived by name
+    engine: str = ANY_ENGINE  # the engine whose probe must report
+
+
+def finding_kind(name: str) -> str:
+    """A finding kind from what a user typed: `double-free` is `double_free`; a name that is no
+    kind is refused with the nearest one suggested."""
+    kind = name.strip().replace("-", "_")
+    if kind in schema.FINDING_KINDS:
+        return kind
+    near = difflib.get_close_matches(kind, schema.FINDING_KINDS, n=1)
+    hint = f"did you mean {near[0]}?" if near else "choose from " + ", ".join(schema.FINDING_KINDS)
+    raise KvdoctorError(f"{name.strip()!r} is not a finding kind", hint)
+
+
+def finding_kinds(text: str, option: str) -> set[str]:
+    names = [n for n in (text or "").split(",")]
+    if not any(n.strip() for n in names):
+        raise KvdoctorError(f"{option} names no finding kind", f"give one or more, e.g. {option} double_free,stale_last_loc")
+    return {finding_kind(n) for n in names if n.strip()}
 
 
 @dataclasses.dataclass
@@ -42,9 +69,10 @@ class Check:
     name: str
     passed: bool
     detail: str
+    judged: bool = True  # False: nothing to judge it on (it neither passes nor fails)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+        return {"name": self.name, "passed": self.passed, "judged": self.judged, "detail": self.detail}
 
 
 @dataclasses.dataclass
@@ -56,25 +84,34 @@ class GateResult:
 
     @property
     def failed(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
+        return [c for c in self.checks if c.judged and not c.passed]
+
+    @property
+    def unjudged(self) -> list[Check]:
+        return [c for c in self.checks if not c.judged]
 
     @property
     def exit_code(self) -> int:
-        if not self.judged:
+        if self.failed:
+            return EXIT_FINDINGS
+        if not self.judged or self.unjudged:
             return EXIT_UNUSABLE
-        return EXIT_FINDINGS if self.failed else EXIT_OK
+        return EXIT_OK
 
     def verdict(self) -> str:
-        if not self.judged:
-            return f"kvdoctor gate: COULD NOT JUDGE ({self.reason})"
         if self.failed:
             return f"kvdoctor gate: FAIL ({len(self.failed)} of {len(self.checks)} checks failed)"
+        if not self.judged:
+            return f"kvdoctor gate: COULD NOT JUDGE ({self.reason})"
+        if self.unjudged:
+            return f"kvdoctor gate: COULD NOT JUDGE ({'; '.join(c.detail for c in self.unjudged)})"
         return f"kvdoctor gate: PASS ({len(self.checks)} checks)"
 
     def summary_lines(self) -> list[str]:
         lines = [f"kvdoctor gate: {self.source}"] if self.source else []
         for check in self.checks:
-            lines.append(f"  {'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}")
+            mark = "PASS" if check.passed else "FAIL" if check.judged else "N/A "
+            lines.append(f"  {mark}  {check.name}: {check.detail}")
         lines.append(self.verdict())
         return lines
 
@@ -100,10 +137,59 @@ def judgeable(analysis: Analysis) -> tuple[bool, str]:
         return False, "the trace has no events"
     if not analysis.processes:
         return False, "no process header in the trace"
-    probed = any((info or {}).get("engine") for info in analysis.processes.values())
-    if not (probed or analysis.series or analysis.findings):
-        return False, "no probed or sampled process wrote to the trace (did the command start Python with SGLang?)"
     return True, ""
+
+
+def _probed(analysis: Analysis) -> dict[str, list[int]]:
+    """engine -> the pids whose probe reported from it."""
+    out: dict[str, list[int]] = {}
+    for pid, info in sorted(analysis.processes.items()):
+        engine = str((info or {}).get("engine") or "")
+        if engine:
+            out.setdefault(engine, []).append(pid)
+    return out
+
+
+def _probe_check(analysis: Analysis, engine: str, required: bool) -> Check:
+    probed = _probed(analysis)
+    seen = "; ".join(f"{e}: pid{'s' if len(p) > 1 else ''} {', '.join(map(str, p[:8]))}" for e, p in probed.items())
+    if any(engine in (ANY_ENGINE, e) for e in probed):
+        return Check("probe-reported", True, f"judged the processes the probe reported from ({seen})")
+    if not required and not probed:
+        return Check("probe-reported", True, "no probe in this trace: memory is judged, KV slots are not")
+    others = [f"pid {pid} {str((info or {}).get('process_title') or '')[:50]}".strip() for pid, info in sorted(analysis.processes.items())]
+    expected = "an engine" if engine == ANY_ENGINE else engine
+    detail = f"no probe reported from {expected}" + (f" (the probe reported from {seen})" if seen else "")
+    detail += "; processes in the trace: " + ("; ".join(others[:6]) or "none") + ": did the server start, and under kvdoctor?"
+    return Check("probe-reported", False, detail)
+
+
+def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
+    if not _probed(analysis):
+        return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
+    if not analysis.censuses:
+        detail = "no census ran (the engine never went idle and did not exit cleanly): no slot was counted"
+        return Check("max-orphan-slots", False, detail, judged=False)
+    orphans = _orphans(analysis)
+    return Check(
+        "max-orphan-slots",
+        orphans <= budgets.max_orphan_slots,
+        f"{orphans} orphaned KV slot(s) at the census, budget {budgets.max_orphan_slots}",
+    )
+
+
+def _other_errors_check(analysis: Analysis, budgets: Budgets) -> Check:
+    """Every error finding fails the gate unless its kind was waived (`--allow`)."""
+    counted = set(budgets.fail_on) | set(BUDGETED_KINDS)
+    hits: dict[str, int] = {}
+    for f in analysis.errors:
+        if f.kind not in counted and f.kind not in budgets.allow:
+            hits[f.kind] = hits.get(f.kind, 0) + max(f.count, 1)
+    waived = sorted(budgets.allow)
+    if not hits:
+        return Check("no-other-errors", True, "no other error finding" + (f" (waived: {', '.join(waived)})" if waived else ""))
+    listed = ", ".join(f"{kind} x{count}" for kind, count in sorted(hits.items()))
+    return Check("no-other-errors", False, f"error findings: {listed} (waive a kind by name with --allow if it is expected)")
 
 
 def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
@@ -147,22 +233,44 @@ def _baseline_check(analysis: Analysis, baseline: Analysis, tolerance: float) ->
     return Check("baseline-regression", True, f"no regression over the baseline (tolerance {tolerance:.0%})")
 
 
-def judge(analysis: Analysis, budgets: Budgets, baseline: Analysis | None = None, tolerance: float = DEFAULT_TOLERANCE) -> GateResult:
+def judge(
+    analysis: Analysis,
+    budgets: Budgets,
+    baseline: Analysis | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    *,
+    command_code: int | None = None,
+) -> GateResult:
+    """The checks, in order: the command's exit code (when one ran), that a probe reported, memory
+    growth, orphaned slots, each `fail_on` kind, every other error finding, the baseline."""
     result = GateResult(source=analysis.source)
+    if command_code is not None:
+        result.checks.append(
+            Check(
+                "command-exit",
+                command_code == 0,
+                f"the command exited {command_code}" + ("" if command_code == 0 else ": a failed run is not a pass"),
+            )
+        )
     ok, reason = judgeable(analysis)
     if not ok:
         result.judged, result.reason = False, reason
         return result
+    result.checks.append(_probe_check(analysis, budgets.engine, required=command_code is not None or budgets.engine != ANY_ENGINE))
     result.checks.append(_growth_check(analysis, budgets))
-    orphans = _orphans(analysis)
-    result.checks.append(
-        Check(
-            "max-orphan-slots",
-            orphans <= budgets.max_orphan_slots,
-            f"{orphans} orphaned KV slot(s) at the census, budget {budgets.max_orphan_slots}",
-        )
-    )
-    result.checks.extend(_kind_check(analysis, kind) for kind in sorted(budgets.fail_on))
+    result.checks.append(_orphan_check(analysis, budgets))
+    result.checks.extend(_kind_check(analysis, kind) for kind in sorted(budgets.fail_on - budgets.allow - set(BUDGETED_KINDS)))
+    result.checks.append(_other_errors_check(analysis, budgets))
     if baseline is not None:
         result.checks.append(_baseline_check(analysis, baseline, tolerance))
     return result
+
+
+def check_baseline_engines(analysis: Analysis, baseline: Analysis) -> None:
+    """A baseline from another engine says nothing about this run: refused with a sentence."""
+    mine, theirs = set(_probed(analysis)), set(_probed(baseline))
+    if mine and theirs and not mine & theirs:
+        raise KvdoctorError(
+            f"the baseline {baseline.source} was probed from {', '.join(sorted(theirs))}, this run from {', '.join(sorted(mine))}",
+            "compare runs of the same engine",
+        )

@@ -216,6 +216,14 @@ def _remote_exec(pid: int, script_path: str) -> None:
         raise KvdoctorError(f"cannot attach to pid {pid}: sys.remote_exec failed ({exc})", RUN_INSTEAD) from None
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def attach(
     pid: int,
     trace_path: str,
@@ -235,6 +243,11 @@ def attach(
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
     if pid == os.getpid():
         raise KvdoctorError("kvdoctor cannot attach to itself", "give the pid of the server process")
+    if _stopped(pid):
+        raise KvdoctorError(
+            f"pid {pid} is stopped (someone sent it SIGSTOP, or a debugger holds it): attaching would resume it",
+            f"resume it yourself (kill -CONT {pid}) and attach again, or detach the debugger first",
+        )
     version = target_python_version(pid)
     ours = sys.version_info[:2]
     if version != ours:

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvdoctor.collect.nvml import NVML
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.trace.writer import redact_args
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -86,7 +87,7 @@ def read_title(pid: int) -> str:
     raw = read_text(f"/proc/{pid}/cmdline")
     if raw is None:
         return ""
-    title = " ".join(part for part in raw.split("\0") if part).strip()
+    title = " ".join(redact_args([part for part in raw.split("\0") if part])).strip()
     if not title:  # kernel threads and zombies have an empty cmdline
         comm = read_text(f"/proc/{pid}/comm")
         title = f"[{comm.strip()}]" if comm else ""
@@ -327,6 +328,21 @@ def machine_memory_limit_bytes(pid: int | None = None) -> int | None:
     return total
 
 
+PF_KTHREAD = 0x00200000  # the kernel's flag for its own threads (/proc/PID/stat field 9)
+
+
+def is_kernel_thread(pid: int) -> bool:
+    """Kernel threads (kthreadd and its children) have no user memory and no command line."""
+    stat_text = read_text(f"/proc/{pid}/stat")
+    if not stat_text:
+        return False
+    try:
+        flags = int(stat_text.rsplit(")", 1)[1].split()[6])
+    except (IndexError, ValueError):
+        return False
+    return bool(flags & PF_KTHREAD)
+
+
 def check_process(pid: int) -> None:
     """Fails with a one-line reason unless `pid` is a live process this user may inspect."""
     if not isinstance(pid, int) or pid <= 0:
@@ -345,6 +361,8 @@ def check_process(pid: int) -> None:
         state = fields.get("State", "")
         if state.startswith(("Z", "X")):
             raise KvdoctorError(f"pid {pid} has already exited (it is a zombie waiting for its parent)", "check the pid with `ps`")
+        if is_kernel_thread(pid):
+            raise KvdoctorError(f"pid {pid} is a kernel thread: it has no user memory to watch", "give the pid of the server (see `ps`)")
         uids = fields.get("Uid", "").split()
         euid = os.geteuid()
         if uids and euid != 0 and int(uids[0]) != euid:

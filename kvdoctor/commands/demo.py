@@ -8,19 +8,20 @@ import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
+from kvdoctor.outputs import to_stdout
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner.demo import run_demo
 
 
-def demo(fault: str, page_size: int | None, trace_path: str | None, output_format: str = "text") -> int:
+def demo(fault: str, page_size: int | None, trace_path: str | None, output_format: str = "text", *, force: bool = False) -> int:
     check_format(output_format)
-    done = run_demo(fault, page_size, trace_path)
+    done = run_demo(fault, page_size, trace_path, force=force)
     if output_format == "text":
-        print("\n".join(done.workload_lines()))
-        print(render(done.analysis, "text"))
-        print(f"trace: {done.trace_path} (open it in Perfetto, or: kvdoctor replay {os.path.relpath(done.trace_path)})")
+        lines = [*done.workload_lines(), render(done.analysis, "text")]
+        lines.append(f"trace: {done.trace_path} (open it in Perfetto, or: kvdoctor replay {os.path.relpath(done.trace_path)})")
+        to_stdout("\n".join(lines))
     else:
-        print(render(done.analysis, output_format))
+        to_stdout(render(done.analysis, output_format))
     if fault == "none":
         return exit_code_for(done.analysis)
     if not done.diagnosed:

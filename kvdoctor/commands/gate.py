@@ -1,23 +1,34 @@
 """`kvdoctor gate`: judge a trace (or a command run under the probe) against budgets, for CI.
 
-Exit codes: 0 every check passed, 1 a check failed, 2 could not judge (see kvdoctor.analysis.gate
-for when an analysis cannot be judged). The verdict goes to stdout, with GitHub annotations when
-run in GitHub Actions, and optionally JUnit XML and the HTML report to files.
+Exit codes: 0 every check passed, 1 a check failed (the command's own failure included), 2 could
+not judge (see kvdoctor.analysis.gate). The verdict goes to stdout, with GitHub annotations when
+run in GitHub Actions, and optionally JUnit XML and the HTML report to files (0600); a file that
+cannot be written is said on stderr and never turns a failure into anything else.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
-from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, DEFAULT_TOLERANCE, Budgets, judge
-from kvdoctor.errors import KvdoctorError
+from kvdoctor.analysis.gate import (
+    ANY_ENGINE,
+    DEFAULT_FAIL_ON,
+    DEFAULT_MAX_GROWTH,
+    ENGINES,
+    Budgets,
+    check_baseline_engines,
+    finding_kinds,
+    judge,
+)
+from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.outputs import claim_output, printable, write_private
 from kvdoctor.reporters import render
 from kvdoctor.reporters.github import github_annotations, in_github_actions
-from kvdoctor.reporters.junit import write_junit
+from kvdoctor.reporters.junit import render_junit
 from kvdoctor.runner import analyze_recorded
 from kvdoctor.runner.launch import run_command
-from kvdoctor.trace import schema
 from kvdoctor.units import parse_rate
 
 
@@ -25,34 +36,52 @@ def _is_trace_path(args: list[str]) -> bool:
     return len(args) == 1 and args[0].endswith(".json") and os.path.isfile(args[0])
 
 
-def _fail_on_kinds(fail_on: str) -> set[str]:
-    kinds = {k.strip() for k in (fail_on or "").split(",") if k.strip()}
-    unknown = sorted(kinds - set(schema.FINDING_KINDS))
-    if unknown:
-        raise KvdoctorError(
-            f"--fail-on names no finding kind {', '.join(repr(k) for k in unknown)}", "choose from " + ", ".join(schema.FINDING_KINDS)
-        )
-    return kinds
+def budgets_from(max_growth: str, max_orphan_slots: int, fail_on: str, allow: str, engine: str) -> Budgets:
+    if int(max_orphan_slots) < 0:
+        raise KvdoctorError("--max-orphan-slots must be 0 or more")
+    if engine not in ENGINES:
+        raise KvdoctorError(f"--engine {engine!r} is not one kvdoctor probes", "choose " + ", ".join(ENGINES))
+    return Budgets(
+        max_growth_bytes_per_s=parse_rate(max_growth),
+        max_orphan_slots=int(max_orphan_slots),
+        fail_on=finding_kinds(fail_on, "--fail-on"),
+        allow=finding_kinds(allow, "--allow") if allow else set(),
+        engine=engine,
+    )
+
+
+def _write(path: str, text: str, force: bool, what: str) -> bool:
+    try:
+        write_private(path, text, force=force, what=what)
+        return True
+    except KvdoctorError as exc:
+        print(exc.one_line(), file=sys.stderr)
+        return False
 
 
 def gate(
     command_or_trace: list[str],
+    budgets: Budgets | None = None,
     *,
-    max_growth: str = DEFAULT_MAX_GROWTH,
-    max_orphan_slots: int = 0,
-    fail_on: str = ",".join(DEFAULT_FAIL_ON),
     junit: str | None = None,
     baseline: str | None = None,
     html: str | None = None,
     trace: str | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
+    force: bool = False,
+    **budget_options: Any,
 ) -> int:
-    """Judge a trace (one existing *.json path) or run a command under the probe and judge its trace."""
-    if int(max_orphan_slots) < 0:
-        raise KvdoctorError("--max-orphan-slots must be 0 or more")
-    budgets = Budgets(
-        max_growth_bytes_per_s=parse_rate(max_growth), max_orphan_slots=int(max_orphan_slots), fail_on=_fail_on_kinds(fail_on)
-    )
+    """Judge a trace (one existing *.json path) or run a command under the probe and judge its trace.
+    `budgets`, or the options `budgets_from` reads (max_growth, max_orphan_slots, fail_on, allow, engine)."""
+    if budgets is None:
+        options = {
+            "max_growth": DEFAULT_MAX_GROWTH,
+            "max_orphan_slots": 0,
+            "fail_on": ",".join(DEFAULT_FAIL_ON),
+            "allow": "",
+            "engine": ANY_ENGINE,
+            **budget_options,
+        }
+        budgets = budgets_from(**options)
     args = list(command_or_trace)
     if not args:
         raise KvdoctorError("nothing to judge", "usage: kvdoctor gate TRACE.json, or kvdoctor gate [OPTIONS] -- CMD ...")
@@ -62,23 +91,30 @@ def gate(
             "--trace says where a command's trace goes, but gate was given a trace to judge",
             "drop --trace, or run a command: kvdoctor gate --trace PATH -- CMD ...",
         )
+    for path in (junit, html):  # refused before a long run, not after it
+        if path:
+            claim_output(path, force=force)
     baseline_analysis = analyze_recorded(baseline) if baseline else None
     command_code = None
     if judging_a_trace:
         trace_path = args[0]
     else:
-        command_code, trace_path = run_command(args, trace, [])
+        command_code, trace_path = run_command(args, trace, [], force=force)
     analysis = analyze_recorded(trace_path)
-    result = judge(analysis, budgets, baseline_analysis, tolerance)
+    if baseline_analysis is not None:
+        check_baseline_engines(analysis, baseline_analysis)
+    result = judge(analysis, budgets, baseline_analysis, command_code=command_code)
     if command_code is not None:
         print(f"kvdoctor gate: command exited {command_code}; trace {trace_path}")
-    print("\n".join(result.summary_lines()))
+    print(printable("\n".join(result.summary_lines())))
     for line in github_annotations(result) if in_github_actions() else []:
         print(line)
-    if junit:
-        write_junit(result, junit)
-    if html:
-        with open(html, "w", encoding="utf-8") as fh:
-            fh.write(render(analysis, "html"))
     sys.stdout.flush()
-    return result.exit_code
+    written = all(
+        [
+            _write(junit, render_junit(result), force, "JUnit report") if junit else True,
+            _write(html, render(analysis, "html"), force, "HTML report") if html else True,
+        ]
+    )
+    code = result.exit_code
+    return code if written or code != 0 else EXIT_UNUSABLE

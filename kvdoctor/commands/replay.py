@@ -5,18 +5,26 @@ from __future__ import annotations
 import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
+from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.outputs import claim_output, to_stdout, write_private
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded
 
 
-def replay(path: str, output_format: str = "text", output: str | None = None) -> int:
+def replay(path: str, output_format: str = "text", output: str | None = None, *, force: bool = False) -> int:
     check_format(output_format)
+    if output:
+        claim_output(output, force=force)  # refused before the analysis, not after
     analysis = analyze_recorded(path, progress=True)
     text = render(analysis, output_format)
-    if output:
-        with open(output, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        print(f"kvdoctor: wrote {output_format} report to {output} ({len(analysis.findings)} findings)", file=sys.stderr)
-    else:
-        print(text)
-    return exit_code_for(analysis)
+    code = exit_code_for(analysis)
+    if not output:
+        to_stdout(text)
+        return code
+    try:
+        written = write_private(output, text, force=force)
+    except KvdoctorError as exc:  # the verdict stands: a failure stays a failure
+        print(exc.one_line(), file=sys.stderr)
+        return code or EXIT_UNUSABLE
+    print(f"kvdoctor: wrote {output_format} report to {written} ({len(analysis.findings)} findings)", file=sys.stderr)
+    return code

@@ -8,18 +8,27 @@ import math
 import sys
 
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded, check_fixes
 from kvdoctor.runner.launch import run_command
 
 
-def run(command: list[str], trace_path: str | None, fixes: list[str], output_format: str = "text", sample_interval_s: float = 1.0) -> int:
+def run(
+    command: list[str],
+    trace_path: str | None,
+    fixes: list[str],
+    output_format: str = "text",
+    sample_interval_s: float = 1.0,
+    *,
+    force: bool = False,
+) -> int:
     check_format(output_format)
     check_fixes(fixes)
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):
         raise KvdoctorError(f"--sample-interval must be 0 (off) or a positive number of seconds, not {sample_interval_s}")
-    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s)
+    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force)
     analysis = analyze_recorded(trace_path)
-    print(render(analysis, output_format), file=sys.stderr)
+    print(printable(render(analysis, output_format)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
     return code

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvdoctor.trace import schema
-from kvdoctor.trace.writer import TraceWriter, now_us
+from kvdoctor.trace.writer import TraceWriter, now_us, redact_args
 
 
 def read_process_title(pid: int | str = "self") -> str:
@@ -25,8 +25,8 @@ def read_process_title(pid: int | str = "self") -> str:
             raw = fh.read(4096)
     except OSError:
         return ""
-    parts = [p for p in raw.split(b"\0") if p]
-    return b" ".join(parts).decode("utf-8", "replace")[:200]
+    parts = [p.decode("utf-8", "replace") for p in raw.split(b"\0") if p]
+    return " ".join(redact_args(parts))[:200]
 
 
 class Emitter:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from kvdoctor.analysis.gate import GateResult
+from kvdoctor.outputs import printable
 
 TITLE = "kvdoctor gate"
 
@@ -15,11 +16,14 @@ def in_github_actions() -> bool:
 
 
 def _escape(text: str) -> str:
-    """Workflow commands end at a newline; GitHub's own escapes keep a message on one line."""
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    """Workflow commands end at a newline; GitHub's own escapes keep a message on one line, and
+    control bytes a trace carried are written out, never sent to the log raw."""
+    return printable(text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A"))
 
 
 def github_annotations(result: GateResult) -> list[str]:
+    lines = [f"::error title={TITLE}::{_escape(c.name + ': ' + c.detail)}" for c in result.failed]
     if not result.judged:
-        return [f"::error title={TITLE}::could not judge: {_escape(result.reason)}"]
-    return [f"::error title={TITLE}::{_escape(c.name + ': ' + c.detail)}" for c in result.failed]
+        lines.append(f"::error title={TITLE}::could not judge: {_escape(result.reason)}")
+    lines += [f"::error title={TITLE}::could not judge {_escape(c.name + ': ' + c.detail)}" for c in result.unjudged]
+    return lines

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-import os
-from xml.sax.saxutils import escape, quoteattr
+from xml.sax.saxutils import escape as _escape
+from xml.sax.saxutils import quoteattr as _quoteattr
 
 from kvdoctor.analysis.gate import GateResult
+from kvdoctor.outputs import xml_text
 
 SUITE = "kvdoctor-gate"
 
 
+def escape(text: str) -> str:
+    """XML text from anything a trace carried (a client's request id may hold control bytes)."""
+    return _escape(xml_text(text))
+
+
+def quoteattr(text: str) -> str:
+    return _quoteattr(xml_text(text))
+
+
 def render_junit(result: GateResult) -> str:
-    """A check that failed is a `failure`; a gate that could not judge is one `error`."""
-    failures = len(result.failed) if result.judged else 0
-    errors = 0 if result.judged else 1
-    tests = len(result.checks) + errors
+    """A check that failed is a `failure`; one with nothing to judge, or a gate that could not
+    judge, is an `error`."""
+    failures = len(result.failed)
+    errors = len(result.unjudged) + (0 if result.judged else 1)
+    tests = len(result.checks) + (0 if result.judged else 1)
     lines = [
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
@@ -22,7 +33,9 @@ def render_junit(result: GateResult) -> str:
     ]
     for check in result.checks:
         lines.append(f'    <testcase classname="{SUITE}" name={quoteattr(check.name)}>')
-        if check.passed:
+        if not check.judged:
+            lines.append(f'      <error message={quoteattr(check.detail)} type="could-not-judge">{escape(check.detail)}</error>')
+        elif check.passed:
             lines.append(f"      <system-out>{escape(check.detail)}</system-out>")
         else:
             lines.append(f'      <failure message={quoteattr(check.detail)} type="budget">{escape(check.detail)}</failure>')
@@ -33,9 +46,3 @@ def render_junit(result: GateResult) -> str:
         lines.append("    </testcase>")
     lines += ["  </testsuite>", "</testsuites>", ""]
     return "\n".join(lines)
-
-
-def write_junit(result: GateResult, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render_junit(result))

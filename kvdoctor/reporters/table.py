@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.outputs import claim_output
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 
@@ -166,7 +167,9 @@ class TableWritten:
     stats: ReadStats
 
 
-def write_table(trace: str, output_format: str, output: str | None = None, *, chunk_rows: int = CHUNK_ROWS) -> TableWritten:
+def write_table(
+    trace: str, output_format: str, output: str | None = None, *, chunk_rows: int = CHUNK_ROWS, force: bool = False
+) -> TableWritten:
     """Writes the table to `output` (default: beside the trace), or as CSV to `stdout` for "-"."""
     if output_format not in FORMATS:
         raise KvdoctorError(f"unknown export format {output_format!r}", "choose csv or parquet")
@@ -179,16 +182,15 @@ def write_table(trace: str, output_format: str, output: str | None = None, *, ch
         written = _write(iter_frames(trace, columns, chunk_rows), "csv", sys.stdout)
         sys.stdout.flush()
         return TableWritten("-", written, width, rows, stats)
-    path = os.path.abspath(output) if output else default_output(trace, output_format)
-    if os.path.isdir(path):
-        raise KvdoctorError(f"{path} is a directory", "give -o a file path")
+    path = claim_output(output or default_output(trace, output_format), force=force, what="table")
     partial = f"{path}.partial-{os.getpid()}"
     try:
         if output_format == "csv":
-            with open(partial, "w", encoding="utf-8", newline="") as fh:
+            with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8", newline="") as fh:
                 written = _write(iter_frames(trace, columns, chunk_rows), "csv", fh)
         else:
             written = _write(iter_frames(trace, columns, chunk_rows), "parquet", partial)
+            os.chmod(partial, 0o600)
         os.replace(partial, path)
     except OSError as exc:
         raise KvdoctorError(f"cannot write {path}: {exc.strerror or exc}", "give -o a writable path") from None

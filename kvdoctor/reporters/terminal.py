@@ -1,9 +1,13 @@
-"""Plain terminal text: one block per finding, errors first, evidence a reader can act on."""
+"""Plain terminal text: one block per finding, errors first, evidence a reader can act on.
+
+Everything that came from the trace (titles, request ids) passes through `printable`: a client's
+request id must not clear the terminal or set its title."""
 
 from __future__ import annotations
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
+from kvdoctor.outputs import printable
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
 EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")
@@ -12,7 +16,7 @@ EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "b
 def render_text(analysis: Analysis) -> str:
     lines = []
     procs = ", ".join(
-        f"{pid} {info.get('process_title', '')[:40]}".strip()
+        f"{pid} {str(info.get('process_title', ''))[:40]}".strip()
         + (f" [{info.get('engine')} {info.get('engine_version')}]" if info.get("engine") else "")
         for pid, info in sorted(analysis.processes.items())
     )
@@ -20,7 +24,13 @@ def render_text(analysis: Analysis) -> str:
     for note in analysis.notes:
         lines.append(f"  note: {note}")
     if not analysis.findings:
-        lines.append("no findings: every slot is accounted for")
+        probed = any(info.get("engine") for info in analysis.processes.values())
+        if analysis.censuses:
+            lines.append("no findings: every slot is accounted for")
+        elif probed:
+            lines.append("no findings, but no census ran: no slot was counted (the engine never went idle and did not exit cleanly)")
+        else:
+            lines.append("no findings")
     for finding in analysis.findings:
         lines.append(f"{MARK.get(finding.severity, finding.severity)} {finding.kind} x{finding.count}: {finding.message}")
         for key in EVIDENCE_KEYS:
@@ -34,4 +44,4 @@ def render_text(analysis: Analysis) -> str:
             lines.append(f"        {key}: {value}")
     errors = len(analysis.errors)
     lines.append(f"{errors} error finding(s), {len(analysis.findings) - errors} other")
-    return "\n".join(lines)
+    return printable("\n".join(lines))

@@ -4,28 +4,39 @@ The probe rides in through PYTHONPATH (a sitecustomize that activates it and the
 host's own), so multiprocessing spawn children such as SGLang's scheduler carry it too. Every
 process appends to one trace, and a sampler thread adds the memory of the command's process tree
 from outside; when the command ends the trace is closed.
+
+The command runs in a process group of its own, which `run` answers for: the signals `run` gets
+are passed to the whole group (as a terminal's Ctrl-C reaches every process of the foreground
+group), and when the command ends or `run` is stopped, what is left of the group is ended (SIGTERM,
+then SIGKILL after a grace period). If `run` itself is killed with SIGKILL, the command's first
+process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children are then its to end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from types import FrameType
 from typing import Any
 
 import kvdoctor
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.outputs import claim_output
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
-from kvdoctor.trace.writer import TraceWriter, finish_trace
+from kvdoctor.trace.writer import TraceWriter, finish_trace, redact, redact_args
 
 INJECT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_inject")
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 SAMPLER_JOIN_TIMEOUT_S = 5.0
+GROUP_GRACE_S = 10.0  # what is left of the command's group gets this long after SIGTERM, then SIGKILL
+PR_SET_PDEATHSIG = 1
 
 
 def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -40,21 +51,60 @@ def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | 
     return env
 
 
-def start_trace(trace_path: str, command: list[str], extra: dict[str, Any] | None = None) -> None:
-    """A fresh trace holding only the run header: what ran, for every process that appends later."""
-    if os.path.exists(trace_path):
-        os.remove(trace_path)
-    writer = TraceWriter(trace_path)
+def start_trace(trace_path: str, command: list[str], extra: dict[str, Any] | None = None, *, force: bool = False) -> None:
+    """A fresh trace holding only the run header: what ran (secrets redacted), for every process
+    that appends later. An existing file is replaced only with `force`, and never a non-regular one."""
+    resolved = claim_output(trace_path, force=force, what="trace")
+    if os.path.exists(resolved):
+        os.remove(resolved)
+    shown = redact_args(command)
+    writer = TraceWriter(resolved)
     header = schema.header_event(
         pid=os.getpid(),
         engine="",
         engine_version="",
-        process_title="kvdoctor " + " ".join(command)[:160],
-        extra={"command": command, **(extra or {})},
+        process_title=redact("kvdoctor " + " ".join(shown))[:160],
+        extra={"command": shown, **(extra or {})},
     )
     header.name = schema.RUN_HEADER
     writer.write_batch([header])
     writer.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when `run` dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
+    """Ends what is left of a process group: SIGTERM, a grace period, then SIGKILL."""
+    if not _group_alive(pgid):
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.1)
+    if _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[threading.Event, threading.Thread]:
@@ -77,7 +127,9 @@ def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[thread
     return stop, thread
 
 
-def run_command(command: list[str], trace_path: str | None, fixes: list[str], sample_interval_s: float = 1.0) -> tuple[int, str]:
+def run_command(
+    command: list[str], trace_path: str | None, fixes: list[str], sample_interval_s: float = 1.0, *, force: bool = False
+) -> tuple[int, str]:
     """Runs `command` under the probe (and the sampler unless `sample_interval_s` is 0); returns
     its exit code (128 + N for a signal, as a shell reports it) and the trace's path."""
     if not command:
@@ -86,26 +138,32 @@ def run_command(command: list[str], trace_path: str | None, fixes: list[str], sa
         raise KvdoctorError(f"command not found: {command[0]}", "check the spelling or give a full path")
     trace_path = os.path.abspath(trace_path or default_trace_path("run"))
     try:
-        start_trace(trace_path, command, {"fixes": fixes})
+        start_trace(trace_path, command, {"fixes": fixes}, force=force)
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {trace_path}: {exc.strerror}", "pass --trace to a writable place") from None
     try:
-        child = subprocess.Popen(command, env=probe_environment(trace_path, fixes))
+        child = subprocess.Popen(command, env=probe_environment(trace_path, fixes), start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as exc:
         raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
     sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        child.send_signal(signum)
+        try:
+            os.killpg(child.pid, signum)
+        except OSError:
+            pass
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
         code = child.wait()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if sampling is not None:
-            sampling[0].set()
-            sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
+        try:
+            end_group(child.pid)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if sampling is not None:
+                sampling[0].set()
+                sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
     finish_trace(trace_path, os.getpid())
     return (code if code >= 0 else 128 - code), trace_path

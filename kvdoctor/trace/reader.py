@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvdoctor.errors import TraceError
 from kvdoctor.trace.codec import loads
@@ -26,9 +26,14 @@ class ReadStats:
     clean_end: bool = False
     headers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     bytes_read: int = 0
+    oversized_lines: int = 0
 
     def notes(self) -> list[str]:
         out = []
+        if self.oversized_lines:
+            out.append(
+                f"{self.oversized_lines} line(s) longer than {MAX_LINE_BYTES >> 20} MiB were skipped (no kvdoctor event is that long)"
+            )
         if self.truncated_tail:
             out.append("the trace ends mid-line (the writer was cut off); the partial last line was skipped")
         if self.corrupt_lines:
@@ -36,6 +41,26 @@ class ReadStats:
         if not self.clean_end and not self.truncated_tail:
             out.append("the trace has no end marker (the run was still going or was killed)")
         return out
+
+
+MAX_LINE_BYTES = 16 << 20  # an event line longer than this is skipped: memory stays bounded whatever the file
+MAX_HEADERS_KEPT = 4096  # process headers remembered for the notes (bounded, like the rest)
+
+
+def _lines(fh: BinaryIO, stats: ReadStats) -> Iterator[bytes]:
+    """The file's lines, each read with a bounded buffer; over-long ones are skipped and counted."""
+    while True:
+        line = fh.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            stats.oversized_lines += 1
+            stats.bytes_read += len(line)
+            while line and not line.endswith(b"\n"):
+                line = fh.readline(MAX_LINE_BYTES)
+                stats.bytes_read += len(line)
+            continue
+        yield line
 
 
 def check_header(args: dict[str, Any], path: str) -> None:
@@ -83,7 +108,7 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
             raise TraceError(f"{path}: not a kvdoctor trace (it does not start with '[')")
         stats.bytes_read = 1
         seen_header = False
-        for line in fh:
+        for line in _lines(fh, stats):
             stats.bytes_read += len(line)
             complete = line.endswith(b"\n")
             text = line.strip()
@@ -108,7 +133,8 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
             if event.name in (HEADER, RUN_HEADER):
                 check_header(event.args, path)
                 seen_header = True
-                stats.headers.append(event.args)
+                if len(stats.headers) < MAX_HEADERS_KEPT:
+                    stats.headers.append(event.args)
             elif not seen_header:
                 raise TraceError(f"{path}: the first event is not a kvdoctor header", "is this a kvdoctor trace?")
             if event.name == TRACE_END:

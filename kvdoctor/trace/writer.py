@@ -6,11 +6,40 @@ Imported by the in-process probe: standard library (and orjson, where installed)
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
 from kvdoctor.trace.codec import dumps
 from kvdoctor.trace.schema import TRACE_END, Event
+
+# Command lines and process titles go into traces and reports: values that look like secrets
+# (`--api-key X`, `--hf-token=X`, `OPENAI_API_KEY=X`, `sk-...`, `hf_...`) are written as ***.
+_SECRET_WORD = r"(?:key|token|secret|password|passwd|credential)(?![a-z])"
+_SECRET_FLAG = re.compile(r"(--?[\w.-]*" + _SECRET_WORD + r"[\w.-]*)(=|\s+)(\S+)", re.IGNORECASE)
+_SECRET_ASSIGN = re.compile(r"\b([A-Za-z_]*(?:KEY|TOKEN|SECRET|PASSWORD)[A-Za-z_]*)=(\S+)")
+_SECRET_VALUE = re.compile(r"\b(sk-|hf_)[A-Za-z0-9_-]{12,}")
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """`text` (a command line, a process title) with secret-looking values replaced by ***."""
+    text = _SECRET_FLAG.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    text = _SECRET_ASSIGN.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
+    return _SECRET_VALUE.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
+
+
+_SECRET_FLAG_ALONE = re.compile(r"--?[\w.-]*" + _SECRET_WORD + r"[\w.-]*", re.IGNORECASE)
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """A command's argument list with secret values replaced (a flag's value may be the next word)."""
+    out: list[str] = []
+    hide_next = False
+    for arg in args:
+        out.append(REDACTED if hide_next else redact(arg))
+        hide_next = not hide_next and bool(_SECRET_FLAG_ALONE.fullmatch(arg))
+    return out
 
 
 def now_us() -> float:
