@@ -6,10 +6,9 @@ process appends to one trace, and a sampler thread adds the memory of the comman
 from outside; when the command ends the trace is closed.
 
 The command runs in a process group of its own, which `run` answers for: the signals `run` gets
-are passed to the whole group (as a terminal's Ctrl-C reaches every process of the foreground
-group), and when the command ends or `run` is stopped, what is left of the group is ended (SIGTERM,
-then SIGKILL after a grace period). If `run` itself is killed with SIGKILL, the command's first
-process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children are then its to end.
+(SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) are passed to the command's first process,
+and when it ends, what is left of its group is ended (SIGTERM, then SIGKILL after a grace period).
+If `run` itself is killed with SIGKILL, the command's first process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children are then its to end.
 """
 
 from __future__ import annotations
@@ -148,8 +147,11 @@ def run_command(
     sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        # To the command's first process only: a server shuts its workers down in its own order
+        # (SGLang's scheduler ends badly on a SIGINT of its own). The rest of the group is ended
+        # once that process is gone.
         try:
-            os.killpg(child.pid, signum)
+            child.send_signal(signum)
         except OSError:
             pass
 
