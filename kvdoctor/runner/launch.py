@@ -8,7 +8,8 @@ from outside; when the command ends the trace is closed.
 The command runs in a process group of its own, which `run` answers for: the signals `run` gets
 (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) are passed to the command's first process,
 and when it ends, what is left of its group is ended (SIGTERM, then SIGKILL after a grace period).
-If `run` itself is killed with SIGKILL, the command's first process gets SIGKILL from the kernel (PR_SET_PDEATHSIG); its own children are then its to end.
+If `run` itself is killed with SIGKILL, the command's first process gets SIGKILL from the kernel
+(PR_SET_PDEATHSIG); its own children are then its to end.
 """
 
 from __future__ import annotations
