@@ -8,6 +8,7 @@ served by the nearest map whose hooks all resolve in the installed sources (`ver
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from typing import Any
 
@@ -121,3 +122,22 @@ def maps_by_nearness(engine: str, version: str) -> list[ProbeMap]:
 
 def known_versions(engine: str) -> list[str]:
     return [str(m.versions) for m in available_maps(engine)]
+
+
+def installed_version(engine: str) -> str:
+    """The engine's version as its package reports it ("" when it cannot be read)."""
+    try:
+        return str(importlib.import_module(f"{engine}._version").__version__)
+    except Exception:
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = [engine] + [n for m in available_maps(engine) for n in m.dist_names if n != engine]
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+        except Exception:
+            break
+    return ""

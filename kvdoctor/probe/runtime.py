@@ -10,7 +10,6 @@ untouched and says so. Engine knowledge lives in the maps (`probes/`) and the en
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import sys
 import traceback
@@ -21,8 +20,8 @@ from typing import Any, Protocol, TypeVar
 from kvdoctor.probe.callsites import CallSites, short_path
 from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, LOCAL, REGISTRY, Hook, ImportHook, rebind_imported, wrap_function, wrap_method
-from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, known_versions, map_for, maps_by_nearness
-from kvdoctor.probe.verify import MapCheck, check_map, check_signature
+from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, installed_version, known_versions, map_for
+from kvdoctor.probe.verify import check_signature, describe_choice, nearest_resolving_map
 from kvdoctor.trace import schema
 
 ENV_TRACE = "KVDOCTOR_TRACE"
@@ -289,32 +288,6 @@ class Probe:
                     self.patch_module(module)
 
 
-def nearest_resolving_map(engine: str, version: str) -> MapCheck | None:
-    """For a release no map was tested on: the nearest map whose hooks all resolve in the
-    installed sources; else the nearest with the most resolving (its unresolved ledgers stay off)."""
-    best: MapCheck | None = None
-    for candidate in maps_by_nearness(engine, version):
-        check = check_map(candidate)
-        if not check.unresolved:
-            return check
-        if best is None or check.resolved_count > best.resolved_count:
-            best = check
-    return best
-
-
-def describe_choice(label: str, check: MapCheck) -> str:
-    """One line: which map serves this release, how many hooks resolved, which ledgers are off."""
-    total = len(check.hooks)
-    head = f"{label} has no tested map; using {check.probe_map.source}"
-    if not check.unresolved:
-        return f"{head}, all {total} hooks resolved"
-    off = "; ".join(
-        f"{ledger} ledger off ({', '.join(problems[:3])}{', ...' if len(problems) > 3 else ''})"
-        for ledger, problems in sorted(check.ledgers_off().items())
-    )
-    return f"{head}, {check.resolved_count}/{total} hooks resolved; {off}"
-
-
 def still_importing(module: ModuleType) -> bool:
     """A module whose body is still running (it imported the one that just loaded): its classes
     may not exist yet, so it is patched once it is complete."""
@@ -329,25 +302,6 @@ def say(line: str) -> None:
         sys.stderr.flush()
     except Exception:
         pass
-
-
-def installed_version(engine: str) -> str:
-    """The engine's version as its package reports it ("" when it cannot be read)."""
-    try:
-        return str(importlib.import_module(f"{engine}._version").__version__)
-    except Exception:
-        pass
-    from importlib.metadata import PackageNotFoundError, version
-
-    names = [engine] + [n for m in available_maps(engine) for n in m.dist_names if n != engine]
-    for name in names:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-        except Exception:
-            break
-    return ""
 
 
 _IMPORT_HOOK: ImportHook | None = None

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from kvdoctor.probe.hooks import REGISTRY
-from kvdoctor.probe.maps import ProbeMap
+from kvdoctor.probe.maps import ProbeMap, maps_by_nearness
 
 
 @dataclasses.dataclass
@@ -204,3 +204,29 @@ def check_signature(function: Any, positions: dict[str, int], *, method: bool) -
     if varargs and not names:
         return ""  # a (*args, **kwargs) wrapper of someone else's: its target is checked in the source
     return argument_problem(names, positions, has_varargs=varargs)
+
+
+def nearest_resolving_map(engine: str, version: str) -> MapCheck | None:
+    """For a release no map was tested on: the nearest map whose hooks all resolve in the
+    installed sources; else the nearest with the most resolving (its unresolved ledgers stay off)."""
+    best: MapCheck | None = None
+    for candidate in maps_by_nearness(engine, version):
+        check = check_map(candidate)
+        if not check.unresolved:
+            return check
+        if best is None or check.resolved_count > best.resolved_count:
+            best = check
+    return best
+
+
+def describe_choice(label: str, check: MapCheck) -> str:
+    """One line: which map serves this release, how many hooks resolved, which ledgers are off."""
+    total = len(check.hooks)
+    head = f"{label} has no tested map; using {check.probe_map.source}"
+    if not check.unresolved:
+        return f"{head}, all {total} hooks resolved"
+    off = "; ".join(
+        f"{ledger} ledger off ({', '.join(problems[:3])}{', ...' if len(problems) > 3 else ''})"
+        for ledger, problems in sorted(check.ledgers_off().items())
+    )
+    return f"{head}, {check.resolved_count}/{total} hooks resolved; {off}"
