@@ -207,6 +207,15 @@ def fixes() -> int:
     return list_fixes()
 
 
+@app.command()
+@_guarded
+def probes(table: bool = typer.Option(False, "--table", help="print the supported-releases table (Markdown, as in the README)")) -> int:
+    """The releases each probe map covers and CI tests, and what the probe would do with the engine installed here."""
+    from kvdoctor.commands.probes import probes as show_probes
+
+    return show_probes(table)
+
+
 def main() -> None:
     app(prog_name="kvdoctor")
 

@@ -8,6 +8,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUPPORT = os.path.join(REPO, "tests", "support")
 SGLANG_059 = os.path.join(REPO, ".venv", "sglang-0.5.9")
+RELEASES = os.path.join(REPO, ".venv", "sglang-releases")
 
 
 def pytest_configure(config):
@@ -24,6 +25,10 @@ def sglang_env(version: str) -> dict:
         # 0.5.9 imports sgl_kernel at module load; tests/support/sgl_kernel is an import-only stand-in
         # (any kernel call raises); the CPU paths under test call none.
         env["PYTHONPATH"] = os.pathsep.join([SGLANG_059, SUPPORT])
+    elif version != "0.5.23":  # the release matrix: each release in its own folder (.ci/setup)
+        folder = os.path.join(RELEASES, version)
+        assert os.path.exists(os.path.join(folder, ".kvdoctor-complete")), f"SGLang {version} is not in {folder}: run .ci/setup"
+        env["PYTHONPATH"] = os.pathsep.join([folder, SUPPORT])
     return env
 
 

@@ -14,6 +14,10 @@ import dataclasses
 import random
 from typing import Any
 
+from kvdoctor.demo.engine import Engine, Request
+
+__all__ = ["FAULTS", "Engine", "Request", "WorkloadConfig", "WorkloadResult", "run_workload"]
+
 FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc")
 
 
@@ -42,153 +46,6 @@ class WorkloadResult:
     planted: dict[str, int] = dataclasses.field(default_factory=dict)
     sglang_check: dict[str, int] = dataclasses.field(default_factory=dict)
     outputs_digest: int = 0
-
-
-class _KvState:
-    """The per-request KV fields 0.5.23's ReqToTokenPool reads (`req.kv`)."""
-
-    def __init__(self) -> None:
-        self.req_pool_idx = None
-        self.kv_allocated_len = 0
-
-    @property
-    def holds_kv(self) -> bool:
-        return self.req_pool_idx is not None
-
-
-class Request:
-    """The scheduler-side request record handed to ReqToTokenPool (rid and row index only)."""
-
-    is_chunked = 0
-    kv_committed_len = 0
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.kv = _KvState()
-
-    def is_dllm(self) -> bool:
-        return False
-
-    @property
-    def req_pool_idx(self) -> Any:  # 0.5.9 reads the row index off the request itself
-        return self.kv.req_pool_idx
-
-    @req_pool_idx.setter
-    def req_pool_idx(self, value: Any) -> None:
-        self.kv.req_pool_idx = value
-
-
-class Engine:
-    """The real SGLang classes, built the way the scheduler builds them, for either layout."""
-
-    def __init__(self, pool_tokens: int, page_size: int, max_requests: int = 64, max_context: int = 4096, tree: str = "radix") -> None:
-        import torch
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-
-        self.torch = torch
-        self.page_size = page_size
-        try:
-            from sglang.srt.mem_cache import allocation as alloc_mod  # 0.5.23
-            from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-            from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
-            self.layout = "0.5.23"
-        except ImportError:
-            from sglang.srt.mem_cache import common as alloc_mod  # 0.5.9
-            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-
-            self.layout = "0.5.9"
-        from sglang.srt.mem_cache import base_prefix_cache as bpc
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-        self.bpc = bpc
-        self.RadixKey = RadixKey
-        self.get_last_loc = alloc_mod.get_last_loc_torch
-        self.req_pool = ReqToTokenPool(size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False)
-        if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False
-            )
-        self.tree_kind = tree
-        if tree == "unified":  # 0.5.23's default tree: a Rust tree core behind the same interface
-            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-            self.tree = UnifiedRadixCache(
-                CacheInitParams(
-                    disable=False,
-                    req_to_token_pool=self.req_pool,
-                    token_to_kv_pool_allocator=self.allocator,
-                    page_size=page_size,
-                    tree_components=(ComponentType.FULL,),
-                )
-            )
-        elif tree == "radix":
-            self.tree = RadixCache(
-                CacheInitParams(
-                    disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size
-                )
-            )
-        else:
-            raise ValueError(f"unknown tree {tree!r}: radix or unified")
-
-    def key(self, tokens: list[int]) -> Any:
-        if self.layout == "0.5.23":
-            from array import array
-
-            return self.RadixKey(array("q", tokens))
-        return self.RadixKey(tokens)
-
-    def lock(self, node: Any) -> Any:
-        if hasattr(self.tree, "lock"):
-            return self.tree.lock(node)
-        self.tree.inc_lock_ref(node)
-        return node
-
-    def unlock(self, handle: Any) -> None:
-        if hasattr(self.tree, "unlock"):
-            self.tree.unlock(handle)
-        else:
-            self.tree.dec_lock_ref(handle)
-
-    def match(self, tokens: list[int]) -> tuple[Any, Any]:
-        result = self.tree.match_prefix(self.bpc.MatchPrefixParams(key=self.key(tokens)))
-        if hasattr(result, "device_indices"):
-            return result.device_indices, result.last_device_node
-        return self.tree.path_device_indices(result.last_device_node), result.last_device_node
-
-    def insert(self, tokens: list[int], value: Any, protected_len: int) -> int:
-        """Inserts a finished sequence; returns how far the caller must free duplicates up to.
-
-        RadixCache returns the prefix it already held and leaves the duplicates in the request's
-        row to the caller; the unified tree is told what the request had protected and frees the
-        duplicates itself, through its cache actions."""
-        if self.tree_kind == "unified":
-            self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value, prev_prefix_len=protected_len))
-            return protected_len
-        result = self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value))
-        return int(getattr(result, "prefix_len", result))
-
-    def evict(self, num_tokens: int) -> int:
-        result = self.tree.evict(self.bpc.EvictParams(num_tokens=num_tokens))
-        return int(getattr(result, "num_tokens_evicted", 0) or 0)
-
-    def sglang_leak_check(self) -> dict[str, int]:
-        """SGLang's own idle check: free + evictable + protected against the pool's size."""
-        available = int(self.allocator.available_size())
-        evictable = int(self.tree.evictable_size())
-        protected = int(self.tree.protected_size())
-        total = self.allocator.size
-        return {
-            "available": available,
-            "evictable": evictable,
-            "protected": protected,
-            "total": total,
-            "diff": total - (available + evictable + protected),
-        }
 
 
 class _Live:
@@ -222,7 +79,7 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
             lock = engine.lock(node)
             req = Request(f"conv{conv}-req{request_no}")
             request_no += 1
-            engine.req_pool.alloc([req])
+            engine.take_row(req)
             item = _Live(req, tokens, prefix, node)
             item.lock = lock
             item.number = request_no - 1
@@ -354,4 +211,4 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
             engine.allocator.free(victim_slots)
             result.planted["double_alloc_candidates"] = int(victim_slots.numel())
     engine.unlock(item.lock)
-    engine.req_pool.free(item.req)
+    engine.release_row(item.req)

@@ -12,7 +12,7 @@ import importlib
 import os
 from typing import Any
 
-from kvdoctor.probe.versions import VersionRange, release_distance
+from kvdoctor.probe.versions import VersionRange, release_distance, version_key
 
 try:
     import tomllib
@@ -58,7 +58,7 @@ class ProbeMap:
         return sum(len(c.methods) for c in self.classes) + len(self.functions)
 
 
-def _maps_dir() -> str:
+def maps_dir() -> str:
     try:
         import kvdoctor.probes as pkg  # type: ignore[import-not-found,unused-ignore]
 
@@ -67,9 +67,14 @@ def _maps_dir() -> str:
         return os.path.abspath(MAPS_DIR)
 
 
-def load_map(path: str) -> ProbeMap:
+def load_toml(path: str) -> dict[str, Any]:
     with open(path, "rb") as fh:
-        raw = tomllib.load(fh)
+        raw: dict[str, Any] = tomllib.load(fh)
+    return raw
+
+
+def load_map(path: str) -> ProbeMap:
+    raw = load_toml(path)
     defaults = raw.get("allocator_defaults", {})
     classes = []
     for entry in raw.get("classes", []):
@@ -99,12 +104,12 @@ def load_map(path: str) -> ProbeMap:
 
 def available_maps(engine: str | None = None) -> list[ProbeMap]:
     """Every map shipped, or those of one engine."""
-    directory = _maps_dir()
+    directory = maps_dir()
     out = []
     for name in sorted(os.listdir(directory)):
-        if name.endswith(".toml") and (engine is None or name.startswith(engine + "-")):
+        if name.endswith(".toml") and name != "releases.toml" and (engine is None or name.startswith(engine + "-")):
             out.append(load_map(os.path.join(directory, name)))
-    return out
+    return sorted(out, key=lambda m: version_key(m.versions.anchor()) or ((), 0, 0, 0, 0))
 
 
 def map_for(engine: str, version: str) -> ProbeMap | None:

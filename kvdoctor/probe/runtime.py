@@ -21,6 +21,7 @@ from kvdoctor.probe.callsites import CallSites, short_path
 from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, LOCAL, REGISTRY, Hook, ImportHook, rebind_imported, wrap_function, wrap_method
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, installed_version, known_versions, map_for
+from kvdoctor.probe.releases import ci_sentence
 from kvdoctor.probe.verify import check_signature, describe_choice, nearest_resolving_map
 from kvdoctor.trace import schema
 
@@ -184,6 +185,11 @@ class Probe:
             # Tested on this release: each hook is still checked against the live code as it is wrapped.
             REGISTRY.load(engine)
             self.maps[engine] = tested
+            ci = ci_sentence(engine, version)
+            if ci.startswith("not tested"):
+                self.map_notes[engine] = f"{label}: map {tested.source}, {ci}"
+                self.status("on", self.map_notes[engine], map=tested.source)
+                say(self.map_notes[engine])
             return tested
         check = nearest_resolving_map(engine, version)
         probe_map = check.probe_map if check is not None else None

@@ -214,9 +214,15 @@ def nearest_resolving_map(engine: str, version: str) -> MapCheck | None:
         check = check_map(candidate)
         if not check.unresolved:
             return check
-        if best is None or check.resolved_count > best.resolved_count:
+        if best is None or _rank(check) > _rank(best):
             best = check
     return best
+
+
+def _rank(check: MapCheck) -> tuple[int, int]:
+    """Ledgers left fully on first (a map that keeps one ledger whole beats one that keeps none),
+    then hooks resolved."""
+    return (len(set(check.ledgers()) - set(check.ledgers_off())), check.resolved_count)
 
 
 def describe_choice(label: str, check: MapCheck) -> str:

@@ -77,7 +77,8 @@ class VersionRange:
             return max(self.exact, key=lambda v: version_key(v) or ((0,), 0, 0, 0, 0))
         lower = [b for op, b in self.clauses if op in (">=", ">", "==")]
         bound = max(lower) if lower else min(b for _, b in self.clauses)
-        return ".".join(str(p) for p in bound[0])
+        post = f".post{bound[3]}" if bound[3] >= 0 else ""
+        return ".".join(str(p) for p in bound[0]) + post
 
     def __str__(self) -> str:
         return self.text

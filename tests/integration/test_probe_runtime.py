@@ -158,6 +158,23 @@ def test_a_release_without_a_tested_map_uses_the_nearest_map_that_resolves(tmp_p
     assert [f["kind"] for f in errors] == ["orphan_slots"]
 
 
+def test_a_release_ci_cannot_run_is_named_with_the_reason(tmp_path):
+    """0.5.1.post1 cannot be imported on the CI machine (probes/releases.toml says why): the probe
+    still uses the map of its range and says, on stderr and in the trace, that CI did not test it
+    and why. Its mem_cache is 0.5.2's but for one method, so 0.5.2's real code stands in for it."""
+    env = sglang_env("0.5.2")
+    env["KVDOCTOR_SGLANG_VERSION"] = "0.5.1.post1"
+    trace = tmp_path / "t.kvtrace.json"
+    proc = kvdoctor("run", "--trace", str(trace), "--format", "json", "--", sys.executable, "-c", WORKLOAD, cwd=tmp_path, env=env)
+    said = (
+        "SGLang 0.5.1.post1: map sglang-0.5.1.toml, not tested in CI: its sglang/srt/utils.py calls torch._C._cpu._is_amx_tile_supported()"
+    )
+    assert proc.returncode == 0 and said in proc.stderr, proc.stderr[-3000:]
+    assert any(said in e["args"]["reason"] for e in _events(trace) if e["name"] == "probe_status")
+    replay = kvdoctor("replay", str(trace), "--format", "json")
+    assert [f["kind"] for f in json.loads(replay.stdout)["findings"] if f["severity"] == "error"] == ["orphan_slots"]
+
+
 def _events(path):
     with open(path) as fh:
         return [json.loads(line.rstrip().rstrip(",")) for line in fh if line.startswith("{")]

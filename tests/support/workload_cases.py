@@ -29,6 +29,9 @@ def main() -> None:
         probe = runtime.activate(path)
         result = run_workload(WorkloadConfig(page_size=page_size, fault=fault, tree=tree))
         version = probe.version_of("sglang")
+        probe_map = probe.maps.get("sglang")
+        map_source, ledgers_off, notes = getattr(probe_map, "source", None), sorted(probe.ledgers_off), dict(probe.map_notes)
+        probe_on = probe.ledger_on
         runtime.deactivate()
         analysis = analyze(iter_events(path))
         out.append(
@@ -37,6 +40,10 @@ def main() -> None:
                 "fault": fault,
                 "tree": tree,
                 "version": version,
+                "map": map_source,
+                "ledgers_off": ledgers_off,
+                "map_notes": notes,
+                "probe_on": probe_on,
                 "planted": result.planted,
                 "digest": result.outputs_digest,
                 "sglang_check": result.sglang_check,

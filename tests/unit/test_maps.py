@@ -46,6 +46,40 @@ def test_tested_and_nearest_maps():
     assert maps_by_nearness("sglang", "0.5.8")[0].source == "sglang-0.5.9.toml"
 
 
+@pytest.mark.parametrize(
+    "release,source",
+    [
+        ("0.5.1.post3", "sglang-0.5.1.toml"),
+        ("0.5.3.post1", "sglang-0.5.3.toml"),
+        ("0.5.3.post2", "sglang-0.5.3.post2.toml"),
+        ("0.5.8.post1", "sglang-0.5.3.post2.toml"),
+        ("0.5.10.post1", "sglang-0.5.9.toml"),
+        ("0.5.12.post1", "sglang-0.5.11.toml"),
+        ("0.5.15.post1", "sglang-0.5.14.toml"),
+        ("0.5.18", "sglang-0.5.17.toml"),
+        ("0.5.20", "sglang-0.5.23.toml"),
+    ],
+)
+def test_range_maps_meet_at_the_releases_that_moved_code(release, source):
+    assert map_for("sglang", release).source == source
+
+
+def test_no_release_is_covered_by_two_maps():
+    from kvdoctor.probe.releases import releases
+
+    for entry in releases("sglang"):
+        covering = [m.source for m in available_maps("sglang") if m.covers(entry.version)]
+        assert len(covering) == 1, (entry.version, covering)
+
+
+def test_what_ci_did_with_a_release_follows_same_mem_cache():
+    from kvdoctor.probe.releases import ci_sentence
+
+    assert ci_sentence("sglang", "0.5.13.post1") == "tested in CI (as 0.5.13, the same mem_cache/)"
+    assert ci_sentence("sglang", "0.5.1.post2").startswith("not tested in CI: its sglang/srt/utils.py calls torch._C._cpu")
+    assert ci_sentence("sglang", "0.5.99") == ""
+
+
 def _installed_map():
     return copy.deepcopy(map_for("sglang", "0.5.23"))
 

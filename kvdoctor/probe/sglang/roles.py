@@ -12,8 +12,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe import fixes
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument, resolve
+from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.sglang.requests import (
+    ReqAllocCountRole,
+    ReqAllocRole,
+    ReqClearRole,
+    ReqFreeIndexRole,
+    ReqFreeRole,
+    ReqFreeRowsRole,
+    ReqWriteRole,
+)
 from kvdoctor.probe.sglang.state import group_open, sglang_state
 from kvdoctor.trace import schema
 
@@ -195,8 +204,7 @@ class TreeInsertRole(SlotRole):
         if ctx is None:
             return
         ledger, site, size_before = ctx
-        params = hook.arg(args, kwargs, "params")
-        value = getattr(params, "value", None)
+        value = self.inserted_value(hook, args, kwargs)
         if value is None or not hasattr(value, "numel"):
             return
         grown = _tree_size(obj) - size_before
@@ -205,6 +213,18 @@ class TreeInsertRole(SlotRole):
             return
         with ledger.lock:
             ledger.on_tree_insert(value[prefix_len : prefix_len + grown], site)
+
+    def inserted_value(self, hook: Hook, args: Args, kwargs: Kwargs) -> Any:
+        return getattr(hook.arg(args, kwargs, "params"), "value", None)
+
+
+class TreeInsertKeyValueRole(TreeInsertRole):
+    """Before 0.5.9: `insert(key, value, chunked[, priority]) -> prefix_len`."""
+
+    reads = {"key": 0, "value": 1}
+
+    def inserted_value(self, hook: Hook, args: Args, kwargs: Kwargs) -> Any:
+        return hook.arg(args, kwargs, "value")
 
 
 class TreeEvictRole(SlotRole):
@@ -246,84 +266,6 @@ class TreeResetRole(SlotRole):
                 ledger.on_tree_reset()
 
 
-class ReqAllocRole(SlotRole):
-    reads = {"reqs": 0}
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        if not result:
-            return
-        reqs = hook.arg(args, kwargs, "reqs")
-        reqs = reqs if isinstance(reqs, (list, tuple)) else [None] * len(result)
-        requests = sglang_state(probe).requests
-        for req, index in zip(reqs, result, strict=False):
-            requests.allocated(int(index), str(getattr(req, "rid", "?")))
-
-
-class ReqFreeRole(SlotRole):
-    reads = {"req": 0}
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        req = hook.arg(args, kwargs, "req")
-        index = resolve(req, hook.options.get("req_index_attr", "req_pool_idx"))
-        if index is None and isinstance(req, int):
-            index = req
-        if isinstance(index, int):
-            sglang_state(probe).check_release(obj, index)
-        return index
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        state = sglang_state(probe)
-        if isinstance(ctx, int):
-            state.requests.freed(ctx)
-        state.request_rows_freed()
-
-
-class ReqFreeRowsRole(SlotRole):
-    reads = {"indices": 0}
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        state = sglang_state(probe)
-        for index in hook.arg(args, kwargs, "indices") or []:
-            state.check_release(obj, int(index))
-        return None
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        state = sglang_state(probe)
-        for index in hook.arg(args, kwargs, "indices") or []:
-            state.requests.freed(int(index))
-        state.request_rows_freed()
-
-
-class ReqWriteRole(SlotRole):
-    reads = {"indices": 0, "values": 1}
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        ledger = sglang_state(probe).primary
-        if ledger is None:
-            return
-        indices = hook.arg(args, kwargs, "indices")
-        values = hook.arg(args, kwargs, "values")
-        if not isinstance(indices, tuple) or len(indices) != 2 or not hasattr(values, "numel"):
-            return
-        row = indices[0]
-        if isinstance(row, int):
-            owner: Any = row
-        elif hasattr(row, "numel") and row.numel() == values.numel():
-            owner = row
-        else:
-            return
-        sglang_state(probe).note_row_write(obj, row, indices[1], values)
-        with ledger.lock:
-            ledger.on_owner(values, owner)
-
-
-class ReqClearRole(SlotRole):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        state = sglang_state(probe)
-        state.requests.cleared()
-        state.census_pending = True
-
-
 class LastLocSourceRole(SlotRole):
     """`get_last_loc(req_to_token, req_pool_indices, prefix_lens)`: remember which rows it read."""
 
@@ -350,13 +292,16 @@ ROLES: dict[str, Role] = {
     "merge": SlotNoteRole(),
     "clear": ClearRole(),
     "tree_insert": TreeInsertRole(),
+    "tree_insert_key_value": TreeInsertKeyValueRole(),
     "tree_evict": TreeEvictRole(),
     "tree_lock": SlotNoteRole(),
     "tree_unlock": TreeUnlockRole(),
     "tree_unlock_by_id": SlotNoteRole(),
     "tree_reset": TreeResetRole(),
     "req_alloc": ReqAllocRole(),
+    "req_alloc_count": ReqAllocCountRole(),
     "req_free": ReqFreeRole(),
+    "req_free_index": ReqFreeIndexRole(),
     "req_free_rows": ReqFreeRowsRole(),
     "req_write": ReqWriteRole(),
     "req_clear": ReqClearRole(),

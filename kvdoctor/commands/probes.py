@@ -1,0 +1,30 @@
+"""`kvdoctor probes`: the releases each map covers and CI tests, and what the probe would do with
+the engine installed here."""
+
+from __future__ import annotations
+
+from kvdoctor.errors import EXIT_OK
+from kvdoctor.outputs import to_stdout
+from kvdoctor.runner.support import ENGINES, installed_line, map_rows, markdown_table, uncovered
+
+
+def probes(table: bool = False) -> int:
+    if table:
+        to_stdout("\n\n".join(markdown_table(engine) for engine in ENGINES))
+        return EXIT_OK
+    lines = ["installed here:"]
+    lines += [f"  {installed_line(engine)}" for engine in ENGINES]
+    for engine in ENGINES:
+        lines.append(f"{engine} maps:")
+        for row in map_rows(engine):
+            tested = sum(r.tested for r in row.releases)
+            lines.append(
+                f"  {row.probe_map.source:26} {str(row.probe_map.versions):26} {row.probe_map.hook_count():3} hooks, "
+                f"{tested}/{len(row.releases)} listed releases tested in CI"
+            )
+            for reason in sorted({r.reason for r in row.releases if not r.tested}):
+                versions = ", ".join(r.version for r in row.releases if not r.tested and r.reason == reason)
+                lines.append(f"      not tested in CI: {versions}: {reason or 'no reason recorded'}")
+        lines += [f"  {r.version}: no map covers it ({r.status})" for r in uncovered(engine)]
+    to_stdout("\n".join(lines))
+    return EXIT_OK

@@ -1,0 +1,214 @@
+"""SGLang's real allocator, radix tree and request pool, built the way the scheduler builds them.
+
+The classes moved and changed their calls across the 0.5 series (the allocator split into a
+package in 0.5.13, `get_last_loc` moved twice, the tree took parameter objects from 0.5.8 and
+returned them from 0.5.9, the request pool took requests instead of counts from 0.5.9). `Engine`
+finds what the installed release has and speaks to it in its own terms, so one workload drives
+every release.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from typing import Any
+
+
+class _KvState:
+    """The per-request KV fields 0.5.23's ReqToTokenPool reads (`req.kv`)."""
+
+    def __init__(self) -> None:
+        self.req_pool_idx = None
+        self.kv_allocated_len = 0
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
+
+
+class Request:
+    """The scheduler-side request record handed to ReqToTokenPool (rid and row index only)."""
+
+    is_chunked = 0
+    kv_committed_len = 0
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.kv = _KvState()
+
+    def is_dllm(self) -> bool:
+        return False
+
+    @property
+    def req_pool_idx(self) -> Any:  # before 0.5.23 the row index is read off the request itself
+        return self.kv.req_pool_idx
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, value: Any) -> None:
+        self.kv.req_pool_idx = value
+
+
+def _first(*modules: str) -> Any:
+    for name in modules:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"none of {', '.join(modules)} imports")
+
+
+def _allocator_classes() -> tuple[Any, Any]:
+    try:  # 0.5.13 on: one module per allocator
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    except ImportError:
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    return TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+
+
+class Engine:
+    """The real SGLang classes of the installed release, behind the calls the workload makes."""
+
+    def __init__(self, pool_tokens: int, page_size: int, max_requests: int = 64, max_context: int = 4096, tree: str = "radix") -> None:
+        import torch
+        from sglang.srt.mem_cache import base_prefix_cache as bpc
+        from sglang.srt.mem_cache import radix_cache
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        self.torch = torch
+        self.page_size = page_size
+        self.bpc = bpc
+        self.radix_key = getattr(radix_cache, "RadixKey", None)  # 0.5.3 on; a plain token list before
+        self.layout = "0.5.23" if importlib.util.find_spec("sglang.srt.mem_cache.allocation") else "0.5.9"
+        self.req_pool = ReqToTokenPool(size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+        # before 0.5.9 the pool hands out rows by count and frees them by index
+        self.rows_by_count = list(inspect.signature(ReqToTokenPool.alloc).parameters)[1:2] == ["need_size"]
+        token_cls, paged_cls = _allocator_classes()
+        if page_size == 1:
+            self.allocator = token_cls(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+        else:
+            self.allocator = paged_cls(pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+        self._last_loc_module: Any = None
+        self.tree_kind = tree
+        self.tree = self._make_tree(tree, page_size)
+
+    def _make_tree(self, tree: str, page_size: int) -> Any:
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        if tree not in ("radix", "unified"):
+            raise ValueError(f"unknown tree {tree!r}: radix or unified")
+        if importlib.util.find_spec("sglang.srt.mem_cache.cache_init_params") is None:  # before 0.5.8
+            if tree == "unified":
+                raise ValueError("this SGLang release has no UnifiedRadixCache")
+            return RadixCache(
+                req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size, disable=False
+            )
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+        if tree == "unified":  # the default tree from 0.5.19: a Rust tree core behind the same interface
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            return UnifiedRadixCache(
+                CacheInitParams(
+                    disable=False,
+                    req_to_token_pool=self.req_pool,
+                    token_to_kv_pool_allocator=self.allocator,
+                    page_size=page_size,
+                    tree_components=(ComponentType.FULL,),
+                )
+            )
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size
+        )
+        return RadixCache(params)
+
+    def get_last_loc(self, req_to_token: Any, req_pool_indices: Any, prefix_lens: Any) -> Any:
+        """`get_last_loc_torch`, wherever this release keeps it (imported on first use)."""
+        if self._last_loc_module is None:
+            self._last_loc_module = _first(
+                "sglang.srt.mem_cache.allocation", "sglang.srt.mem_cache.common", "sglang.srt.managers.schedule_batch"
+            )
+        return self._last_loc_module.get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
+
+    def take_row(self, req: Request) -> None:
+        if self.rows_by_count:  # before 0.5.9: rows by count, handed to the request by the caller
+            rows = self.req_pool.alloc(1)
+            req.req_pool_idx = rows[0]
+        else:
+            self.req_pool.alloc([req])
+
+    def release_row(self, req: Request) -> None:
+        if self.rows_by_count:
+            self.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        else:
+            self.req_pool.free(req)
+
+    def key(self, tokens: list[int]) -> Any:
+        if self.radix_key is None:
+            return list(tokens)
+        if self.layout == "0.5.23":
+            from array import array
+
+            return self.radix_key(array("q", tokens))
+        return self.radix_key(tokens)
+
+    def lock(self, node: Any) -> Any:
+        if hasattr(self.tree, "lock"):
+            return self.tree.lock(node)
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def unlock(self, handle: Any) -> None:
+        if hasattr(self.tree, "unlock"):
+            self.tree.unlock(handle)
+        else:
+            self.tree.dec_lock_ref(handle)
+
+    def match(self, tokens: list[int]) -> tuple[Any, Any]:
+        if hasattr(self.bpc, "MatchPrefixParams"):
+            result = self.tree.match_prefix(self.bpc.MatchPrefixParams(key=self.key(tokens)))
+        else:
+            result = self.tree.match_prefix(key=self.key(tokens))
+        if hasattr(result, "device_indices"):
+            return result.device_indices, result.last_device_node
+        return self.tree.path_device_indices(result.last_device_node), result.last_device_node
+
+    def insert(self, tokens: list[int], value: Any, protected_len: int) -> int:
+        """Inserts a finished sequence; returns how far the caller must free duplicates up to.
+
+        RadixCache returns the prefix it already held and leaves the duplicates in the request's
+        row to the caller; the unified tree is told what the request had protected and frees the
+        duplicates itself, through its cache actions."""
+        if self.tree_kind == "unified":
+            self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value, prev_prefix_len=protected_len))
+            return protected_len
+        if hasattr(self.bpc, "InsertParams"):
+            result = self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value))
+        else:  # before 0.5.9: insert(key, value) -> prefix length
+            result = self.tree.insert(self.key(tokens), value)
+        return int(getattr(result, "prefix_len", result))
+
+    def evict(self, num_tokens: int) -> int:
+        if hasattr(self.bpc, "EvictParams"):
+            result = self.tree.evict(self.bpc.EvictParams(num_tokens=num_tokens))
+            return int(getattr(result, "num_tokens_evicted", 0) or 0)
+        before = int(self.tree.evictable_size())
+        self.tree.evict(num_tokens)
+        return before - int(self.tree.evictable_size())
+
+    def sglang_leak_check(self) -> dict[str, int]:
+        """SGLang's own idle check: free + evictable + protected against the pool's size."""
+        available = int(self.allocator.available_size())
+        evictable = int(self.tree.evictable_size())
+        protected = int(self.tree.protected_size())
+        total = self.allocator.size
+        return {
+            "available": available,
+            "evictable": evictable,
+            "protected": protected,
+            "total": total,
+            "diff": total - (available + evictable + protected),
+        }

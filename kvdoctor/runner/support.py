@@ -1,0 +1,80 @@
+"""Which engine releases kvdoctor supports, and what the probe would do with the one installed.
+
+Read from the maps (`probes/*.toml`) and the release list (`probes/releases.toml`) that the release
+matrix tests; nothing is imported from the engine (its sources are parsed), so this is safe to run
+in a production environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
+from kvdoctor.probe.releases import Release, ci_sentence, release, releases
+from kvdoctor.probe.runtime import ENGINE_LABELS, forced_version_env
+from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
+
+ENGINES = ("sglang", "vllm")
+
+
+@dataclasses.dataclass
+class MapRow:
+    """One map and the listed releases it covers."""
+
+    probe_map: ProbeMap
+    releases: list[Release]
+
+
+def map_rows(engine: str) -> list[MapRow]:
+    listed = [release(engine, r.version) or r for r in releases(engine)]
+    return [MapRow(m, [r for r in listed if m.covers(r.version)]) for m in available_maps(engine)]
+
+
+def uncovered(engine: str) -> list[Release]:
+    """Listed releases no map's range covers (served by the nearest map that resolves)."""
+    maps = available_maps(engine)
+    return [r for r in releases(engine) if not any(m.covers(r.version) for m in maps)]
+
+
+def installed_line(engine: str) -> str:
+    """What the probe would do with the installed release of `engine`, in one line."""
+    label = ENGINE_LABELS.get(engine, engine)
+    version = os.environ.get(forced_version_env(engine)) or installed_version(engine)
+    if not version:
+        return f"{label}: not installed here"
+    tested = map_for(engine, version)
+    check: MapCheck | None = check_map(tested) if tested is not None else nearest_resolving_map(engine, version)
+    if check is None:
+        return f"{label} {version}: no map; the probe stays off"
+    how = "map" if tested is not None else "no map of its own; nearest"
+    total = len(check.hooks)
+    line = f"{label} {version}: {how} {check.probe_map.source}, {check.resolved_count}/{total} hooks resolve"
+    off = check.ledgers_off()
+    if off and set(off) >= set(check.ledgers()):
+        line += "; every ledger off, the probe stays off"
+    elif off:
+        line += "; " + ", ".join(f"{ledger} ledger off" for ledger in sorted(off))
+    ci = ci_sentence(engine, version) or ("not in the release list" if tested is None else "")
+    return f"{line}, {ci}" if ci else line
+
+
+def _status_text(entry: Release) -> str:
+    if entry.same_as:
+        return f"{entry.version} (= {entry.same_as})"
+    return entry.version
+
+
+def markdown_table(engine: str) -> str:
+    """The README's supported-releases table for `engine`."""
+    lines = ["| releases | map | hooks | in the release matrix |", "|---|---|---|---|"]
+    for row in map_rows(engine):
+        tested = [r for r in row.releases if r.tested]
+        others = [r for r in row.releases if not r.tested]
+        listed = ", ".join(_status_text(r) for r in row.releases) or str(row.probe_map.versions)
+        verdict = f"{len(tested)} tested" if tested else "none"
+        reasons = sorted({r.reason for r in others if r.reason})
+        if others:
+            verdict += f"; not run: {', '.join(r.version for r in others)}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        lines.append(f"| {listed} | `{row.probe_map.source}` | {row.probe_map.hook_count()} | {verdict} |")
+    return "\n".join(lines)

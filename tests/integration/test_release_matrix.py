@@ -1,0 +1,78 @@
+"""The release matrix: every SGLang release CI can run (probes/releases.toml, status "tested"), its
+real allocator, radix tree and request pool driven by the demo workload under the probe.
+
+Per release: a clean run gives no error finding and SGLang's own check balances; a planted leak is
+one `orphan_slots` finding with exactly the slots SGLang's check counts as `diff`; a planted double
+free is one `double_free` finding with exactly the slots freed twice. The probe must have used the
+map whose range covers the release, with every ledger on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from conftest import REPO, run_cases
+
+from kvdoctor.probe.maps import map_for
+
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+from sglang_releases import tested as tested_releases
+
+CASES = [[1, "none"], [1, "leak"], [1, "double-free"]]
+RELEASES = list(tested_releases())
+
+
+def errors(result: dict) -> list[dict]:
+    return [f for f in result["findings"] if f["severity"] == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", RELEASES)
+def test_release(release):
+    results = {r["fault"]: r for r in run_cases(release, CASES)}
+    expected_map = map_for("sglang", release)
+    assert expected_map is not None, f"no map covers SGLang {release}"
+    for result in results.values():
+        assert result["version"] == release
+        assert result["map"] == expected_map.source
+        assert result["probe_on"] and result["ledgers_off"] == [], result["map_notes"]
+
+    clean = results["none"]
+    assert errors(clean) == [], clean["findings"]
+    assert clean["sglang_check"]["diff"] == 0
+
+    leak = results["leak"]
+    planted = leak["planted"]["orphan_slots"]
+    assert planted > 0 and leak["sglang_check"]["diff"] == planted
+    assert [(f["kind"], f["count"]) for f in errors(leak)] == [("orphan_slots", planted)]
+    assert len(errors(leak)[0]["evidence"]["slot_ids"]) > 0
+
+    double = results["double-free"]
+    at_plant = [f for f in errors(double) if f["kind"] == "double_free" and "_finish" in f["site"]]
+    assert [f["count"] for f in at_plant] == [double["planted"]["double_free"]]
+
+
+def test_every_listed_release_has_a_map_or_a_reason():
+    from kvdoctor.probe.releases import releases
+
+    for entry in releases("sglang"):
+        if entry.status == "not_run":
+            assert entry.reason, entry
+        elif entry.status == "same_as":
+            assert entry.same_as in {r.version for r in releases("sglang")}
+        else:
+            assert entry.status == "tested" and map_for("sglang", entry.version) is not None, entry
+
+
+def test_probes_command_in_an_environment_with_another_release():
+    import subprocess
+
+    from conftest import sglang_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdoctor", "probes"], env=sglang_env("0.5.18"), capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "SGLang 0.5.18: map sglang-0.5.17.toml, 43/43 hooks resolve, tested in CI" in proc.stdout
