@@ -23,6 +23,7 @@ class Release:
     reason: str = ""
     same_as: str = ""
     transformers: str = ""  # the pin it needs beside it to import, where the environment's does not do
+    scope: str = ""  # "" (the whole of it) or "block_pool" (vLLM's GPU wheel: BlockPool and KVCacheManager only)
 
     @property
     def tested(self) -> bool:
@@ -36,7 +37,14 @@ def releases(engine: str) -> list[Release]:
     except (OSError, ValueError):
         return []
     out = [
-        Release(str(v), str(e.get("status", "")), str(e.get("reason", "")), str(e.get("same_as", "")), str(e.get("transformers", "")))
+        Release(
+            str(v),
+            str(e.get("status", "")),
+            str(e.get("reason", "")),
+            str(e.get("same_as", "")),
+            str(e.get("transformers", "")),
+            str(e.get("scope", "")),
+        )
         for v, e in table.items()
     ]
     return sorted(out, key=lambda r: version_key(r.version) or ((), 0, 0, 0, 0))
@@ -62,5 +70,6 @@ def ci_sentence(engine: str, version: str) -> str:
     if entry is None:
         return ""
     if entry.tested:
-        return "tested in CI" + (f" (as {entry.same_as}, the same mem_cache/)" if entry.same_as else "")
+        scope = " (BlockPool and KVCacheManager only: its engine needs CUDA)" if entry.scope == "block_pool" else ""
+        return "tested in CI" + (f" (as {entry.same_as}, the same mem_cache/)" if entry.same_as else scope)
     return f"not tested in CI: {entry.reason}" if entry.reason else "not tested in CI"

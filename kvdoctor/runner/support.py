@@ -62,6 +62,8 @@ def installed_line(engine: str) -> str:
 def _status_text(entry: Release) -> str:
     if entry.same_as:
         return f"{entry.version} (= {entry.same_as})"
+    if entry.scope:
+        return f"{entry.version} (GPU wheel: BlockPool, KVCacheManager)"
     return entry.version
 
 

