@@ -35,7 +35,8 @@ class CallSites:
 
     def __init__(self) -> None:
         self._ids: dict[tuple[Any, ...], int] = {}
-        self._quick: dict[tuple[Any, ...], int] = {}
+        self._quick: dict[tuple[int, int, int, int], int] = {}
+        self._alive: list[tuple[Any, Any]] = []  # the code objects whose ids key `_quick`
         self.names: list[str] = ["unknown"]
         self._lock = threading.Lock()
 
@@ -55,15 +56,25 @@ class CallSites:
         return self.names[site_id] if 0 <= site_id < len(self.names) else "unknown"
 
     def at(self, frame: FrameType) -> int:
-        """The site of a call made from `frame` (the hooked method's caller)."""
+        """The site of a call made from `frame` (the hooked method's caller).
+
+        Keyed by the identities of the two innermost code objects and their bytecode offsets:
+        hashing a code object hashes its constants (hundreds of ns), and `f_lineno` decodes the
+        line table, on every call. The code objects are kept alive beside the key, so an id is
+        never reused while its key is remembered."""
         caller = frame.f_back
-        quick = (frame.f_code, frame.f_lineno, caller.f_code if caller else None, caller.f_lineno if caller else 0)
+        code = frame.f_code
+        if caller is None:
+            quick: tuple[int, int, int, int] = (id(code), frame.f_lasti, 0, -1)
+        else:
+            quick = (id(code), frame.f_lasti, id(caller.f_code), caller.f_lasti)
         found = self._quick.get(quick)
         if found is not None:
             return found
         found = self._walk(frame)
         if len(self._quick) < MAX_QUICK_KEYS:
             self._quick[quick] = found
+            self._alive.append((code, caller.f_code if caller is not None else None))
         return found
 
     def _walk(self, frame: FrameType | None) -> int:

@@ -195,15 +195,17 @@ def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callabl
         probe = current.probe
         if probe is None or not probe.ledger_on or ledger in probe.ledgers_off:
             return original(obj, *args, **kwargs)
-        key = (id(obj), name)
-        busy = local.busy
-        if key in local.active or (composite and busy.get(id(obj))):
+        oid = id(obj)
+        key = (oid, name)
+        active = local.active
+        busy = local.busy if composite else None
+        if key in active or (busy is not None and busy.get(oid)):
             return original(obj, *args, **kwargs)
         ctx = None
         ok = True
         try:
             probe.calls += 1
-            if name in probe.inject:
+            if probe.inject and name in probe.inject:
                 raise RuntimeError(f"fault injected into the {name} hook")
             site = probe.sites.at(sys._getframe(1)) if wants_site else 0
             if prepare is not None:
@@ -212,22 +214,23 @@ def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callabl
         except Exception as exc:
             ok = False
             probe.fail(name, exc)
+        fixes_on = bool(probe.fixes)
         call_args, call_kwargs = args, kwargs
-        if ok and probe.fixes:
+        if ok and fixes_on:
             try:
                 call_args, call_kwargs = role.rewrite(probe, hook, obj, args, kwargs, ctx)
             except Exception as exc:
                 call_args, call_kwargs = args, kwargs
                 probe.fix_failed(name, exc)
-        local.active.add(key)
-        if composite:
-            busy[id(obj)] = busy.get(id(obj), 0) + 1
+        active.add(key)
+        if busy is not None:
+            busy[oid] = busy.get(oid, 0) + 1
         try:
             result = original(obj, *call_args, **call_kwargs)
         finally:
-            local.active.discard(key)
-            if composite:
-                busy[id(obj)] -= 1
+            active.discard(key)
+            if busy is not None:
+                busy[oid] -= 1
             if ok and has_finally:
                 try:
                     role.finally_(probe, ctx)
@@ -239,7 +242,7 @@ def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callabl
                 role.after(probe, hook, obj, args, kwargs, result, ctx)
             except Exception as exc:
                 probe.fail(name, exc)
-            if probe.fixes:
+            if fixes_on:
                 try:
                     result = role.rewrite_result(probe, obj, result)
                 except Exception as exc:

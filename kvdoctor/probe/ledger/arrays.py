@@ -25,6 +25,20 @@ class HostArrays:
     def full(self, n: int, value: int, dtype: str) -> np.ndarray:
         return np.full(n, value, dtype=dtype)
 
+    def single(self, tensor: Any) -> int | None:
+        """The value of a one-element index tensor, else None. The commonest call (one decode slot)
+        reads it with `item()`: a numpy view plus an int64 copy cost several times more."""
+        numel = getattr(tensor, "numel", None)
+        if numel is None or not callable(numel) or isinstance(tensor, np.ndarray):
+            return None
+        try:
+            if numel() != 1:
+                return None
+            value = tensor.item()
+        except Exception:
+            return None
+        return value if isinstance(value, int) else None
+
     def index(self, tensor: Any) -> np.ndarray:
         """The host's index tensor as an int64 array (zero-copy for CPU int64 tensors)."""
         if isinstance(tensor, np.ndarray):

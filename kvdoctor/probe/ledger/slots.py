@@ -149,11 +149,13 @@ class SlotLedger(SlotReadback):
         """Slots handed out. With `only_page_starts`, slots inside a page the request already
         holds (paged extend/decode continuing its last page) are not new pages."""
         xp = self.xp
+        if xp.sync_free_branching and self.kernels is None:
+            one = xp.single(slots_tensor)
+            if one is not None and self._alloc_one(one, site, only_page_starts):
+                return
         slots = xp.index(slots_tensor)
         if self.kernels is not None:
             self.kernels.alloc(slots, site, only_page_starts and self.page_size > 1)
-            return
-        if xp.sync_free_branching and slots.shape[0] == 1 and self._alloc_one(int(slots[0]), site, only_page_starts):
             return
         pages = self._pages(slots, site)
         if only_page_starts and self.page_size > 1:
@@ -194,11 +196,13 @@ class SlotLedger(SlotReadback):
         """Slots returned to the allocator. Outside a tree eviction the tree bit survives: a tree
         still pointing at a freed page is how a later double allocation starts."""
         xp = self.xp
+        if xp.sync_free_branching and self.kernels is None and not as_pages:
+            one = xp.single(slots_tensor)
+            if one is not None and self._free_one(one, evicting):
+                return
         idx = xp.index(slots_tensor)
         if self.kernels is not None:
             self.kernels.free(idx, site, evicting, as_pages)
-            return
-        if xp.sync_free_branching and not as_pages and idx.shape[0] == 1 and self._free_one(int(idx[0]), evicting):
             return
         pages = self._pages(idx, site, as_pages=as_pages)
         weight = self.page_size if as_pages else 1
@@ -232,6 +236,13 @@ class SlotLedger(SlotReadback):
     def on_owner(self, slots_tensor: Any, req_index: Any) -> None:
         """A request row now points at these slots (req_to_token writes): they belong to it."""
         xp = self.xp
+        if xp.sync_free_branching and self.kernels is None and isinstance(req_index, int):
+            slot = xp.single(slots_tensor)
+            if slot is not None and 0 <= slot < self.rows:
+                page = slot // self.page_size
+                if self.state[page] == OWNED:
+                    self.owner[page] = req_index
+                return
         slots = xp.index(slots_tensor)
         if self.kernels is not None:
             if not isinstance(req_index, int):
@@ -240,13 +251,6 @@ class SlotLedger(SlotReadback):
                     return
             self.kernels.owner(slots, req_index)
             return
-        if xp.sync_free_branching and slots.shape[0] == 1 and isinstance(req_index, int):
-            slot = int(slots[0])
-            if 0 <= slot < self.rows:
-                page = slot // self.page_size
-                if self.state[page] == OWNED:
-                    self.owner[page] = req_index
-                return
         bad = (slots < 0) | (slots >= self.rows)
         pages = xp.where(bad, self.sink, slots // self.page_size)
         owned = self.state[pages] == OWNED
@@ -262,22 +266,23 @@ class SlotLedger(SlotReadback):
         """`last_loc` (the slot before the new tokens, -1 for none) must point into a page the
         request still holds: not free, and owned by that request when we know which it is."""
         xp = self.xp
-        last = xp.index(last_loc_tensor)
-        if self.kernels is not None:
-            req = xp.index(req_indices) if req_indices is not None else None
-            self.kernels.last_loc(last, site, req if req is not None and req.shape == last.shape else None)
-            return
-        if xp.sync_free_branching and last.shape[0] == 1:
-            value = int(last[0])
+        value = xp.single(last_loc_tensor) if xp.sync_free_branching and self.kernels is None else None
+        if value is not None:
             if value == -1:
                 return
             if 0 <= value < self.rows:
                 page = value // self.page_size
                 state = int(self.state[page])
                 owner = int(self.owner[page])
-                req = int(xp.index(req_indices)[0]) if req_indices is not None else -1
+                one_req = xp.single(req_indices) if req_indices is not None else -1
+                req = -1 if one_req is None else one_req
                 if not (state & FREE) and state & (OWNED | TREE) and not (state == OWNED and owner >= 0 and req >= 0 and owner != req):
                     return  # the common, healthy case; anything else takes the general path
+        last = xp.index(last_loc_tensor)
+        if self.kernels is not None:
+            req_all = xp.index(req_indices) if req_indices is not None else None
+            self.kernels.last_loc(last, site, req_all if req_all is not None and req_all.shape == last.shape else None)
+            return
         pages = self._pages(last, site, allow_minus_one=True)
         st = self.state[pages]
         valid = (last >= 0) & (pages != self.sink)
