@@ -25,6 +25,9 @@ def probes(table: bool = False) -> int:
             for reason in sorted({r.reason for r in row.releases if not r.tested}):
                 versions = ", ".join(r.version for r in row.releases if not r.tested and r.reason == reason)
                 lines.append(f"      not tested in CI: {versions}: {reason or 'no reason recorded'}")
-        lines += [f"  {r.version}: no map covers it ({r.status})" for r in uncovered(engine)]
+        lines += [
+            f"  {r.version}: no map covers it (the nearest whose hooks resolve serves it); {r.reason or r.status}"
+            for r in uncovered(engine)
+        ]
     to_stdout("\n".join(lines))
     return EXIT_OK

@@ -201,7 +201,8 @@ class Probe:
             return None
         off = check.ledgers_off()
         self.ledgers_off |= set(off)
-        self.map_notes[engine] = describe_choice(label, check)
+        ci = ci_sentence(engine, version)
+        self.map_notes[engine] = describe_choice(label, check) + (f"; {ci}" if ci else "")
         if off and set(off) >= set(check.ledgers()):
             self._turn_off(self.map_notes[engine])
             return None

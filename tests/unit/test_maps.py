@@ -69,7 +69,8 @@ def test_no_release_is_covered_by_two_maps():
 
     for entry in releases("sglang"):
         covering = [m.source for m in available_maps("sglang") if m.covers(entry.version)]
-        assert len(covering) == 1, (entry.version, covering)
+        # 0.5.0 was published only as release candidates, older than every map's range
+        assert len(covering) == (0 if entry.version.startswith("0.5.0rc") else 1), (entry.version, covering)
 
 
 def test_what_ci_did_with_a_release_follows_same_mem_cache():
