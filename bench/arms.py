@@ -9,8 +9,8 @@ import subprocess
 from typing import Any
 
 
-def run_arm(cmd: list[str]) -> Any:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+def run_arm(cmd: list[str], env: dict[str, str] | None = None) -> Any:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("ARM ")][-1][4:])
 
 

@@ -1,6 +1,9 @@
 """Probe cost on SGLang's real allocator + radix tree multi-turn workload (CPU: no model work to
-hide behind, the worst case). Loop time with the probe / without, measured in the same run:
-each arm runs in its own fresh interpreter, alternating, and the medians are compared."""
+hide behind, the worst case). Four arms, each in its own fresh interpreter, alternating within
+one run: no probe; a bare pass-through wrapper on exactly the methods the probe hooks (the floor:
+what any wrapper costs); the probe with its compiled hot path; the probe in pure Python
+(KVDOCTOR_HOTPATH=0, the fallback where the extension is not built). Ratios are minimum over
+minimum (the least disturbed loop of each arm), medians beside them."""
 
 from __future__ import annotations
 
@@ -13,51 +16,85 @@ import tempfile
 ARM = r"""
 import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
-with_probe = sys.argv[1] == "on"
-page_size = int(sys.argv[2])
-if with_probe:
-    from kvdoctor.probe import runtime
-    probe = runtime.activate(sys.argv[3])
-from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
+arm, page_size, trace, repeats = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+probe = None
+if arm != "off":
+    from kvdoctor.probe import hotpath, runtime
+    probe = runtime.activate(trace)
+from kvdoctor.demo.workload import WorkloadConfig, run_workload
 cfg = WorkloadConfig(page_size=page_size, conversations=32, turns=6, pool_tokens=4096)
+if arm == "bare":
+    # the same methods, each behind a pass-through wrapper that only calls the original
+    import functools, importlib
+    run_workload(cfg)  # imports (and so hooks) every module the loop uses
+    def passthrough(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            return original(*args, **kwargs)
+        return wrapper
+    hooked = 0
+    for spec in probe.maps["sglang"].classes:
+        cls = getattr(importlib.import_module(spec.module), spec.cls, None)
+        for method in spec.methods:
+            wrapped = cls.__dict__.get(method) if cls is not None else None
+            if wrapped is not None and hasattr(wrapped, "__wrapped__"):
+                setattr(cls, method, passthrough(wrapped.__wrapped__))
+                hooked += 1
+    runtime.deactivate()
+    probe = None
+    assert hooked, "no hooked methods to strip"
 run_workload(cfg)  # warm-up
 times = []
-for _ in range(int(sys.argv[4])):
+for _ in range(repeats):
     t0 = time.perf_counter(); run_workload(cfg); times.append(time.perf_counter() - t0)
-calls = 0
-if with_probe:
-    calls = probe.calls
+calls, compiled = 0, False
+if probe is not None:
+    calls, compiled = probe.calls, hotpath.NATIVE is not None
     runtime.deactivate()
-print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls}))
+print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls, "compiled": compiled}))
 """
 
+ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_HOTPATH": "1"}, "python": {"KVDOCTOR_HOTPATH": "0"}}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arms import rounds_parser, run_arm  # noqa: E402
 
 
 def probe_arm(arm: str, page_size: int, repeats: int, trace: str) -> dict:
-    return run_arm([sys.executable, "-c", ARM, arm, str(page_size), trace, str(repeats)])
+    env = dict(os.environ, **ARMS[arm])
+    return run_arm([sys.executable, "-c", ARM, arm, str(page_size), trace, str(repeats)], env=env)
 
 
 def main() -> None:
     args = rounds_parser().parse_args()
-    report = {}
+    report: dict = {}
     tmp = tempfile.mkdtemp()
     for page_size in (1, 4):
-        off_times, on_times, calls = [], [], 0
+        times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        calls, compiled = 0, None
         for r in range(args.rounds):
-            off_times += probe_arm("off", page_size, args.repeats, "")["times_s"]
-            arm = probe_arm("on", page_size, args.repeats, os.path.join(tmp, f"p{page_size}-{r}.json"))
-            on_times += arm["times_s"]
-            calls = arm["hooked_calls"] // (args.repeats + 1)
-        off, on = statistics.median(off_times), statistics.median(on_times)
+            for arm in ARMS:
+                result = probe_arm(arm, page_size, args.repeats, os.path.join(tmp, f"p{page_size}-{arm}-{r}.json"))
+                times[arm] += result["times_s"]
+                if arm == "compiled":
+                    calls = result["hooked_calls"] // (args.repeats + 1)
+                    compiled = result["compiled"]
+        best = {arm: min(t) for arm, t in times.items()}
+        median = {arm: statistics.median(t) for arm, t in times.items()}
+        off = best["off"]
         report[f"page_size_{page_size}"] = {
-            "loop_s_without_probe": round(off, 5),
-            "loop_s_with_probe": round(on, 5),
-            "ratio": round(on / off, 3),
+            "loop_s_min": {arm: round(v, 5) for arm, v in best.items()},
+            "loop_s_median": {arm: round(v, 5) for arm, v in median.items()},
+            "ratio": round(best["compiled"] / off, 3),
+            "ratio_median": round(median["compiled"] / median["off"], 3),
+            "floor_ratio_bare_wrapper": round(best["bare"] / off, 3),
+            "ratio_over_floor": round(best["compiled"] / best["bare"], 3),
+            "python_fallback_ratio": round(best["python"] / off, 3),
+            "compiled_hot_path_loaded": compiled,
             "hooked_calls_per_loop": calls,
-            "cost_per_hooked_call_us": round((on - off) / max(calls, 1) * 1e6, 2),
+            "cost_per_hooked_call_us": round((best["compiled"] - off) / max(calls, 1) * 1e6, 2),
+            "floor_cost_per_hooked_call_us": round((best["bare"] - off) / max(calls, 1) * 1e6, 2),
+            "python_cost_per_hooked_call_us": round((best["python"] - off) / max(calls, 1) * 1e6, 2),
             "target_ratio": 1.10,
         }
     print(json.dumps(report, indent=2))

@@ -6,6 +6,10 @@ A versioned map (`probes/*.toml`) says which method plays which *role* ("alloc",
 selected. A wrapper calls the host's original method exactly once, with the host's own
 arguments (or the ones an optional fix rewrote), and returns its result untouched; the role's
 code runs around it in `try` blocks, so a failure turns the probe off and never reaches the host.
+
+Where the compiled hot path is importable (`kvdoctor.probe.hotpath`), the wrapper is its `Hooked`
+object: the same steps in C, and the healthy case of the slot roles that declare a `fast_kind`
+done there too. `wrap_method` below is the pure-Python wrapper it replaces, kept as the fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvdoctor.probe import hotpath
 from kvdoctor.probe.maps import ClassHooks
 
 if TYPE_CHECKING:
@@ -87,8 +92,10 @@ class Role:
     once the call returned. `rewrite` and `rewrite_result` run only with an optional fix on.
     `composite` roles compose inside one allocator (free_segment -> free_page_ids -> free): only
     the outermost call on an object is recorded. `wants_site` roles get the call site's id.
+    `fast_kind` names the compiled fast path that does this role's healthy case (see hotpath.py).
     """
 
+    fast_kind: ClassVar[str] = ""
     composite: ClassVar[bool] = False
     wants_site: ClassVar[bool] = False
     ledger: ClassVar[str] = ""  # the ledger it feeds: off unless all its hooks resolve
@@ -170,17 +177,26 @@ CURRENT = _Current()
 
 
 class _ThreadState(threading.local):
+    """The Python wrapper's re-entry bookkeeping (the compiled one keeps its own, per thread)."""
+
     def __init__(self) -> None:
         self.busy: dict[int, int] = {}  # id(obj) -> composite calls in progress
         self.active: set[tuple[int, str]] = set()  # (id(obj), role) in progress: no re-entry
-        self.evicting = 0  # inside a tree eviction
 
 
 LOCAL = _ThreadState()
 
 
 def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
-    """The host's method with `role` around it. See the module docstring for the guarantees."""
+    """The host's method with `role` around it: the compiled wrapper where it is available, else
+    `python_wrapper`. See the module docstring for the guarantees."""
+    if hotpath.active():
+        return hotpath.wrap(original, role, hook)
+    return python_wrapper(original, role, hook)
+
+
+def python_wrapper(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
+    """The pure-Python wrapper: what the compiled one does, step for step."""
     name = hook.role
     ledger = hook.ledger
     composite = role.composite
@@ -204,7 +220,7 @@ def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callabl
         ctx = None
         ok = True
         try:
-            probe.calls += 1
+            probe.py_calls += 1
             if probe.inject and name in probe.inject:
                 raise RuntimeError(f"fault injected into the {name} hook")
             site = probe.sites.at(sys._getframe(1)) if wants_site else 0

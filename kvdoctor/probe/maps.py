@@ -129,8 +129,17 @@ def known_versions(engine: str) -> list[str]:
     return [str(m.versions) for m in available_maps(engine)]
 
 
+def forced_version_env(engine: str) -> str:
+    """Tests only: `KVDOCTOR_SGLANG_VERSION=0.5.9` makes the probe believe that version is installed."""
+    return f"KVDOCTOR_{engine.upper()}_VERSION"
+
+
 def installed_version(engine: str) -> str:
-    """The engine's version as its package reports it ("" when it cannot be read)."""
+    """The engine's version as its package reports it ("" when it cannot be read), or the one a
+    test forces (`forced_version_env`)."""
+    forced = os.environ.get(forced_version_env(engine))
+    if forced:
+        return forced
     try:
         return str(importlib.import_module(f"{engine}._version").__version__)
     except Exception:

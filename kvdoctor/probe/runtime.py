@@ -17,9 +17,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
+from kvdoctor.probe import hotpath
 from kvdoctor.probe.callsites import CallSites, short_path
 from kvdoctor.probe.emitter import Emitter
-from kvdoctor.probe.hooks import CURRENT, LOCAL, REGISTRY, Hook, ImportHook, rebind_imported, wrap_function, wrap_method
+from kvdoctor.probe.hooks import CURRENT, REGISTRY, Hook, ImportHook, rebind_imported, wrap_function, wrap_method
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, installed_version, known_versions, map_for
 from kvdoctor.probe.releases import ci_sentence
 from kvdoctor.probe.verify import check_signature, describe_choice, nearest_resolving_map
@@ -35,11 +36,6 @@ FIXES_DESCRIBED = 16  # fix_applied events with evidence per fix; then counts on
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
-def forced_version_env(engine: str) -> str:
-    """Tests only: `KVDOCTOR_SGLANG_VERSION=0.5.9` makes the probe believe that version is installed."""
-    return f"KVDOCTOR_{engine.upper()}_VERSION"
-
-
 class EngineState(Protocol):
     """Per-process bookkeeping of one engine (ledgers, live requests): `periodic` runs on the
     writer thread every flush interval, `close` once at exit."""
@@ -53,25 +49,29 @@ StateT = TypeVar("StateT", bound=EngineState)
 
 
 class Probe:
-    """One per process: the emitter, the call sites, the engine states and the maps in force."""
+    """One per process: the emitter, the call sites, the engine states and the maps in force.
+
+    `ledger_on`, `fixes`, `inject` and `ledgers_off` are the switches every wrapper reads; the
+    compiled wrappers read a copy, refreshed whenever one is set (so set them, do not mutate them,
+    and switch ledgers off with `switch_off_ledgers`)."""
 
     def __init__(self, trace_path: str | None, *, fixes: list[str] | None = None, inject: set[str] | None = None) -> None:
         self.trace_path = trace_path
-        self.fixes = list(fixes or [])
-        self.inject = set(inject or ())
+        self._fixes = list(fixes or [])
+        self._inject = set(inject or ())
         self.emitter = Emitter(trace_path, header_args={"engine": "", "engine_version": "", "probe": "kvdoctor"})
         self.sites = CallSites()
-        self.local = LOCAL
-        self.ledger_on = True
+        self._ledger_on = True
         self.off_reason = ""
         self.maps: dict[str, ProbeMap | None] = {}
         self.map_notes: dict[str, str] = {}
         self.versions: dict[str, str] = {}
-        self.ledgers_off: set[str] = set()
+        self.ledgers_off: frozenset[str] = frozenset()
         self.patched_modules: set[str] = set()
         self.patched: list[str] = []
         self.missing: list[str] = []
-        self.calls = 0
+        self.py_calls = 0  # hooked calls through the Python wrapper
+        self._native_calls_base = hotpath.calls()
         self.failures = 0
         self.fix_counts: dict[str, int] = {}
         self._fix_unreported: dict[str, int] = {}
@@ -80,6 +80,48 @@ class Probe:
         self.idle_census_interval_s = float(os.environ.get(ENV_IDLE_CENSUS_INTERVAL_S, "2.0"))
         self._closed = False
         self.emitter.periodic.append(self._periodic)
+
+    # ----- the switches every wrapper reads -----
+
+    def _switched(self) -> None:
+        if CURRENT.probe is self:
+            hotpath.sync(self)
+
+    @property
+    def ledger_on(self) -> bool:
+        return self._ledger_on
+
+    @ledger_on.setter
+    def ledger_on(self, value: bool) -> None:
+        self._ledger_on = bool(value)
+        self._switched()
+
+    @property
+    def fixes(self) -> list[str]:
+        return self._fixes
+
+    @fixes.setter
+    def fixes(self, value: list[str]) -> None:
+        self._fixes = list(value)
+        self._switched()
+
+    @property
+    def inject(self) -> set[str]:
+        return self._inject
+
+    @inject.setter
+    def inject(self, value: set[str]) -> None:
+        self._inject = set(value)
+        self._switched()
+
+    def switch_off_ledgers(self, names: Any) -> None:
+        self.ledgers_off = self.ledgers_off | frozenset(names)
+        self._switched()
+
+    @property
+    def calls(self) -> int:
+        """Hooked calls recorded in this process, through either wrapper."""
+        return self.py_calls + hotpath.calls() - self._native_calls_base
 
     def state(self, key: str, factory: Callable[[Probe], StateT]) -> StateT:
         """The engine state under `key`, made on first use."""
@@ -174,7 +216,7 @@ class Probe:
         stay off; with none left on (or no map at all) the probe stays out of this process."""
         if engine in self.maps:
             return self.maps[engine]
-        version = os.environ.get(forced_version_env(engine)) or installed_version(engine)
+        version = installed_version(engine)
         self.versions[engine] = version
         if not self.emitter.header_args.get("engine"):
             self.emitter.header_args["engine"] = engine
@@ -200,7 +242,7 @@ class Probe:
             )
             return None
         off = check.ledgers_off()
-        self.ledgers_off |= set(off)
+        self.switch_off_ledgers(off)
         ci = ci_sentence(engine, version)
         self.map_notes[engine] = describe_choice(label, check) + (f"; {ci}" if ci else "")
         if off and set(off) >= set(check.ledgers()):
@@ -268,7 +310,7 @@ class Probe:
         problem = "not found" if original is None else check_signature(original, hook.positions, method=spec is not None)
         if problem:
             self.missing.append(f"{where} ({problem})")
-            self.ledgers_off.add(role.ledger)
+            self.switch_off_ledgers([role.ledger])
             reason = f"the {role.ledger} ledger is off: {where} {problem}"
             self.status("partial", reason, ledgers_off=sorted(self.ledgers_off))
             say(reason)
@@ -337,6 +379,7 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
         _IMPORT_HOOK = ImportHook(modules, probe.on_module_loaded)
         _IMPORT_HOOK.install()
         CURRENT.probe = probe
+        hotpath.sync(probe)
 
         for name in sorted(modules):
             module = sys.modules.get(name)
@@ -372,3 +415,4 @@ def deactivate() -> None:
         _IMPORT_HOOK.remove()
         _IMPORT_HOOK = None
     CURRENT.probe = None
+    hotpath.reset()

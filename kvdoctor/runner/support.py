@@ -8,11 +8,10 @@ in a production environment.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
 from kvdoctor.probe.releases import Release, ci_sentence, release, releases
-from kvdoctor.probe.runtime import ENGINE_LABELS, forced_version_env
+from kvdoctor.probe.runtime import ENGINE_LABELS
 from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
 
 ENGINES = ("sglang", "vllm")
@@ -40,7 +39,7 @@ def uncovered(engine: str) -> list[Release]:
 def installed_line(engine: str) -> str:
     """What the probe would do with the installed release of `engine`, in one line."""
     label = ENGINE_LABELS.get(engine, engine)
-    version = os.environ.get(forced_version_env(engine)) or installed_version(engine)
+    version = installed_version(engine)
     if not version:
         return f"{label}: not installed here"
     tested = map_for(engine, version)

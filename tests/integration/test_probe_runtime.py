@@ -118,8 +118,10 @@ def test_a_failing_hook_never_changes_the_host(tmp_path):
 
 
 def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path, monkeypatch):
+    """On the Python path every free goes through `SlotLedger.on_free`; the compiled path records
+    healthy frees itself (its own failures: tests/integration/test_hotpath.py)."""
     from kvdoctor.analysis.analyzer import analyze
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe import hotpath, runtime
     from kvdoctor.probe.ledger.slots import SlotLedger
     from kvdoctor.trace.reader import iter_events
 
@@ -129,6 +131,7 @@ def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path, monkeypatch):
         raise MemoryError("ledger out of memory")
 
     monkeypatch.setattr(SlotLedger, "on_free", broken)
+    monkeypatch.setattr(hotpath, "NATIVE", None)
     path = str(tmp_path / "t.json")
     runtime.activate(path)
     assert _workload_once("leak") == baseline

@@ -9,15 +9,16 @@ map whose range covers the release, with every ledger on.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
-from conftest import REPO, run_cases
+from conftest import REPO, SUPPORT, run_cases
 
+from kvdoctor.probe.ledger.requests import RID_NOT_PASSED
 from kvdoctor.probe.maps import map_for
+from kvdoctor.probe.versions import version_key
 
-sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+sys.path.insert(0, SUPPORT)
 from engine_releases import matrix_releases
 
 CASES = [[1, "none"], [1, "leak"], [1, "double-free"]]
@@ -48,6 +49,9 @@ def test_release(release):
     assert planted > 0 and leak["sglang_check"]["diff"] == planted
     assert [(f["kind"], f["count"]) for f in errors(leak)] == [("orphan_slots", planted)]
     assert len(errors(leak)[0]["evidence"]["slot_ids"]) > 0
+    # the request: its rid where the pool is given the request (0.5.9 on), else the row and why no rid
+    requests = str(errors(leak)[0]["evidence"]["requests"])
+    assert ("conv" in requests) if version_key(release) >= version_key("0.5.9") else (RID_NOT_PASSED in requests), requests
 
     double = results["double-free"]
     at_plant = [f for f in errors(double) if f["kind"] == "double_free" and "_finish" in f["site"]]

@@ -277,28 +277,8 @@ def _session_pids(sid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1])
-def test_run_ends_the_whole_group_it_started(tmp_path, sig):
-    marker = tmp_path / "started"
-    script = f"sleep 300 & sleep 300 & touch {marker}; wait"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "kvdoctor.cli", "run", "--trace", str(tmp_path / "t.kvtrace.json"), "--", "sh", "-c", script],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    children = [p for p in _session_pids(_child_sid(run.pid)) if p != run.pid]
-    assert len(children) >= 3  # the shell and its two sleeps
-    run.send_signal(sig)
-    run.wait(timeout=60)
-    time.sleep(0.5)
-    assert [p for p in children if _alive(p)] == []
-
-
-def test_killing_run_itself_takes_its_command_down(tmp_path):
+def _run_started(tmp_path, script: str) -> subprocess.Popen:
+    """`kvdoctor run -- sh -c SCRIPT`, returned once the script has touched `{marker}`."""
     marker = tmp_path / "started"
     run = subprocess.Popen(
         [
@@ -311,7 +291,7 @@ def test_killing_run_itself_takes_its_command_down(tmp_path):
             "--",
             "sh",
             "-c",
-            f"touch {marker}; exec sleep 300",
+            script.format(marker=marker),
         ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -320,6 +300,22 @@ def test_killing_run_itself_takes_its_command_down(tmp_path):
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    return run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1])
+def test_run_ends_the_whole_group_it_started(tmp_path, sig):
+    run = _run_started(tmp_path, "sleep 300 & sleep 300 & touch {marker}; wait")
+    children = [p for p in _session_pids(_child_sid(run.pid)) if p != run.pid]
+    assert len(children) >= 3  # the shell and its two sleeps
+    run.send_signal(sig)
+    run.wait(timeout=60)
+    time.sleep(0.5)
+    assert [p for p in children if _alive(p)] == []
+
+
+def test_killing_run_itself_takes_its_command_down(tmp_path):
+    run = _run_started(tmp_path, "touch {marker}; exec sleep 300")
     (child,) = [p for p in _session_pids(_child_sid(run.pid)) if p != run.pid]
     run.kill()
     run.wait(timeout=30)

@@ -3,11 +3,15 @@ operator would (SIGINT, then SIGKILL to its session if it hangs), and its log.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
-from typing import IO
+import sys
+from typing import IO, Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -75,3 +79,42 @@ def log_tail(path: str, n: int = 4000) -> str:
         return ""
     lines = [ln for ln in data.splitlines() if "is ignored: it is neither a file" not in ln]
     return "\n".join(lines)[-n:]
+
+
+class ServerRun:
+    """What every real-server run has: its process, its log and the planted fault's report.
+    Subclasses set `proc`, `_log`, `log_path`, `fault_out` and `stop_timeout_s`."""
+
+    proc: subprocess.Popen | None = None
+    _log: Any = None
+    log_path = ""
+    fault_out = ""
+    returncode: int | None = None
+    stop_timeout_s = 90.0
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        self.returncode = stop(self.proc, self._log, self.stop_timeout_s if timeout_s is None else timeout_s)
+        return self.returncode
+
+    def log_tail(self, n: int = 4000) -> str:
+        return log_tail(self.log_path, n)
+
+    def fault(self) -> dict[str, Any] | None:
+        try:
+            with open(self.fault_out) as fh:
+                return json.load(fh)
+        except OSError:
+            return None
+
+
+def kvdoctor_json(*args: str, timeout_s: float = 300.0) -> tuple[int, dict[str, Any]]:
+    """A kvdoctor command with JSON on stdout: its exit code and the parsed output."""
+    proc = subprocess.run([sys.executable, "-m", "kvdoctor.cli", *args], capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    try:
+        return proc.returncode, json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"kvdoctor {args[0]} gave no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}") from None
+
+
+def replay(trace: str) -> tuple[int, dict[str, Any]]:
+    return kvdoctor_json("replay", trace, "--format", "json")

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -69,8 +68,10 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class Server:
+class Server(servers.ServerRun):
     """One server run; `flags` are SGLang's (page size, radix cache, chunked prefill, policy)."""
+
+    stop_timeout_s = 120.0
 
     def __init__(
         self,
@@ -237,26 +238,5 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError("the scheduler did not answer the attach")
 
-    def stop(self, timeout_s: float = 120.0) -> int | None:
-        self.returncode = servers.stop(self.proc, self._log, timeout_s)
-        return self.returncode
 
-    def log_tail(self, n: int = 4000) -> str:
-        return servers.log_tail(self.log_path, n)
-
-    def fault(self) -> dict[str, Any] | None:
-        try:
-            with open(self.fault_out) as fh:
-                return json.load(fh)
-        except OSError:
-            return None
-
-
-def replay(trace: str) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    try:
-        return proc.returncode, json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        raise AssertionError(f"replay gave no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}") from None
+replay = servers.replay

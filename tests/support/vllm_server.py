@@ -6,10 +6,8 @@ Used by tests/test_vllm_e2e.py and bench/bench_vllm.py. `.ci/setup-vllm` makes t
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -43,7 +41,7 @@ def ensure_model() -> str:
     return MODEL_DIR
 
 
-class Server:
+class Server(servers.ServerRun):
     """One server run. `probe`: under `kvdoctor run --trace`; `skip_free`: the planted fault."""
 
     def __init__(self, workdir: str, *, probe: bool = True, skip_free: int = 0, port: int | None = None) -> None:
@@ -130,20 +128,6 @@ class Server:
                 return pid
         return None
 
-    def stop(self, timeout_s: float = 90.0) -> int | None:
-        self.returncode = servers.stop(self.proc, self._log, timeout_s)
-        return self.returncode
-
-    def log_tail(self, n: int = 4000) -> str:
-        return servers.log_tail(self.log_path, n)
-
-    def fault(self) -> dict[str, Any] | None:
-        try:
-            with open(self.fault_out) as fh:
-                return json.load(fh)
-        except OSError:
-            return None
-
 
 def cpu_seconds(pid: int | None) -> float:
     """utime + stime of one process, in seconds (0.0 when it is gone)."""
@@ -157,28 +141,13 @@ def cpu_seconds(pid: int | None) -> float:
         return 0.0
 
 
-def replay(trace: str) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvdoctor.cli", "replay", trace, "--format", "json"], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    try:
-        return proc.returncode, json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        raise AssertionError(f"replay gave no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}") from None
+replay = servers.replay
 
 
 def watch(pid: int, trace: str, duration_s: float = 10.0) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvdoctor.cli", "watch", str(pid), "--duration", str(duration_s), "--format", "json", "--trace", trace],
-        capture_output=True,
-        text=True,
-        timeout=duration_s + 120,
-        cwd=REPO,
+    return servers.kvdoctor_json(
+        "watch", str(pid), "--duration", str(duration_s), "--format", "json", "--trace", trace, timeout_s=duration_s + 120
     )
-    try:
-        return proc.returncode, json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        raise AssertionError(f"watch gave no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}") from None
 
 
 def wait_for(predicate, timeout_s: float, step_s: float = 0.5) -> bool:

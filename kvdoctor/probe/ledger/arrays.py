@@ -26,16 +26,13 @@ class HostArrays:
         return np.full(n, value, dtype=dtype)
 
     def single(self, tensor: Any) -> int | None:
-        """The value of a one-element index tensor, else None. The commonest call (one decode slot)
-        reads it with `item()`: a numpy view plus an int64 copy cost several times more."""
-        numel = getattr(tensor, "numel", None)
-        if numel is None or not callable(numel) or isinstance(tensor, np.ndarray):
-            return None
+        """The value of a one-element integer tensor, else None. The commonest call (one decode
+        slot) reads it with `item()`: a numpy view plus an int64 copy cost several times more."""
         try:
-            if numel() != 1:
+            if tensor.numel() != 1:
                 return None
             value = tensor.item()
-        except Exception:
+        except Exception:  # not a tensor (numpy arrays have no numel)
             return None
         return value if isinstance(value, int) else None
 

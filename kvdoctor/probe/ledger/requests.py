@@ -11,6 +11,8 @@ import threading
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
 BEFORE_ATTACH = -2  # the owner of slots held by no one when the probe adopted the allocator
 RELEASED = -3  # the owner of slots a request still held when it gave back its row (its row may serve another now)
+# the rid of a row taken by count (SGLang before 0.5.9): the pool never sees the request
+RID_NOT_PASSED = "not passed to the pool before SGLang 0.5.9"
 ORPHANED_OWNERS = (BEFORE_ATTACH, RELEASED)  # owners that make an owned slot an orphan at any census
 
 

@@ -6,7 +6,6 @@ on a later call; a census (idle, exit) is the one place that waits for the devic
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ class SlotReadback:
     violation_site: Any
     counters: Any
     oor_value: Any
-    lock: threading.RLock
+    lock: Any  # hotpath.new_lock(): reentrant, used as `with lock:`
     census_count: int
     _reported: np.ndarray
     _pending: Any

@@ -11,11 +11,11 @@ page and names the orphans: pages neither free, nor in the tree, nor owned by a 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
+from kvdoctor.probe import hotpath
 from kvdoctor.probe.callsites import CallSites
 from kvdoctor.probe.ledger.arrays import arrays_for
 from kvdoctor.probe.ledger.requests import RequestTable
@@ -59,7 +59,7 @@ class SlotLedger(SlotReadback):
         self._pending_kind = ""
         self.calls = 0
         self.census_count = 0
-        self.lock = threading.RLock()
+        self.lock = hotpath.new_lock()
         self.reset_all_free()
 
     def use_kernels(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, resolve
+from kvdoctor.probe.ledger.requests import RID_NOT_PASSED
 from kvdoctor.probe.sglang.state import sglang_state
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ class RequestPoolRole(Role):
 
 
 class ReqAllocRole(RequestPoolRole):
+    fast_kind = "req_alloc"
     reads = {"reqs": 0}
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
@@ -34,14 +36,15 @@ class ReqAllocRole(RequestPoolRole):
 
 
 class ReqAllocCountRole(RequestPoolRole):
-    """Before 0.5.9: `alloc(need_size) -> rows`; the rows are given to requests afterwards, so no rid."""
+    """Before 0.5.9: `alloc(need_size) -> rows`; the rows are given to requests afterwards, so the
+    evidence names the row and says why it has no rid."""
 
     reads = {"need_size": 0}
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         requests = sglang_state(probe).requests
         for index in result or []:
-            requests.allocated(int(index), "?")
+            requests.allocated(int(index), RID_NOT_PASSED)
 
 
 class ReqFreeIndexRole(RequestPoolRole):
@@ -68,6 +71,7 @@ class ReqFreeIndexRole(RequestPoolRole):
 
 
 class ReqFreeRole(RequestPoolRole):
+    fast_kind = "req_free"
     reads = {"req": 0}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -87,6 +91,7 @@ class ReqFreeRole(RequestPoolRole):
 
 
 class ReqFreeRowsRole(RequestPoolRole):
+    fast_kind = "req_free_rows"
     reads = {"indices": 0}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -103,6 +108,7 @@ class ReqFreeRowsRole(RequestPoolRole):
 
 
 class ReqWriteRole(RequestPoolRole):
+    fast_kind = "req_write"
     reads = {"indices": 0, "values": 1}
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:

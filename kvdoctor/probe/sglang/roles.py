@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe import fixes
+from kvdoctor.probe import fixes, hotpath
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.sglang.requests import (
@@ -41,6 +41,7 @@ class SlotNoteRole(NoteRole):
 
 
 class AllocRole(SlotRole):
+    fast_kind = "alloc"
     composite = True
     wants_site = True
     only_page_starts = False
@@ -126,6 +127,7 @@ class DecodeRole(ExtendRole):
 
 
 class FreeRole(SlotRole):
+    fast_kind = "free"
     composite = True
     wants_site = True
     as_pages = False
@@ -143,7 +145,7 @@ class FreeRole(SlotRole):
         if index is None or not hasattr(index, "numel") or index.numel() == 0:
             return
         with ledger.lock:
-            ledger.on_free(index, site, evicting=probe.local.evicting > 0, as_pages=self.as_pages)
+            ledger.on_free(index, site, evicting=hotpath.evicting(), as_pages=self.as_pages)
 
     def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         if "dedup-free" not in probe.fixes or ctx is None or not args:
@@ -173,7 +175,7 @@ class GroupEndRole(SlotRole):
         with ledger.lock:
             for pages in staged:
                 if hasattr(pages, "numel") and pages.numel():
-                    ledger.on_free(pages, site, evicting=probe.local.evicting > 0, as_pages=True)
+                    ledger.on_free(pages, site, evicting=hotpath.evicting(), as_pages=True)
         sglang_state(probe).judge_deferred_releases()
 
 
@@ -191,6 +193,7 @@ def _tree_size(tree: Any) -> int:
 
 
 class TreeInsertRole(SlotRole):
+    fast_kind = "tree_insert"
     wants_site = True
     reads = {"params": 0}
 
@@ -228,17 +231,20 @@ class TreeInsertKeyValueRole(TreeInsertRole):
 
 
 class TreeEvictRole(SlotRole):
+    fast_kind = "tree_evict"
+
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         sglang_state(probe).tree_ledger(obj)
-        probe.local.evicting += 1
+        hotpath.evict_add(1)
         return True
 
     def finally_(self, probe: Probe, ctx: Any) -> None:
         if ctx:
-            probe.local.evicting -= 1
+            hotpath.evict_add(-1)
 
 
 class TreeUnlockRole(SlotRole):
+    fast_kind = "tree_unlock"
     wants_site = True
     reads = {"node": 0}
 

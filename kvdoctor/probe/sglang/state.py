@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvdoctor.probe import hotpath
 from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
@@ -40,13 +41,24 @@ class SglangState:
         self.tree: Any = None  # the radix tree last seen, for the census's sizes
         # id(last_loc tensor) -> (tensor, req_pool_indices, req_to_token, prefix_lens)
         self.last_loc_sources: dict[int, tuple[Any, Any, Any, Any]] = {}
-        self.census_pending = False
+        self._census_pending = False
         self.last_idle_census = -1e9
         self.last_release_s = -1e9
         self.deferred_releases: list[tuple[Any, int, str]] = []  # (slots, row, rid) judged at a group's end
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
+        hotpath.sglang_context(self, self.last_loc_sources, self.requests)
+
+    @property
+    def census_pending(self) -> bool:
+        """An idle census is due: the next allocation takes it (the compiled path steps aside)."""
+        return self._census_pending
+
+    @census_pending.setter
+    def census_pending(self, value: bool) -> None:
+        self._census_pending = value
+        hotpath.set_divert(value)
 
     # ----- ledgers -----
 
@@ -83,6 +95,8 @@ class SglangState:
                 f"{found['live_requests']} live request(s), {found['held_by_no_one_slots']} held by no one (leaked before attach)"
             )
         probe.emitter.emit(schema.PROBE_STATUS, status)
+        if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
+            hotpath.set_primary(allocator)
         return ledger
 
     def _map_classes(self, kind: str) -> set[str]:
@@ -125,6 +139,7 @@ class SglangState:
             if table is None or getattr(table, "device", None) is None or table.device.type != "cpu":
                 return
             extent = self.row_extent = np.zeros(int(table.shape[0]), dtype=np.int64)
+            hotpath.set_row_extent(extent)
         if isinstance(rows, int):
             if isinstance(columns, slice):
                 stop = columns.stop if columns.stop is not None else (columns.start or 0) + int(values.numel())

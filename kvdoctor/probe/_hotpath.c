@@ -1,0 +1,2407 @@
+/* The probe's compiled hot path: the wrapper every hooked method gets, and the slot ledger's
+ * healthy-case updates, without a Python frame.
+ *
+ * Why: SGLang's scheduler is CPU-bound at small batches, and a Python wrapper that reads index
+ * tensors through torch's Python API and updates the ledger with numpy costs 9-21 us per hooked
+ * call there. This module does the same work as `kvdoctor.probe.hooks.wrap_method` plus the roles
+ * it knows (`kind`), in C:
+ *
+ * - dispatch: the probe's switches, re-entry (composite roles), the hooked-call count;
+ * - the call site: looked up by (code object, offset) of the caller and its caller, interned by
+ *   the same `CallSites` table the Python path uses (asked once per new key);
+ * - index tensors: read through their data pointer (CPU, int32/int64, contiguous), one-element
+ *   ones with item();
+ * - the ledger: the numpy arrays the Python `SlotLedger` owns, through their buffers.
+ *
+ * It only ever takes the healthy case: every rule is checked first, and anything else (a
+ * violation, an index it cannot read, a census due, a fix on, a fault injected) goes to the
+ * Python role or ledger method, which records it exactly as it always has. What it writes is
+ * what the Python path would have written; the tests compare the two on the same workloads.
+ * Never raises into the host: its own failures go to `probe.fail`, like the Python wrapper's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#if PY_VERSION_HEX < 0x030B0000
+#include <frameobject.h>
+#endif
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The ledger's vocabulary (kvdoctor/probe/ledger/states.py; hotpath.py checks they agree). */
+#define ST_FREE 1
+#define ST_OWNED 2
+#define ST_TREE 4
+#define ST_RESERVED 8
+
+/* What the fast path knows how to do for a hooked method. */
+enum {
+    K_GENERIC = 0, /* dispatch only: the Python role does the rest */
+    K_NOTE,        /* changes no slot: call through */
+    K_ALLOC,       /* alloc / alloc_extend / alloc_decode */
+    K_FREE,        /* free / free_segment / free_pages */
+    K_TREE_INSERT, /* RadixCache.insert */
+    K_TREE_EVICT,  /* RadixCache.evict */
+    K_TREE_UNLOCK, /* RadixCache.dec_lock_ref */
+    K_REQ_WRITE,   /* ReqToTokenPool.write */
+    K_REQ_ALLOC,   /* ReqToTokenPool.alloc(reqs) */
+    K_REQ_FREE,    /* ReqToTokenPool.free(req) */
+    K_REQ_FREE_ROWS, /* ReqToTokenPool.free_rows(indices) */
+    K_COUNT
+};
+
+#define MAX_DEPTH 32       /* nested hooked calls remembered per thread */
+#define MAX_LEDGERS 64     /* allocators with a host ledger (more stay on the Python path) */
+#define MAX_SITE_KEYS 65536 /* (caller, caller's caller) keys remembered */
+#define SMALL_READ 64      /* index tensors up to this size are copied to the stack */
+
+/* ------------------------------------------------------------------ per-thread re-entry */
+
+typedef struct {
+    void *obj;
+    int role_id;
+    int composite;
+} Entry;
+
+typedef struct {
+    int depth;
+    int evicting;
+    Entry e[MAX_DEPTH];
+} ThreadState;
+
+static _Thread_local ThreadState tls;
+
+/* A call that must pass straight through: the same role on the same object is in progress, or
+ * (composite roles) any composite role on that object is: free_segment -> free_page_ids -> free
+ * is recorded once, by the outermost. */
+static int
+blocked(void *obj, int role_id, int composite)
+{
+    int depth = tls.depth < MAX_DEPTH ? tls.depth : MAX_DEPTH;
+    for (int i = 0; i < depth; i++) {
+        Entry *e = &tls.e[i];
+        if (e->obj == obj && (e->role_id == role_id || (composite && e->composite)))
+            return 1;
+    }
+    return 0;
+}
+
+static int
+push(void *obj, int role_id, int composite)
+{
+    if (tls.depth < MAX_DEPTH) {
+        Entry *e = &tls.e[tls.depth];
+        e->obj = obj;
+        e->role_id = role_id;
+        e->composite = composite;
+    }
+    tls.depth++;
+    return 0;
+}
+
+static void
+pop(void)
+{
+    if (tls.depth > 0)
+        tls.depth--;
+}
+
+/* ------------------------------------------------------------------ the ledger's lock */
+
+/* A reentrant lock, like threading.RLock, that C takes without a method call: an uncontended
+ * acquire is a thread-id compare and a non-blocking try (an RLock through its Python methods costs
+ * more than the ledger update it guards). Python uses it the same way: `with ledger.lock:`. */
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    unsigned long owner;
+    long count;
+    PyObject *weakrefs;
+} FastLock;
+
+static PyTypeObject FastLockType;
+
+static int
+fastlock_take(FastLock *self, int blocking)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    if (self->count > 0 && self->owner == me) {
+        self->count++;
+        return 1;
+    }
+    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+        if (!blocking)
+            return 0;
+        int ok;
+        Py_BEGIN_ALLOW_THREADS
+        ok = PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
+        if (!ok) {
+            PyErr_SetString(PyExc_RuntimeError, "could not take the ledger lock");
+            return -1;
+        }
+    }
+    self->owner = me;
+    self->count = 1;
+    return 1;
+}
+
+static int
+fastlock_give(FastLock *self)
+{
+    if (self->count <= 0 || self->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return -1;
+    }
+    if (--self->count == 0) {
+        self->owner = 0;
+        PyThread_release_lock(self->lock);
+    }
+    return 0;
+}
+
+static PyObject *
+fastlock_new(PyTypeObject *type, PyObject *a, PyObject *kw)
+{
+    FastLock *self = (FastLock *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->lock = PyThread_allocate_lock();
+    if (self->lock == NULL) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void
+fastlock_dealloc(FastLock *self)
+{
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    if (self->lock != NULL) {
+        if (self->count > 0)
+            PyThread_release_lock(self->lock);
+        PyThread_free_lock(self->lock);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+fastlock_acquire(FastLock *self, PyObject *a, PyObject *kw)
+{
+    static char *names[] = {"blocking", "timeout", NULL};
+    int blocking = 1;
+    double timeout = -1;
+    if (!PyArg_ParseTupleAndKeywords(a, kw, "|pd", names, &blocking, &timeout))
+        return NULL;
+    if (timeout >= 0 && blocking) {
+        PyErr_SetString(PyExc_ValueError, "the ledger lock takes no timeout");
+        return NULL;
+    }
+    int r = fastlock_take(self, blocking);
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(r);
+}
+
+static PyObject *
+fastlock_enter(FastLock *self, PyObject *unused)
+{
+    if (fastlock_take(self, 1) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+fastlock_release(FastLock *self, PyObject *unused)
+{
+    if (fastlock_give(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fastlock_exit(FastLock *self, PyObject *args)
+{
+    if (fastlock_give(self) < 0)
+        return NULL;
+    Py_RETURN_FALSE;
+}
+
+static PyObject *
+fastlock_is_owned(FastLock *self, PyObject *unused)
+{
+    return PyBool_FromLong(self->count > 0 && self->owner == PyThread_get_thread_ident());
+}
+
+static PyObject *
+fastlock_at_fork_reinit(FastLock *self, PyObject *unused)
+{
+    /* in a forked child: whoever held it in the parent does not exist here */
+    PyThread_type_lock fresh = PyThread_allocate_lock();
+    if (fresh == NULL)
+        return PyErr_NoMemory();
+    self->lock = fresh; /* the parent's lock object is abandoned, as threading does */
+    self->owner = 0;
+    self->count = 0;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fastlock_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))fastlock_acquire, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"release", (PyCFunction)fastlock_release, METH_NOARGS, NULL},
+    {"__enter__", (PyCFunction)fastlock_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)fastlock_exit, METH_VARARGS, NULL},
+    {"_is_owned", (PyCFunction)fastlock_is_owned, METH_NOARGS, NULL},
+    {"_at_fork_reinit", (PyCFunction)fastlock_at_fork_reinit, METH_NOARGS, NULL},
+    {NULL}};
+
+static PyTypeObject FastLockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvdoctor.probe._hotpath.FastLock",
+    .tp_basicsize = sizeof(FastLock),
+    .tp_dealloc = (destructor)fastlock_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A reentrant lock the compiled path takes without a method call (see threading.RLock).",
+    .tp_weaklistoffset = offsetof(FastLock, weakrefs),
+    .tp_methods = fastlock_methods,
+    .tp_new = fastlock_new,
+};
+
+/* ------------------------------------------------------------------ process state */
+
+typedef struct {
+    PyObject *allocator; /* strong: the key, compared by identity */
+    PyObject *ledger;    /* the Python SlotLedger (slow path, evidence) */
+    PyObject *lock;      /* its lock */
+    Py_buffer b_state, b_owner, b_site;
+    int8_t *state;
+    int32_t *owner;
+    int32_t *alloc_site;
+    Py_ssize_t n;
+    long rows, page_size, num_pages, sink;
+    PyObject *group_attr; /* its free group (NULL: none): frees staged there are judged at the group's end */
+    int group_open_when_false;
+} Ledger;
+
+typedef struct {
+    PyCodeObject *code, *back;
+    int lasti, back_lasti;
+    int site;
+} SiteKey;
+
+static struct {
+    PyObject *probe; /* strong; NULL: every wrapper passes through */
+    int active;      /* probe set and its ledgers on */
+    uint32_t ledgers_off;
+    int fixes_on;
+    uint64_t inject;
+    unsigned long long calls;
+    int fail_after_kind; /* tests: raise inside this kind's fast path after the host's call */
+    unsigned long generation; /* bumped by reset(): a fast path that straddles it writes nothing */
+    /* per kind: calls done here, calls sent to the generic path, calls handed to the Python ledger */
+    unsigned long long n_fast[K_COUNT], n_diverted[K_COUNT], n_slow[K_COUNT];
+
+    PyObject *site_at; /* CallSites.at(frame) */
+    SiteKey *sites;
+    Py_ssize_t sites_cap, sites_len;
+
+    PyObject *sg_state; /* SglangState */
+    PyObject *requests; /* its RequestTable */
+    PyObject *last_loc_sources;
+    PyObject *tree_seen; /* strong: the tree the state was last told about */
+    int divert;          /* a census is pending: allocations take the Python path */
+    Ledger ledgers[MAX_LEDGERS];
+    int n_ledgers;
+    Ledger *primary;
+    Py_buffer b_extent;
+    int64_t *extent;
+    Py_ssize_t extent_n;
+
+    PyObject *tensor_type, *dtype_int64, *dtype_int32;
+} H;
+
+static PyObject *S_numel, *S_item, *S_is_cpu, *S_dtype, *S_is_contiguous, *S_data_ptr, *S_fail, *S_acquire,
+    *S_release, *S_on_alloc, *S_on_free, *S_on_tree_insert, *S_evictable_size, *S_protected_size, *S_value,
+    *S_prefix_len, *S_tree, *S_kv_allocator, *S_lock_ref, *S_root_node, *S_only_page_starts, *S_evicting,
+    *S_as_pages, *S_tree_attr, *S_dim, *S_note_row_write, *S_on_owner, *S_census_if_due, *S_allocated, *S_freed,
+    *S_request_rows_freed, *S_rid, *S_req_to_token, *S_unknown_rid;
+
+/* ------------------------------------------------------------------ failures */
+
+/* The current exception goes to probe.fail(name, exc) (or fix_failed): the probe turns itself off
+ * and says why; the host never sees it. BaseExceptions that are not Exceptions (KeyboardInterrupt)
+ * propagate, as they do through the Python wrapper. Returns 0 when handled, -1 to propagate. */
+static int
+report_failure(PyObject *name, const char *method)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL)
+        return 0;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    if (H.probe != NULL && value != NULL) {
+        PyObject *r = PyObject_CallMethod(H.probe, method, "OO", name, value);
+        if (r == NULL)
+            PyErr_Clear();
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ reading index tensors */
+
+typedef struct {
+    Py_ssize_t n;
+    const void *data; /* n > 1: int32 or int64 elements */
+    int itemsize;
+    int64_t one; /* n == 1 */
+} Ints;
+
+static inline int64_t
+ints_at(const Ints *v, Py_ssize_t i)
+{
+    if (v->n == 1)
+        return v->one;
+    if (v->itemsize == 8)
+        return ((const int64_t *)v->data)[i];
+    return ((const int32_t *)v->data)[i];
+}
+
+static PyObject *
+call0(PyObject *obj, PyObject *name)
+{
+    return PyObject_CallMethodNoArgs(obj, name);
+}
+
+/* A CPU integer tensor's values, without a copy: 1 read, 0 not a tensor we read here (no error
+ * set), -1 an error (set). Only exact torch.Tensor objects on the CPU, int32/int64, contiguous. */
+static int
+read_ints(PyObject *t, Ints *out)
+{
+    out->n = 0;
+    out->data = NULL;
+    out->itemsize = 0;
+    out->one = 0;
+    if (H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
+        return 0;
+    PyObject *cpu = PyObject_GetAttr(t, S_is_cpu);
+    if (cpu == NULL)
+        return -1;
+    int on_cpu = (cpu == Py_True);
+    Py_DECREF(cpu);
+    if (!on_cpu)
+        return 0;
+    PyObject *dtype = PyObject_GetAttr(t, S_dtype);
+    if (dtype == NULL)
+        return -1;
+    int itemsize = dtype == H.dtype_int64 ? 8 : dtype == H.dtype_int32 ? 4 : 0;
+    Py_DECREF(dtype);
+    if (!itemsize)
+        return 0;
+    PyObject *n_obj = call0(t, S_numel);
+    if (n_obj == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(n_obj);
+    Py_DECREF(n_obj);
+    if (n < 0)
+        return PyErr_Occurred() ? -1 : 0;
+    out->n = n;
+    out->itemsize = itemsize;
+    if (n == 0)
+        return 1;
+    if (n > 1) { /* one element is contiguous whatever its strides */
+        PyObject *c = call0(t, S_is_contiguous);
+        if (c == NULL)
+            return -1;
+        int contiguous = (c == Py_True);
+        Py_DECREF(c);
+        if (!contiguous)
+            return 0;
+    }
+    /* data_ptr(), not item(): item() goes through the dispatcher and lets go of the GIL */
+    PyObject *p = call0(t, S_data_ptr);
+    if (p == NULL)
+        return -1;
+    void *ptr = PyLong_AsVoidPtr(p);
+    Py_DECREF(p);
+    if (ptr == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    out->data = ptr;
+    if (n == 1) {
+        out->one = itemsize == 8 ? *(const int64_t *)ptr : *(const int32_t *)ptr;
+        out->data = NULL;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ call sites */
+
+static inline Py_ssize_t
+site_hash(void *a, int b, void *c, int d, Py_ssize_t mask)
+{
+    uint64_t h = (uint64_t)(uintptr_t)a * 0x9E3779B97F4A7C15ULL;
+    h ^= ((uint64_t)(uint32_t)b + 0x632BE59BD9B4E019ULL) * 0xBF58476D1CE4E5B9ULL;
+    h ^= (uint64_t)(uintptr_t)c * 0x94D049BB133111EBULL;
+    h ^= (uint64_t)(uint32_t)d * 0xD6E8FEB86659FD93ULL;
+    h ^= h >> 31;
+    return (Py_ssize_t)(h & (uint64_t)mask);
+}
+
+static int
+sites_grow(void)
+{
+    Py_ssize_t cap = H.sites_cap ? H.sites_cap * 2 : 256;
+    SiteKey *fresh = PyMem_Calloc((size_t)cap, sizeof(SiteKey));
+    if (fresh == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < H.sites_cap; i++) {
+        SiteKey *k = &H.sites[i];
+        if (k->code == NULL)
+            continue;
+        Py_ssize_t j = site_hash(k->code, k->lasti, k->back, k->back_lasti, cap - 1);
+        while (fresh[j].code != NULL)
+            j = (j + 1) & (cap - 1);
+        fresh[j] = *k;
+    }
+    PyMem_Free(H.sites);
+    H.sites = fresh;
+    H.sites_cap = cap;
+    return 0;
+}
+
+static void
+sites_clear(void)
+{
+    for (Py_ssize_t i = 0; i < H.sites_cap; i++) {
+        Py_XDECREF(H.sites[i].code);
+        Py_XDECREF(H.sites[i].back);
+    }
+    PyMem_Free(H.sites);
+    H.sites = NULL;
+    H.sites_cap = H.sites_len = 0;
+}
+
+/* The interned call site of the current call (the hooked method's caller and its caller), the same
+ * id `CallSites.at(sys._getframe(1))` gives from the Python wrapper. -1 with an error set. */
+static int
+current_site(void)
+{
+    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the caller of the hooked method */
+    if (frame == NULL || H.site_at == NULL)
+        return 0;
+    PyCodeObject *code = PyFrame_GetCode(frame);
+#if PY_VERSION_HEX >= 0x030B0000
+    int lasti = PyFrame_GetLasti(frame);
+#else
+    int lasti = frame->f_lasti;
+#endif
+    PyFrameObject *back = PyFrame_GetBack(frame);
+    PyCodeObject *back_code = NULL;
+    int back_lasti = -1;
+    if (back != NULL) {
+        back_code = PyFrame_GetCode(back);
+#if PY_VERSION_HEX >= 0x030B0000
+        back_lasti = PyFrame_GetLasti(back);
+#else
+        back_lasti = back->f_lasti;
+#endif
+        Py_DECREF(back);
+    }
+    int site = -1;
+    if (H.sites_cap) {
+        Py_ssize_t mask = H.sites_cap - 1;
+        Py_ssize_t j = site_hash(code, lasti, back_code, back_lasti, mask);
+        while (H.sites[j].code != NULL) {
+            SiteKey *k = &H.sites[j];
+            if (k->code == code && k->lasti == lasti && k->back == back_code && k->back_lasti == back_lasti) {
+                site = k->site;
+                break;
+            }
+            j = (j + 1) & mask;
+        }
+    }
+    if (site >= 0) {
+        Py_DECREF(code);
+        Py_XDECREF(back_code);
+        return site;
+    }
+    PyObject *r = PyObject_CallOneArg(H.site_at, (PyObject *)frame);
+    if (r == NULL) {
+        Py_DECREF(code);
+        Py_XDECREF(back_code);
+        return -1;
+    }
+    site = (int)PyLong_AsLong(r);
+    Py_DECREF(r);
+    if (site < 0 || PyErr_Occurred()) {
+        Py_DECREF(code);
+        Py_XDECREF(back_code);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "negative call site id");
+        return -1;
+    }
+    if (H.sites_len < MAX_SITE_KEYS) {
+        if ((H.sites_len + 1) * 2 > H.sites_cap && sites_grow() < 0) {
+            PyErr_Clear(); /* not remembered: the next call asks CallSites again */
+        }
+        else {
+            Py_ssize_t mask = H.sites_cap - 1;
+            Py_ssize_t j = site_hash(code, lasti, back_code, back_lasti, mask);
+            while (H.sites[j].code != NULL)
+                j = (j + 1) & mask;
+            H.sites[j].code = code; /* the references are kept: an id is never reused while keyed */
+            H.sites[j].back = back_code;
+            H.sites[j].lasti = lasti;
+            H.sites[j].back_lasti = back_lasti;
+            H.sites[j].site = site;
+            H.sites_len++;
+            return site;
+        }
+    }
+    Py_DECREF(code);
+    Py_XDECREF(back_code);
+    return site;
+}
+
+/* ------------------------------------------------------------------ ledgers */
+
+static Ledger *
+ledger_of(PyObject *allocator)
+{
+    for (int i = 0; i < H.n_ledgers; i++)
+        if (H.ledgers[i].allocator == allocator)
+            return &H.ledgers[i];
+    return NULL;
+}
+
+static int
+lock_ledger(Ledger *l)
+{
+    if (Py_TYPE(l->lock) == &FastLockType)
+        return fastlock_take((FastLock *)l->lock, 1) < 0 ? -1 : 0;
+    PyObject *r = call0(l->lock, S_acquire);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int
+unlock_ledger(Ledger *l)
+{
+    if (Py_TYPE(l->lock) == &FastLockType)
+        return fastlock_give((FastLock *)l->lock);
+    PyObject *r = call0(l->lock, S_release);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static inline int
+page_in_body(const Ledger *l, int64_t page)
+{
+    return page >= 1 && page <= l->num_pages;
+}
+
+/* alloc: every page handed out (page starts only, with `only_page_starts`) must be free. */
+static int
+alloc_is_healthy(const Ledger *l, const Ints *v, int only_page_starts)
+{
+    long ps = l->page_size;
+    for (Py_ssize_t i = 0; i < v->n; i++) {
+        int64_t slot = ints_at(v, i);
+        if (slot < 0 || slot >= l->rows)
+            return 0;
+        if (only_page_starts && slot % ps)
+            continue;
+        int64_t page = slot / ps;
+        if (!page_in_body(l, page) || l->state[page] != ST_FREE)
+            return 0;
+    }
+    return 1;
+}
+
+static void
+alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
+{
+    long ps = l->page_size;
+    for (Py_ssize_t i = 0; i < v->n; i++) {
+        int64_t slot = ints_at(v, i);
+        if (only_page_starts && slot % ps)
+            continue;
+        int64_t page = slot / ps;
+        l->state[page] = ST_OWNED;
+        l->owner[page] = -1;
+        l->alloc_site[page] = site;
+    }
+}
+
+/* free: every page named must be held (not free) and inside the pool. */
+static int
+free_is_healthy(const Ledger *l, const Ints *v, int as_pages)
+{
+    for (Py_ssize_t i = 0; i < v->n; i++) {
+        int64_t x = ints_at(v, i);
+        int64_t page;
+        if (as_pages)
+            page = x;
+        else {
+            if (x < 0 || x >= l->rows)
+                return 0;
+            page = x / l->page_size;
+        }
+        if (!page_in_body(l, page) || (l->state[page] & ST_FREE))
+            return 0;
+    }
+    return 1;
+}
+
+static void
+free_apply(Ledger *l, const Ints *v, int as_pages, int evicting)
+{
+    for (Py_ssize_t i = 0; i < v->n; i++) {
+        int64_t x = ints_at(v, i);
+        int64_t page = as_pages ? x : x / l->page_size;
+        l->state[page] = evicting ? ST_FREE : (int8_t)((l->state[page] & ST_TREE) | ST_FREE);
+    }
+}
+
+/* tree insert of value[start:stop]: every page must be held, not free. */
+static int
+tree_insert_is_healthy(const Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+{
+    for (Py_ssize_t i = start; i < stop; i++) {
+        int64_t slot = ints_at(v, i);
+        if (slot < 0 || slot >= l->rows)
+            return 0;
+        int64_t page = slot / l->page_size;
+        if (!page_in_body(l, page) || (l->state[page] & ST_FREE))
+            return 0;
+    }
+    return 1;
+}
+
+static void
+tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+{
+    for (Py_ssize_t i = start; i < stop; i++) {
+        int64_t page = ints_at(v, i) / l->page_size;
+        l->state[page] = ST_TREE;
+        l->owner[page] = -1;
+    }
+}
+
+/* last_loc must point into a page its request still holds (-1: no prefix). */
+static int
+last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req)
+{
+    for (Py_ssize_t i = 0; i < last->n; i++) {
+        int64_t v = ints_at(last, i);
+        if (v == -1)
+            continue;
+        if (v < 0 || v >= l->rows)
+            return 0;
+        int64_t page = v / l->page_size;
+        if (!page_in_body(l, page))
+            return 0;
+        int st = l->state[page];
+        if ((st & ST_FREE) || !(st & (ST_OWNED | ST_TREE)))
+            return 0;
+        if (req != NULL && st == ST_OWNED) {
+            int64_t own = l->owner[page];
+            int64_t r = ints_at(req, i);
+            if (own >= 0 && r >= 0 && own != r)
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ the wrapper type */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *original;
+    PyObject *role;
+    PyObject *hook;
+    PyObject *name;
+    PyObject *before, *after, *rewrite, *finally_, *prepare, *rewrite_result; /* NULL: Role's no-op */
+    int role_id;
+    int composite;
+    int wants_site;
+    uint32_t ledger_mask;
+    uint64_t role_bit;
+    int kind;
+    /* fast-path parameters */
+    Py_ssize_t last_loc_pos; /* -1: none */
+    PyObject *last_loc_name;
+    int only_page_starts;
+    int as_pages;
+    PyObject *group_attr; /* NULL: no free groups */
+    int group_open_when_false;
+    Py_ssize_t value_pos; /* tree insert: where params (or value) is */
+    int value_in_params;  /* tree insert: value is params.value */
+    Py_ssize_t node_pos;  /* tree unlock */
+    Py_ssize_t indices_pos, values_pos; /* req write */
+    PyObject *value_name, *node_name, *indices_name, *values_name; /* the same arguments by keyword */
+    Py_ssize_t req_pos, reqs_pos;           /* request pool: where the request(s) are */
+    PyObject *req_name, *reqs_name;
+    PyObject *req_index_path; /* tuple of attribute names: the request's row (`kv.req_pool_idx`) */
+} Hooked;
+
+static PyTypeObject HookedType;
+#ifdef KVD_TIMING
+#include <time.h>
+static double T_orig[16], T_all[16];
+#endif
+
+/* The host's call, with the arguments it was given. */
+static inline PyObject *
+call_original(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+#ifdef KVD_TIMING
+    struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
+    PyObject *r = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    T_orig[self->kind] += (b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec);
+    return r;
+#else
+    return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+#endif
+}
+
+/* An argument by keyword, else by position (args[0] is the object): borrowed, NULL if absent. */
+static PyObject *
+arg_at(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos, PyObject *name)
+{
+    if (kwnames != NULL && name != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (k == name || PyUnicode_Compare(k, name) == 0)
+                return args[nargs + i];
+        }
+    }
+    if (pos >= 0 && pos + 1 < nargs)
+        return args[pos + 1];
+    return NULL;
+}
+
+/* The call through the host's method with this hook's entry pushed (nested hooked calls on the
+ * same object see it). */
+static PyObject *
+call_pushed(Hooked *self, PyObject *obj, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    push(obj, self->role_id, self->composite);
+    PyObject *r = call_original(self, args, nargsf, kwnames);
+    pop();
+    return r;
+}
+
+static int
+maybe_test_failure(Hooked *self)
+{
+    if (H.fail_after_kind == self->kind && self->kind != K_GENERIC) {
+        PyErr_Format(PyExc_RuntimeError, "fault injected into the %U fast path", self->name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The Python ledger method, under the ledger's lock, for what the fast path does not record itself
+ * (a violation: its evidence is made there, exactly as without this module). */
+static int
+ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
+{
+    if (lock_ledger(l) < 0)
+        return -1;
+    PyObject *m = PyObject_GetAttr(l->ledger, method);
+    PyObject *r = m ? PyObject_Vectorcall(m, args, nargs, kwnames) : NULL;
+    Py_XDECREF(m);
+    int rc = r ? 0 : -1;
+    Py_XDECREF(r);
+    if (rc < 0) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        if (unlock_ledger(l) < 0)
+            PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        return -1;
+    }
+    return unlock_ledger(l);
+}
+
+/* Tells the SGLang state which radix tree it is looking at (`SglangState.tree`), once per tree. */
+static int
+note_tree(PyObject *tree)
+{
+    if (H.tree_seen == tree)
+        return 0;
+    if (H.sg_state == NULL || PyObject_SetAttr(H.sg_state, S_tree_attr, tree) < 0)
+        return -1;
+    Py_INCREF(tree);
+    Py_XSETREF(H.tree_seen, tree);
+    return 0;
+}
+
+#define DIVERT ((PyObject *)1) /* the fast path declines, before the host's call: take the generic path */
+
+/* --- alloc / alloc_extend / alloc_decode --- */
+static PyObject *
+fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    Ledger *l = ledger_of(obj);
+    if (l == NULL)
+        return DIVERT;
+    if (H.divert) {
+        /* the idle census the last release asked for: taken here, as the Python role does */
+        if (H.sg_state == NULL)
+            return DIVERT;
+        PyObject *r = call0(H.sg_state, S_census_if_due);
+        if (r == NULL) {
+            if (report_failure(self->name, "fail") < 0)
+                return NULL;
+            return call_original(self, args, nargsf, kwnames); /* the probe is off now */
+        }
+        Py_DECREF(r);
+        if (!H.active)
+            return call_original(self, args, nargsf, kwnames);
+    }
+    if (self->last_loc_pos >= 0) {
+        PyObject *last_loc = arg_at(args, nargs, kwnames, self->last_loc_pos, self->last_loc_name);
+        if (last_loc != NULL && last_loc != Py_None) {
+            Ints last, req;
+            int rc = read_ints(last_loc, &last);
+            if (rc != 1) {
+                PyErr_Clear();
+                return DIVERT;
+            }
+            Ints *reqp = NULL;
+            if (H.last_loc_sources != NULL) {
+                PyObject *key = PyLong_FromVoidPtr(last_loc);
+                if (key == NULL) {
+                    PyErr_Clear();
+                    return DIVERT;
+                }
+                PyObject *source = PyDict_GetItemWithError(H.last_loc_sources, key); /* borrowed */
+                Py_DECREF(key);
+                if (source == NULL && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    return DIVERT;
+                }
+                if (source != NULL && PyTuple_Check(source) && PyTuple_GET_SIZE(source) >= 2 &&
+                    PyTuple_GET_ITEM(source, 0) == last_loc) {
+                    PyObject *req_indices = PyTuple_GET_ITEM(source, 1);
+                    if (req_indices != Py_None) {
+                        rc = read_ints(req_indices, &req);
+                        if (rc != 1) {
+                            PyErr_Clear();
+                            return DIVERT;
+                        }
+                        if (req.n == last.n) /* the Python check ignores rows of another shape */
+                            reqp = &req;
+                    }
+                }
+            }
+            if (!last_loc_is_healthy(l, &last, reqp))
+                return DIVERT;
+        }
+    }
+    int site = current_site();
+    if (site < 0) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result == NULL || result == Py_None || gen != H.generation)
+        return result;
+    Ints v;
+    int rc = read_ints(result, &v);
+    if (rc == 1 && maybe_test_failure(self) < 0)
+        rc = -1;
+    if (rc < 0)
+        goto failed;
+    if (lock_ledger(l) < 0)
+        goto failed;
+    int healthy = rc == 1 && alloc_is_healthy(l, &v, self->only_page_starts);
+    if (healthy)
+        alloc_apply(l, &v, self->only_page_starts, site);
+    if (unlock_ledger(l) < 0)
+        goto failed;
+    if (!healthy) {
+        PyObject *site_obj = PyLong_FromLong(site);
+        PyObject *kw = Py_BuildValue("(O)", S_only_page_starts);
+        if (site_obj == NULL || kw == NULL) {
+            Py_XDECREF(site_obj);
+            Py_XDECREF(kw);
+            goto failed;
+        }
+        PyObject *call_args[3] = {result, site_obj, self->only_page_starts ? Py_True : Py_False};
+        H.n_slow[K_ALLOC]++;
+        int src = ledger_slow(l, S_on_alloc, call_args, 2, kw);
+        Py_DECREF(site_obj);
+        Py_DECREF(kw);
+        if (src < 0)
+            goto failed;
+    }
+    return result;
+failed:
+    if (report_failure(self->name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* --- free / free_segment / free_pages --- */
+static int
+group_is_open(Hooked *self, PyObject *obj)
+{
+    if (self->group_attr == NULL)
+        return 0;
+    PyObject *value = PyObject_GetAttr(obj, self->group_attr);
+    if (value == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        value = Py_NewRef(Py_None);
+    }
+    int open = self->group_open_when_false ? (value == Py_False) : (value != Py_None);
+    Py_DECREF(value);
+    return open;
+}
+
+static PyObject *
+fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    int open = group_is_open(self, obj);
+    if (open < 0) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    if (open) /* staged in the group; recorded when the group ends */
+        return call_pushed(self, obj, args, nargsf, kwnames);
+    Ledger *l = ledger_of(obj);
+    if (l == NULL)
+        return DIVERT;
+    PyObject *index = nargs >= 2 ? args[1] : (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0 ? args[nargs] : NULL);
+    if (index == NULL)
+        return DIVERT;
+    Py_INCREF(index); /* the host may drop its own reference during the call */
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result == NULL || gen != H.generation) {
+        Py_DECREF(index);
+        return result;
+    }
+    Ints v;
+    int rc = read_ints(index, &v);
+    if (rc == 1 && maybe_test_failure(self) < 0)
+        rc = -1;
+    if (rc < 0)
+        goto failed;
+    if (rc == 1 && v.n == 0)
+        goto done;
+    int evicting = tls.evicting > 0;
+    if (rc == 1) {
+        if (lock_ledger(l) < 0)
+            goto failed;
+        int healthy = free_is_healthy(l, &v, self->as_pages);
+        if (healthy)
+            free_apply(l, &v, self->as_pages, evicting);
+        if (unlock_ledger(l) < 0)
+            goto failed;
+        if (healthy)
+            goto done;
+    }
+    else {
+        /* not a tensor we read: the Python role's own test (has numel, not empty) decides */
+        PyObject *n = PyObject_HasAttr(index, S_numel) ? call0(index, S_numel) : NULL;
+        if (n == NULL) {
+            if (PyErr_Occurred())
+                goto failed;
+            goto done;
+        }
+        int empty = PyObject_Not(n);
+        Py_DECREF(n);
+        if (empty)
+            goto done;
+    }
+    {
+        int site = current_site();
+        if (site < 0)
+            goto failed;
+        PyObject *site_obj = PyLong_FromLong(site);
+        PyObject *kw = Py_BuildValue("(OO)", S_evicting, S_as_pages);
+        if (site_obj == NULL || kw == NULL) {
+            Py_XDECREF(site_obj);
+            Py_XDECREF(kw);
+            goto failed;
+        }
+        PyObject *call_args[4] = {index, site_obj, evicting ? Py_True : Py_False, self->as_pages ? Py_True : Py_False};
+        H.n_slow[K_FREE]++;
+        int src = ledger_slow(l, S_on_free, call_args, 2, kw);
+        Py_DECREF(site_obj);
+        Py_DECREF(kw);
+        if (src < 0)
+            goto failed;
+    }
+done:
+    Py_DECREF(index);
+    return result;
+failed:
+    Py_DECREF(index);
+    if (report_failure(self->name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* --- RadixCache.insert --- */
+static int
+tree_size(PyObject *tree, long *out)
+{
+    PyObject *a = call0(tree, S_evictable_size);
+    if (a == NULL)
+        return -1;
+    PyObject *b = call0(tree, S_protected_size);
+    if (b == NULL) {
+        Py_DECREF(a);
+        return -1;
+    }
+    PyObject *ai = PyNumber_Long(a), *bi = PyNumber_Long(b);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    if (ai == NULL || bi == NULL) {
+        Py_XDECREF(ai);
+        Py_XDECREF(bi);
+        return -1;
+    }
+    long x = PyLong_AsLong(ai), y = PyLong_AsLong(bi);
+    Py_DECREF(ai);
+    Py_DECREF(bi);
+    if (PyErr_Occurred())
+        return -1;
+    *out = x + y;
+    return 0;
+}
+
+/* The tree's allocator's ledger; NULL without an error when the tree names none or it is not ours. */
+static Ledger *
+tree_ledger(PyObject *tree, int *no_allocator)
+{
+    *no_allocator = 0;
+    PyObject *allocator = PyObject_GetAttr(tree, S_kv_allocator);
+    if (allocator == NULL) {
+        PyErr_Clear();
+        *no_allocator = 1;
+        return NULL;
+    }
+    if (allocator == Py_None) {
+        Py_DECREF(allocator);
+        *no_allocator = 1;
+        return NULL;
+    }
+    Ledger *l = ledger_of(allocator);
+    Py_DECREF(allocator);
+    return l;
+}
+
+static PyObject *
+fast_tree_insert(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    int no_allocator;
+    Ledger *l = tree_ledger(obj, &no_allocator);
+    if (l == NULL) /* the Python role decides what a tree without our allocator means */
+        return DIVERT;
+    if (note_tree(obj) < 0) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    long size_before;
+    if (tree_size(obj, &size_before) < 0) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    int site = current_site();
+    if (site < 0) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    PyObject *carrier = arg_at(args, nargs, kwnames, self->value_pos, self->value_name);
+    Py_XINCREF(carrier);
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result == NULL || gen != H.generation) {
+        Py_XDECREF(carrier);
+        return result;
+    }
+    PyObject *value = NULL;
+    if (carrier != NULL) {
+        if (self->value_in_params) {
+            value = PyObject_GetAttr(carrier, S_value);
+            if (value == NULL)
+                PyErr_Clear();
+        }
+        else
+            value = Py_NewRef(carrier);
+    }
+    Py_XDECREF(carrier);
+    if (value == NULL || value == Py_None || !PyObject_HasAttr(value, S_numel))
+        goto done;
+    long size_after;
+    if (maybe_test_failure(self) < 0 || tree_size(obj, &size_after) < 0)
+        goto failed;
+    long grown = size_after - size_before;
+    long prefix_len;
+    PyObject *pl = PyObject_GetAttr(result, S_prefix_len);
+    if (pl == NULL) {
+        PyErr_Clear();
+        if (!PyLong_Check(result))
+            goto done;
+        pl = Py_NewRef(result);
+    }
+    if (!PyLong_Check(pl)) {
+        Py_DECREF(pl);
+        goto done;
+    }
+    prefix_len = PyLong_AsLong(pl);
+    Py_DECREF(pl);
+    if (PyErr_Occurred())
+        goto failed;
+    if (grown <= 0)
+        goto done;
+    Ints v;
+    int rc = read_ints(value, &v);
+    if (rc < 0)
+        goto failed;
+    int healthy = 0;
+    if (rc == 1 && prefix_len >= 0) {
+        /* value[prefix_len : prefix_len + grown] of a 1-D tensor */
+        PyObject *d = call0(value, S_dim);
+        if (d == NULL)
+            goto failed;
+        long dim = PyLong_AsLong(d);
+        Py_DECREF(d);
+        if (dim == 1) {
+            Py_ssize_t start = prefix_len < v.n ? prefix_len : v.n;
+            Py_ssize_t stop = prefix_len + grown < v.n ? prefix_len + grown : v.n;
+            if (lock_ledger(l) < 0)
+                goto failed;
+            healthy = tree_insert_is_healthy(l, &v, start, stop);
+            if (healthy)
+                tree_insert_apply(l, &v, start, stop);
+            if (unlock_ledger(l) < 0)
+                goto failed;
+        }
+    }
+    if (!healthy) {
+        PyObject *part = PySequence_GetSlice(value, prefix_len, prefix_len + grown);
+        if (part == NULL)
+            goto failed;
+        PyObject *site_obj = PyLong_FromLong(site);
+        if (site_obj == NULL) {
+            Py_DECREF(part);
+            goto failed;
+        }
+        PyObject *call_args[2] = {part, site_obj};
+        H.n_slow[K_TREE_INSERT]++;
+        int src = ledger_slow(l, S_on_tree_insert, call_args, 2, NULL);
+        Py_DECREF(part);
+        Py_DECREF(site_obj);
+        if (src < 0)
+            goto failed;
+    }
+done:
+    Py_XDECREF(value);
+    return result;
+failed:
+    Py_XDECREF(value);
+    if (report_failure(self->name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* --- RadixCache.evict --- */
+static PyObject *
+fast_tree_evict(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    int no_allocator;
+    Ledger *l = tree_ledger(obj, &no_allocator);
+    if (l == NULL)
+        return DIVERT;
+    if (note_tree(obj) < 0) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    tls.evicting++;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    tls.evicting--;
+    return result;
+}
+
+/* --- RadixCache.dec_lock_ref: a node already at lock_ref 0 goes to the Python role (violation) --- */
+static PyObject *
+fast_tree_unlock(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    PyObject *node = arg_at(args, nargs, kwnames, self->node_pos, self->node_name);
+    if (node != NULL) {
+        PyObject *lock_ref = PyObject_GetAttr(node, S_lock_ref);
+        if (lock_ref == NULL) {
+            PyErr_Clear();
+        }
+        else {
+            int underflow = 0;
+            if (PyLong_Check(lock_ref)) {
+                long value = PyLong_AsLong(lock_ref);
+                if (PyErr_Occurred()) {
+                    PyErr_Clear();
+                    underflow = 1; /* let the Python role look */
+                }
+                else
+                    underflow = value <= 0;
+            }
+            Py_DECREF(lock_ref);
+            if (underflow) {
+                PyObject *root = PyObject_GetAttr(obj, S_root_node);
+                if (root == NULL)
+                    PyErr_Clear();
+                int is_root = root == node;
+                Py_XDECREF(root);
+                if (!is_root)
+                    return DIVERT;
+            }
+        }
+    }
+    return call_pushed(self, obj, args, nargsf, kwnames);
+}
+
+/* --- ReqToTokenPool.write((row, columns), values) --- */
+static PyObject *
+fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    Ledger *l = H.primary;
+    if (l == NULL || H.extent == NULL)
+        return DIVERT; /* the Python role sets both up on its first call */
+    PyObject *indices = arg_at(args, nargs, kwnames, self->indices_pos, self->indices_name);
+    PyObject *values = arg_at(args, nargs, kwnames, self->values_pos, self->values_name);
+    if (indices == NULL || values == NULL || !PyTuple_CheckExact(indices) || PyTuple_GET_SIZE(indices) != 2 ||
+        H.tensor_type == NULL || Py_TYPE(values) != (PyTypeObject *)H.tensor_type)
+        return DIVERT;
+    PyObject *row = PyTuple_GET_ITEM(indices, 0);
+    PyObject *columns = PyTuple_GET_ITEM(indices, 1);
+    if (!PyLong_CheckExact(row) || !PySlice_Check(columns))
+        return DIVERT; /* batched rows or column tensors: the Python role */
+    PySliceObject *sl = (PySliceObject *)columns;
+    if ((sl->stop != Py_None && !PyLong_CheckExact(sl->stop)) || (sl->start != Py_None && !PyLong_CheckExact(sl->start)))
+        return DIVERT;
+    long r = PyLong_AsLong(row);
+    if (r == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    Py_INCREF(values);
+    Py_INCREF(indices);
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result == NULL || gen != H.generation) {
+        Py_DECREF(values);
+        Py_DECREF(indices);
+        return result;
+    }
+    Ints v;
+    int rc = read_ints(values, &v);
+    if (rc == 1 && maybe_test_failure(self) < 0)
+        rc = -1;
+    if (rc < 0)
+        goto failed;
+    if (rc == 0) {
+        /* a value we do not read here: the Python role's two steps, exactly */
+        H.n_slow[K_REQ_WRITE]++;
+        PyObject *a[4] = {obj, row, columns, values};
+        PyObject *m = PyObject_GetAttr(H.sg_state, S_note_row_write);
+        PyObject *x = m ? PyObject_Vectorcall(m, a, 4, NULL) : NULL;
+        Py_XDECREF(m);
+        if (x == NULL)
+            goto failed;
+        Py_DECREF(x);
+        PyObject *b[2] = {values, row};
+        if (ledger_slow(l, S_on_owner, b, 2, NULL) < 0)
+            goto failed;
+        goto done;
+    }
+    {
+        /* note_row_write: how far the row was written */
+        int64_t stop;
+        if (sl->stop != Py_None) {
+            stop = PyLong_AsLongLong(sl->stop);
+        }
+        else {
+            int64_t start = 0;
+            if (sl->start != Py_None) {
+                start = PyLong_AsLongLong(sl->start);
+            }
+            stop = start + v.n;
+        }
+        if (PyErr_Occurred())
+            goto failed;
+        if (r >= 0 && r < H.extent_n && stop > H.extent[r])
+            H.extent[r] = stop;
+        /* on_owner: the slots the row now points at belong to it */
+        if (lock_ledger(l) < 0)
+            goto failed;
+        long ps = l->page_size;
+        for (Py_ssize_t i = 0; i < v.n; i++) {
+            int64_t slot = ints_at(&v, i);
+            if (slot < 0 || slot >= l->rows)
+                continue;
+            int64_t page = slot / ps;
+            if (l->state[page] == ST_OWNED)
+                l->owner[page] = (int32_t)r;
+        }
+        if (unlock_ledger(l) < 0)
+            goto failed;
+    }
+done:
+    Py_DECREF(values);
+    Py_DECREF(indices);
+    return result;
+failed:
+    Py_DECREF(values);
+    Py_DECREF(indices);
+    if (report_failure(self->name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* --- ReqToTokenPool.alloc(reqs): rows handed to requests --- */
+static PyObject *
+fast_req_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    if (H.requests == NULL)
+        return DIVERT;
+    PyObject *reqs = arg_at(args, nargs, kwnames, self->reqs_pos, self->reqs_name);
+    Py_XINCREF(reqs);
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result == NULL || gen != H.generation) {
+        Py_XDECREF(reqs);
+        return result;
+    }
+    PyObject *seq = NULL;
+    int empty = PyObject_Not(result);
+    if (empty < 0)
+        goto failed;
+    if (empty)
+        goto done;
+    seq = PySequence_Fast(result, "rows");
+    if (seq == NULL)
+        goto failed;
+    int listed = reqs != NULL && (PyList_Check(reqs) || PyTuple_Check(reqs));
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t nreqs = listed ? PySequence_Size(reqs) : n;
+    for (Py_ssize_t i = 0; i < n && i < nreqs; i++) {
+        PyObject *index = PyNumber_Long(PySequence_Fast_GET_ITEM(seq, i));
+        if (index == NULL)
+            goto failed;
+        PyObject *rid_obj = NULL;
+        if (listed) {
+            PyObject *req = PySequence_GetItem(reqs, i);
+            if (req == NULL) {
+                Py_DECREF(index);
+                goto failed;
+            }
+            rid_obj = PyObject_GetAttr(req, S_rid);
+            Py_DECREF(req);
+            if (rid_obj == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                    Py_DECREF(index);
+                    goto failed;
+                }
+                PyErr_Clear();
+            }
+        }
+        PyObject *rid = rid_obj != NULL ? PyObject_Str(rid_obj) : Py_NewRef(S_unknown_rid);
+        Py_XDECREF(rid_obj);
+        if (rid == NULL) {
+            Py_DECREF(index);
+            goto failed;
+        }
+        PyObject *a[3] = {H.requests, index, rid};
+        PyObject *r = PyObject_VectorcallMethod(S_allocated, a, 3, NULL);
+        Py_DECREF(index);
+        Py_DECREF(rid);
+        if (r == NULL)
+            goto failed;
+        Py_DECREF(r);
+    }
+done:
+    Py_XDECREF(seq);
+    Py_XDECREF(reqs);
+    return result;
+failed:
+    Py_XDECREF(seq);
+    Py_XDECREF(reqs);
+    if (report_failure(self->name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+/* `SglangState.check_release` for a host ledger, as a test: 1 the row's release is healthy (nothing it
+ * pointed at is still its own, no free group open), 0 the Python check must look (a leak to name, a
+ * group to wait for, a table we do not read), -1 an error. Changes nothing. */
+static int
+release_is_healthy(PyObject *pool, long row)
+{
+    if (H.extent == NULL || row < 0 || row >= H.extent_n)
+        return 1; /* the Python check returns at once too */
+    int64_t extent = H.extent[row];
+    Ledger *l = H.primary;
+    if (extent == 0 || l == NULL)
+        return 1;
+    if (l->group_attr != NULL) {
+        PyObject *value = PyObject_GetAttr(l->allocator, l->group_attr);
+        if (value == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear();
+        }
+        else {
+            int open = l->group_open_when_false ? (value == Py_False) : (value != Py_None);
+            Py_DECREF(value);
+            if (open)
+                return 0;
+        }
+    }
+    PyObject *table = PyObject_GetAttr(pool, S_req_to_token);
+    if (table == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Ints t;
+    int rc = read_ints(table, &t);
+    if (rc != 1 || t.n < 2 || t.n % H.extent_n) {
+        Py_DECREF(table);
+        if (rc < 0)
+            PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t cols = t.n / H.extent_n;
+    Py_ssize_t upto = extent < cols ? (Py_ssize_t)extent : cols;
+    long ps = l->page_size;
+    int healthy = 1;
+    for (Py_ssize_t c = 0; c < upto; c++) {
+        Py_ssize_t i = (Py_ssize_t)row * cols + c;
+        int64_t slot = t.itemsize == 8 ? ((const int64_t *)t.data)[i] : ((const int32_t *)t.data)[i];
+        if (slot < 0)
+            continue;
+        int64_t page = slot / ps;
+        if (page_in_body(l, page) && l->state[page] == ST_OWNED && l->owner[page] == row) {
+            healthy = 0;
+            break;
+        }
+    }
+    Py_DECREF(table);
+    return healthy;
+}
+
+static void
+release_done(long row)
+{
+    if (H.extent != NULL && row >= 0 && row < H.extent_n)
+        H.extent[row] = 0;
+}
+
+/* After a release: the request table's bookkeeping, in its own Python methods. */
+static int
+rows_freed(PyObject *const *rows, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a[2] = {H.requests, rows[i]};
+        PyObject *r = PyObject_VectorcallMethod(S_freed, a, 2, NULL);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    PyObject *r = call0(H.sg_state, S_request_rows_freed);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* --- ReqToTokenPool.free(req) --- */
+static PyObject *
+fast_req_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    if (H.requests == NULL || H.sg_state == NULL || self->req_index_path == NULL)
+        return DIVERT;
+    PyObject *req = arg_at(args, nargs, kwnames, self->req_pos, self->req_name);
+    PyObject *index = NULL;
+    if (req != NULL) {
+        index = Py_NewRef(req);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->req_index_path) && index != Py_None; i++) {
+            PyObject *next = PyObject_GetAttr(index, PyTuple_GET_ITEM(self->req_index_path, i));
+            if (next == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                    PyErr_Clear();
+                    Py_DECREF(index);
+                    return DIVERT;
+                }
+                PyErr_Clear();
+                next = Py_NewRef(Py_None);
+            }
+            Py_SETREF(index, next);
+        }
+        if (index == Py_None && PyLong_Check(req))
+            Py_SETREF(index, Py_NewRef(req));
+    }
+    long row = -1;
+    if (index != NULL && PyLong_Check(index)) {
+        row = PyLong_AsLong(index);
+        if (row == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_DECREF(index);
+            return DIVERT;
+        }
+        int healthy = release_is_healthy(obj, row);
+        if (healthy != 1) {
+            if (healthy < 0)
+                PyErr_Clear();
+            Py_DECREF(index);
+            return DIVERT;
+        }
+        release_done(row);
+    }
+    else
+        Py_CLEAR(index);
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result != NULL && gen == H.generation && H.active) {
+        if (maybe_test_failure(self) < 0 || rows_freed(&index, index != NULL ? 1 : 0) < 0) {
+            if (report_failure(self->name, "fail") < 0)
+                Py_CLEAR(result);
+        }
+    }
+    Py_XDECREF(index);
+    return result;
+}
+
+/* --- ReqToTokenPool.free_rows(indices) --- */
+static PyObject *
+fast_req_free_rows(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    if (H.requests == NULL || H.sg_state == NULL)
+        return DIVERT;
+    PyObject *indices = arg_at(args, nargs, kwnames, self->indices_pos, self->indices_name);
+    if (indices == NULL || !(PyList_CheckExact(indices) || PyTuple_CheckExact(indices)))
+        return DIVERT; /* a tensor of rows, or nothing: the Python role */
+    PyObject *seq = PySequence_Fast(indices, "rows"); /* a new reference to the same list or tuple */
+    if (seq == NULL) {
+        PyErr_Clear();
+        return DIVERT;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long row = PyLong_CheckExact(items[i]) ? PyLong_AsLong(items[i]) : -1;
+        if (!PyLong_CheckExact(items[i]) || (row == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_DECREF(seq);
+            return DIVERT;
+        }
+        int healthy = release_is_healthy(obj, row);
+        if (healthy != 1) {
+            if (healthy < 0)
+                PyErr_Clear();
+            Py_DECREF(seq);
+            return DIVERT;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        release_done(PyLong_AsLong(items[i]));
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (result != NULL && gen == H.generation && H.active) {
+        if (maybe_test_failure(self) < 0 || rows_freed(items, n) < 0) {
+            if (report_failure(self->name, "fail") < 0)
+                Py_CLEAR(result);
+        }
+    }
+    Py_DECREF(seq);
+    return result;
+}
+
+/* --- the generic path: `wrap_method`'s wrapper, step for step --- */
+static PyObject *
+generic(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *obj = args[0];
+    PyObject *probe = Py_NewRef(H.probe);
+    PyObject *call_tuple = NULL, *call_kwargs = NULL, *ctx = NULL, *result = NULL;
+    int ok = 1, rewritten = 0, fixes_on = 0;
+    int site = 0;
+
+    PyObject *targs = PyTuple_New(nargs - 1);
+    PyObject *kwargs = PyDict_New();
+    if (targs == NULL || kwargs == NULL)
+        goto before_failed;
+    for (Py_ssize_t i = 1; i < nargs; i++)
+        PyTuple_SET_ITEM(targs, i - 1, Py_NewRef(args[i]));
+    if (kwnames != NULL) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+                goto before_failed;
+    }
+    if (H.inject & self->role_bit) {
+        PyErr_Format(PyExc_RuntimeError, "fault injected into the %U hook", self->name);
+        goto before_failed;
+    }
+    if (self->wants_site) {
+        site = current_site();
+        if (site < 0)
+            goto before_failed;
+    }
+    if (self->prepare != NULL) {
+        PyObject *pr = PyObject_CallFunctionObjArgs(self->prepare, targs, kwargs, NULL);
+        if (pr == NULL)
+            goto before_failed;
+        if (!PyTuple_Check(pr) || PyTuple_GET_SIZE(pr) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(pr, 0)) ||
+            !PyDict_Check(PyTuple_GET_ITEM(pr, 1))) {
+            Py_DECREF(pr);
+            PyErr_SetString(PyExc_TypeError, "prepare_args must return (args, kwargs)");
+            goto before_failed;
+        }
+        Py_SETREF(targs, Py_NewRef(PyTuple_GET_ITEM(pr, 0)));
+        Py_SETREF(kwargs, Py_NewRef(PyTuple_GET_ITEM(pr, 1)));
+        Py_DECREF(pr);
+        rewritten = 1; /* a one-shot iterator was turned into a list: the host gets the list */
+    }
+    {
+        PyObject *site_obj = PyLong_FromLong(site);
+        if (site_obj == NULL)
+            goto before_failed;
+        if (self->before != NULL) {
+            PyObject *ba[6] = {probe, self->hook, obj, targs, kwargs, site_obj};
+            ctx = PyObject_Vectorcall(self->before, ba, 6, NULL);
+            Py_DECREF(site_obj);
+            if (ctx == NULL)
+                goto before_failed;
+        }
+        else
+            ctx = site_obj;
+    }
+    goto before_done;
+before_failed:
+    ok = 0;
+    if (report_failure(self->name, "fail") < 0)
+        goto out;
+before_done:
+    fixes_on = H.fixes_on;
+    if (ok && fixes_on && self->rewrite != NULL) {
+        PyObject *ra[6] = {probe, self->hook, obj, targs, kwargs, ctx};
+        PyObject *rr = PyObject_Vectorcall(self->rewrite, ra, 6, NULL);
+        if (rr != NULL && PyTuple_Check(rr) && PyTuple_GET_SIZE(rr) == 2 && PyTuple_Check(PyTuple_GET_ITEM(rr, 0)) &&
+            PyDict_Check(PyTuple_GET_ITEM(rr, 1))) {
+            if (PyTuple_GET_ITEM(rr, 0) != targs || PyTuple_GET_ITEM(rr, 1) != kwargs) {
+                call_tuple = Py_NewRef(PyTuple_GET_ITEM(rr, 0));
+                call_kwargs = Py_NewRef(PyTuple_GET_ITEM(rr, 1));
+            }
+            Py_DECREF(rr);
+        }
+        else {
+            if (rr != NULL) {
+                Py_DECREF(rr);
+                PyErr_SetString(PyExc_TypeError, "rewrite must return (args, kwargs)");
+            }
+            if (report_failure(self->name, "fix_failed") < 0)
+                goto out;
+        }
+    }
+    push(obj, self->role_id, self->composite);
+    if (call_tuple != NULL || (rewritten && targs != NULL)) {
+        PyObject *ct = call_tuple ? call_tuple : targs;
+        PyObject *ck = call_kwargs ? call_kwargs : kwargs;
+        Py_ssize_t n = PyTuple_GET_SIZE(ct);
+        PyObject *full = PyTuple_New(n + 1);
+        if (full != NULL) {
+            PyTuple_SET_ITEM(full, 0, Py_NewRef(obj));
+            for (Py_ssize_t i = 0; i < n; i++)
+                PyTuple_SET_ITEM(full, i + 1, Py_NewRef(PyTuple_GET_ITEM(ct, i)));
+            result = PyObject_Call(self->original, full, PyDict_GET_SIZE(ck) ? ck : NULL);
+            Py_DECREF(full);
+        }
+    }
+    else
+        result = call_original(self, args, nargsf, kwnames);
+    pop();
+    if (ok && self->finally_ != NULL) {
+        PyObject *t = NULL, *v = NULL, *tb = NULL;
+        if (result == NULL)
+            PyErr_Fetch(&t, &v, &tb);
+        PyObject *fa[2] = {probe, ctx ? ctx : Py_None};
+        PyObject *fr = PyObject_Vectorcall(self->finally_, fa, 2, NULL);
+        if (fr == NULL) {
+            ok = 0;
+            if (report_failure(self->name, "fail") < 0) {
+                /* a BaseException from our own code: it wins, as in Python's finally block */
+                Py_XDECREF(t);
+                Py_XDECREF(v);
+                Py_XDECREF(tb);
+                Py_CLEAR(result);
+                goto out;
+            }
+        }
+        Py_XDECREF(fr);
+        if (result == NULL)
+            PyErr_Restore(t, v, tb);
+    }
+    if (result == NULL)
+        goto out;
+    if (ok && H.active) {
+        if (self->after != NULL) {
+            PyObject *aa[7] = {probe, self->hook, obj, targs, kwargs, result, ctx ? ctx : Py_None};
+            PyObject *ar = PyObject_Vectorcall(self->after, aa, 7, NULL);
+            if (ar == NULL) {
+                if (report_failure(self->name, "fail") < 0) {
+                    Py_CLEAR(result);
+                    goto out;
+                }
+            }
+            Py_XDECREF(ar);
+        }
+        if (fixes_on && self->rewrite_result != NULL) {
+            PyObject *xa[3] = {probe, obj, result};
+            PyObject *xr = PyObject_Vectorcall(self->rewrite_result, xa, 3, NULL);
+            if (xr == NULL) {
+                if (report_failure(self->name, "fix_failed") < 0) {
+                    Py_CLEAR(result);
+                    goto out;
+                }
+            }
+            else
+                Py_SETREF(result, xr);
+        }
+    }
+out:
+    Py_XDECREF(targs);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(ctx);
+    Py_XDECREF(call_tuple);
+    Py_XDECREF(call_kwargs);
+    Py_DECREF(probe);
+    return result;
+}
+
+static PyObject *
+hooked_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hooked *self = (Hooked *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1 || H.probe == NULL || !H.active || (H.ledgers_off & self->ledger_mask))
+        return call_original(self, args, nargsf, kwnames);
+    PyObject *obj = args[0];
+    if (blocked(obj, self->role_id, self->composite))
+        return call_original(self, args, nargsf, kwnames);
+    H.calls++;
+    if (self->kind > K_GENERIC && !H.fixes_on && !(H.inject & self->role_bit)) {
+        PyObject *r;
+#ifdef KVD_TIMING
+        struct timespec ta, tb; clock_gettime(CLOCK_MONOTONIC, &ta);
+#endif
+        switch (self->kind) {
+        case K_NOTE:
+            H.n_fast[K_NOTE]++;
+            return call_pushed(self, obj, args, nargsf, kwnames);
+        case K_ALLOC:
+            r = fast_alloc(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_FREE:
+            r = fast_free(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_TREE_INSERT:
+            r = fast_tree_insert(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_TREE_EVICT:
+            r = fast_tree_evict(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_TREE_UNLOCK:
+            r = fast_tree_unlock(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_REQ_WRITE:
+            r = fast_req_write(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_REQ_ALLOC:
+            r = fast_req_alloc(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_REQ_FREE:
+            r = fast_req_free(self, args, nargsf, nargs, kwnames);
+            break;
+        case K_REQ_FREE_ROWS:
+            r = fast_req_free_rows(self, args, nargsf, nargs, kwnames);
+            break;
+        default:
+            r = DIVERT;
+        }
+#ifdef KVD_TIMING
+        clock_gettime(CLOCK_MONOTONIC, &tb);
+        T_all[self->kind] += (tb.tv_sec - ta.tv_sec) * 1e9 + (tb.tv_nsec - ta.tv_nsec);
+        if (getenv("KVD_TIMING_DUMP") && H.calls % 20000 == 0) { for (int k = 0; k < K_COUNT; k++) fprintf(stderr, "kind %d all %.0f orig %.0f over %.0f us\n", k, T_all[k]/1e3, T_orig[k]/1e3, (T_all[k]-T_orig[k])/1e3); }
+#endif
+        if (r != DIVERT) {
+            H.n_fast[self->kind]++;
+            return r;
+        }
+        H.n_diverted[self->kind]++;
+    }
+    return generic(self, args, nargsf, nargs, kwnames);
+}
+
+/* ------------------------------------------------------------------ the type's plumbing */
+
+static int
+hooked_init(Hooked *self, PyObject *a, PyObject *kw)
+{
+    static char *names[] = {"original", "role", "hook", "name", "role_id", "ledger_mask", "role_bit", "composite",
+                            "wants_site", "kind", "before", "after", "rewrite", "finally_", "prepare",
+                            "rewrite_result", "last_loc_pos", "last_loc_name", "only_page_starts", "as_pages",
+                            "group_attr", "group_open_when_false", "value_pos", "value_in_params", "node_pos",
+                            "indices_pos", "values_pos", "value_name", "node_name", "indices_name", "values_name",
+                            "req_pos", "reqs_pos", "req_name", "reqs_name", "req_index_path", NULL};
+    PyObject *original, *role, *hook, *name, *before = Py_None, *after = Py_None, *rewrite = Py_None,
+                                                  *finally_ = Py_None, *prepare = Py_None, *rewrite_result = Py_None,
+                                                  *last_loc_name = Py_None, *group_attr = Py_None, *value_name = Py_None,
+                                                  *node_name = Py_None, *indices_name = Py_None, *values_name = Py_None,
+                                                  *req_name = Py_None, *reqs_name = Py_None, *req_index_path = Py_None;
+    int role_id, composite = 0, wants_site = 0, kind = K_GENERIC, only_page_starts = 0, as_pages = 0,
+                 group_open_when_false = 0, value_in_params = 0;
+    unsigned int ledger_mask = 0;
+    unsigned long long role_bit = 0;
+    Py_ssize_t last_loc_pos = -1, value_pos = -1, node_pos = -1, indices_pos = -1, values_pos = -1, req_pos = -1,
+               reqs_pos = -1;
+    if (!PyArg_ParseTupleAndKeywords(a, kw, "OOOUiIK|ppiOOOOOOnOppOpnpnnnOOOOnnOOO", names, &original, &role, &hook, &name,
+                                     &role_id, &ledger_mask, &role_bit, &composite, &wants_site, &kind, &before,
+                                     &after, &rewrite, &finally_, &prepare, &rewrite_result, &last_loc_pos,
+                                     &last_loc_name, &only_page_starts, &as_pages, &group_attr,
+                                     &group_open_when_false, &value_pos, &value_in_params, &node_pos, &indices_pos,
+                                     &values_pos, &value_name, &node_name, &indices_name, &values_name, &req_pos,
+                                     &reqs_pos, &req_name, &reqs_name, &req_index_path))
+        return -1;
+    if (kind < 0 || kind >= K_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "unknown fast-path kind");
+        return -1;
+    }
+    if (req_index_path != Py_None && !PyTuple_CheckExact(req_index_path)) {
+        PyErr_SetString(PyExc_TypeError, "req_index_path must be a tuple of attribute names");
+        return -1;
+    }
+#define SET(field, value) Py_XSETREF(self->field, (value) == Py_None ? NULL : Py_NewRef(value))
+    Py_XSETREF(self->original, Py_NewRef(original));
+    Py_XSETREF(self->role, Py_NewRef(role));
+    Py_XSETREF(self->hook, Py_NewRef(hook));
+    Py_XSETREF(self->name, Py_NewRef(name));
+    SET(before, before);
+    SET(after, after);
+    SET(rewrite, rewrite);
+    SET(finally_, finally_);
+    SET(prepare, prepare);
+    SET(rewrite_result, rewrite_result);
+    SET(last_loc_name, last_loc_name);
+    SET(group_attr, group_attr);
+    SET(value_name, value_name);
+    SET(node_name, node_name);
+    SET(indices_name, indices_name);
+    SET(values_name, values_name);
+    SET(req_name, req_name);
+    SET(reqs_name, reqs_name);
+    SET(req_index_path, req_index_path);
+#undef SET
+    self->req_pos = req_pos;
+    self->reqs_pos = reqs_pos;
+    self->role_id = role_id;
+    self->ledger_mask = ledger_mask;
+    self->role_bit = role_bit;
+    self->composite = composite;
+    self->wants_site = wants_site;
+    self->kind = kind;
+    self->last_loc_pos = last_loc_pos;
+    self->only_page_starts = only_page_starts;
+    self->as_pages = as_pages;
+    self->group_open_when_false = group_open_when_false;
+    self->value_pos = value_pos;
+    self->value_in_params = value_in_params;
+    self->node_pos = node_pos;
+    self->indices_pos = indices_pos;
+    self->values_pos = values_pos;
+    self->vectorcall = hooked_vectorcall;
+    return 0;
+}
+
+static PyObject *
+hooked_new(PyTypeObject *type, PyObject *a, PyObject *kw)
+{
+    Hooked *self = (Hooked *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->vectorcall = hooked_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+hooked_traverse(Hooked *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->role);
+    Py_VISIT(self->hook);
+    Py_VISIT(self->before);
+    Py_VISIT(self->after);
+    Py_VISIT(self->rewrite);
+    Py_VISIT(self->finally_);
+    Py_VISIT(self->prepare);
+    Py_VISIT(self->rewrite_result);
+    return 0;
+}
+
+static int
+hooked_clear(Hooked *self)
+{
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->role);
+    Py_CLEAR(self->hook);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->before);
+    Py_CLEAR(self->after);
+    Py_CLEAR(self->rewrite);
+    Py_CLEAR(self->finally_);
+    Py_CLEAR(self->prepare);
+    Py_CLEAR(self->rewrite_result);
+    Py_CLEAR(self->last_loc_name);
+    Py_CLEAR(self->group_attr);
+    Py_CLEAR(self->value_name);
+    Py_CLEAR(self->node_name);
+    Py_CLEAR(self->indices_name);
+    Py_CLEAR(self->values_name);
+    Py_CLEAR(self->req_name);
+    Py_CLEAR(self->reqs_name);
+    Py_CLEAR(self->req_index_path);
+    return 0;
+}
+
+static void
+hooked_dealloc(Hooked *self)
+{
+    PyObject_GC_UnTrack(self);
+    hooked_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+hooked_descr_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+hooked_repr(Hooked *self)
+{
+    return PyUnicode_FromFormat("<kvdoctor hook %U of %R>", self->name ? self->name : Py_None,
+                                self->original ? self->original : Py_None);
+}
+
+static PyMemberDef hooked_members[] = {
+    {"__dictoffset__", T_PYSSIZET, offsetof(Hooked, dict), READONLY, NULL},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Hooked, vectorcall), READONLY, NULL},
+    {"kind", T_INT, offsetof(Hooked, kind), READONLY, "the fast path this hook takes (0: generic)"},
+    {NULL}};
+
+static PyGetSetDef hooked_getset[] = {{"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+                                      {NULL}};
+
+static PyTypeObject HookedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvdoctor.probe._hotpath.Hooked",
+    .tp_basicsize = sizeof(Hooked),
+    .tp_dealloc = (destructor)hooked_dealloc,
+    .tp_vectorcall_offset = offsetof(Hooked, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_repr = (reprfunc)hooked_repr,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "A hooked engine method: the probe's wrapper, with compiled fast paths for the slot ledger.",
+    .tp_traverse = (traverseproc)hooked_traverse,
+    .tp_clear = (inquiry)hooked_clear,
+    .tp_members = hooked_members,
+    .tp_getset = hooked_getset,
+    .tp_descr_get = hooked_descr_get,
+    .tp_dictoffset = offsetof(Hooked, dict),
+    .tp_init = (initproc)hooked_init,
+    .tp_new = hooked_new,
+};
+
+/* ------------------------------------------------------------------ module functions */
+
+static PyObject *
+m_configure(PyObject *m, PyObject *a, PyObject *kw)
+{
+    static char *names[] = {"probe", "active", "ledgers_off", "fixes_on", "inject", "site_at", NULL};
+    PyObject *probe, *site_at = Py_None;
+    int active, fixes_on;
+    unsigned int ledgers_off;
+    unsigned long long inject;
+    if (!PyArg_ParseTupleAndKeywords(a, kw, "OpIpK|O", names, &probe, &active, &ledgers_off, &fixes_on, &inject,
+                                     &site_at))
+        return NULL;
+    Py_XSETREF(H.probe, probe == Py_None ? NULL : Py_NewRef(probe));
+    if (site_at != Py_None)
+        Py_XSETREF(H.site_at, Py_NewRef(site_at));
+    H.active = active && H.probe != NULL;
+    H.ledgers_off = ledgers_off;
+    H.fixes_on = fixes_on;
+    H.inject = inject;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_set_torch(PyObject *m, PyObject *a)
+{
+    PyObject *t, *i64, *i32;
+    if (!PyArg_ParseTuple(a, "OOO", &t, &i64, &i32))
+        return NULL;
+    if (!PyType_Check(t)) {
+        PyErr_SetString(PyExc_TypeError, "tensor type expected");
+        return NULL;
+    }
+    Py_XSETREF(H.tensor_type, Py_NewRef(t));
+    Py_XSETREF(H.dtype_int64, Py_NewRef(i64));
+    Py_XSETREF(H.dtype_int32, Py_NewRef(i32));
+    Py_RETURN_NONE;
+}
+
+static void
+ledger_release(Ledger *l)
+{
+    PyBuffer_Release(&l->b_state);
+    PyBuffer_Release(&l->b_owner);
+    PyBuffer_Release(&l->b_site);
+    Py_CLEAR(l->allocator);
+    Py_CLEAR(l->ledger);
+    Py_CLEAR(l->lock);
+    Py_CLEAR(l->group_attr);
+}
+
+static int
+get_array(PyObject *arr, Py_buffer *buf, Py_ssize_t itemsize, const char *what, Py_ssize_t n)
+{
+    if (PyObject_GetBuffer(arr, buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (buf->itemsize != itemsize || buf->len != n * itemsize) {
+        PyBuffer_Release(buf);
+        PyErr_Format(PyExc_ValueError, "ledger array %s has the wrong shape or type", what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+m_register_ledger(PyObject *m, PyObject *a, PyObject *kw)
+{
+    static char *names[] = {"allocator", "ledger", "state", "owner", "alloc_site", "rows", "page_size",
+                            "num_pages", "sink", "lock", "group_attr", "group_open_when_false", NULL};
+    PyObject *allocator, *ledger, *state, *owner, *site, *lock, *group_attr = Py_None;
+    long rows, page_size, num_pages, sink;
+    int group_open_when_false = 0;
+    if (!PyArg_ParseTupleAndKeywords(a, kw, "OOOOOllllO|Op", names, &allocator, &ledger, &state, &owner, &site,
+                                     &rows, &page_size, &num_pages, &sink, &lock, &group_attr,
+                                     &group_open_when_false))
+        return NULL;
+    if (ledger_of(allocator) != NULL)
+        Py_RETURN_FALSE;
+    if (H.n_ledgers >= MAX_LEDGERS || page_size < 1 || num_pages < 1 || sink != num_pages + 1 ||
+        rows != (num_pages + 1) * page_size)
+        Py_RETURN_FALSE; /* not a ledger shape we know: it stays on the Python path */
+    Ledger *l = &H.ledgers[H.n_ledgers];
+    memset(l, 0, sizeof(*l));
+    Py_ssize_t n = num_pages + 2;
+    if (get_array(state, &l->b_state, 1, "state", n) < 0)
+        return NULL;
+    if (get_array(owner, &l->b_owner, 4, "owner", n) < 0) {
+        PyBuffer_Release(&l->b_state);
+        return NULL;
+    }
+    if (get_array(site, &l->b_site, 4, "alloc_site", n) < 0) {
+        PyBuffer_Release(&l->b_state);
+        PyBuffer_Release(&l->b_owner);
+        return NULL;
+    }
+    l->state = l->b_state.buf;
+    l->owner = l->b_owner.buf;
+    l->alloc_site = l->b_site.buf;
+    l->n = n;
+    l->rows = rows;
+    l->page_size = page_size;
+    l->num_pages = num_pages;
+    l->sink = sink;
+    l->allocator = Py_NewRef(allocator);
+    l->ledger = Py_NewRef(ledger);
+    l->lock = Py_NewRef(lock);
+    l->group_attr = group_attr == Py_None ? NULL : Py_NewRef(group_attr);
+    l->group_open_when_false = group_open_when_false;
+    H.n_ledgers++;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+m_sglang_context(PyObject *m, PyObject *a)
+{
+    PyObject *state, *sources, *requests;
+    if (!PyArg_ParseTuple(a, "OO!O", &state, &PyDict_Type, &sources, &requests))
+        return NULL;
+    Py_XSETREF(H.sg_state, Py_NewRef(state));
+    Py_XSETREF(H.requests, Py_NewRef(requests));
+    Py_XSETREF(H.last_loc_sources, Py_NewRef(sources));
+    Py_CLEAR(H.tree_seen);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_set_primary(PyObject *m, PyObject *allocator)
+{
+    H.primary = ledger_of(allocator);
+    return PyBool_FromLong(H.primary != NULL);
+}
+
+static PyObject *
+m_set_row_extent(PyObject *m, PyObject *arr)
+{
+    if (H.extent != NULL) {
+        PyBuffer_Release(&H.b_extent);
+        H.extent = NULL;
+        H.extent_n = 0;
+    }
+    if (arr == Py_None)
+        Py_RETURN_NONE;
+    if (PyObject_GetBuffer(arr, &H.b_extent, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (H.b_extent.itemsize != 8) {
+        PyBuffer_Release(&H.b_extent);
+        PyErr_SetString(PyExc_ValueError, "row extents must be int64");
+        return NULL;
+    }
+    H.extent = H.b_extent.buf;
+    H.extent_n = H.b_extent.len / 8;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_set_divert(PyObject *m, PyObject *flag)
+{
+    int v = PyObject_IsTrue(flag);
+    if (v < 0)
+        return NULL;
+    H.divert = v;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_reset(PyObject *m, PyObject *unused)
+{
+    for (int i = 0; i < H.n_ledgers; i++)
+        ledger_release(&H.ledgers[i]);
+    H.n_ledgers = 0;
+    H.primary = NULL;
+    if (H.extent != NULL) {
+        PyBuffer_Release(&H.b_extent);
+        H.extent = NULL;
+        H.extent_n = 0;
+    }
+    Py_CLEAR(H.sg_state);
+    Py_CLEAR(H.requests);
+    Py_CLEAR(H.last_loc_sources);
+    Py_CLEAR(H.tree_seen);
+    Py_CLEAR(H.site_at);
+    Py_CLEAR(H.probe);
+    H.active = 0;
+    H.divert = 0;
+    H.fail_after_kind = -1;
+    H.generation++;
+    sites_clear();
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_calls(PyObject *m, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(H.calls);
+}
+
+static PyObject *
+m_evicting(PyObject *m, PyObject *unused)
+{
+    return PyLong_FromLong(tls.evicting);
+}
+
+static PyObject *
+m_evict_add(PyObject *m, PyObject *delta)
+{
+    long d = PyLong_AsLong(delta);
+    if (d == -1 && PyErr_Occurred())
+        return NULL;
+    tls.evicting += (int)d;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_fail_after(PyObject *m, PyObject *kind)
+{
+    long k = PyLong_AsLong(kind);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    H.fail_after_kind = (int)k;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_stats(PyObject *m, PyObject *unused)
+{
+    PyObject *fast = PyList_New(K_COUNT), *diverted = PyList_New(K_COUNT), *slow = PyList_New(K_COUNT);
+    if (fast == NULL || diverted == NULL || slow == NULL) {
+        Py_XDECREF(fast);
+        Py_XDECREF(diverted);
+        Py_XDECREF(slow);
+        return NULL;
+    }
+    for (int k = 0; k < K_COUNT; k++) {
+        PyList_SET_ITEM(fast, k, PyLong_FromUnsignedLongLong(H.n_fast[k]));
+        PyList_SET_ITEM(diverted, k, PyLong_FromUnsignedLongLong(H.n_diverted[k]));
+        PyList_SET_ITEM(slow, k, PyLong_FromUnsignedLongLong(H.n_slow[k]));
+    }
+    return Py_BuildValue("{s:n,s:n,s:i,s:i,s:N,s:N,s:N}", "site_keys", H.sites_len, "site_slots", H.sites_cap,
+                         "ledgers", H.n_ledgers, "depth", tls.depth, "fast", fast, "diverted", diverted, "slow",
+                         slow);
+}
+
+static PyMethodDef module_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))m_configure, METH_VARARGS | METH_KEYWORDS,
+     "The probe's switches: which probe, on or off, ledgers off (bit mask), fixes on, roles with a fault injected."},
+    {"set_torch", m_set_torch, METH_VARARGS, "torch.Tensor, torch.int64 and torch.int32: what index tensors are."},
+    {"register_ledger", (PyCFunction)(void (*)(void))m_register_ledger, METH_VARARGS | METH_KEYWORDS,
+     "A host slot ledger the fast paths may update (its numpy arrays, shape, lock)."},
+    {"sglang_context", m_sglang_context, METH_VARARGS, "The SGLang state and its last_loc sources."},
+    {"set_primary", m_set_primary, METH_O, "The allocator whose slots request rows point at."},
+    {"set_row_extent", m_set_row_extent, METH_O, "How far each request row was written (int64 array)."},
+    {"set_divert", m_set_divert, METH_O, "True: a census is due; allocations take the Python path."},
+    {"reset", m_reset, METH_NOARGS, "Forget every ledger, the state and the call-site keys."},
+    {"calls", m_calls, METH_NOARGS, "Hooked calls dispatched here since the process started."},
+    {"evicting", m_evicting, METH_NOARGS, "Tree evictions in progress on this thread."},
+    {"evict_add", m_evict_add, METH_O, "Adds to this thread's evictions in progress."},
+    {"fail_after", m_fail_after, METH_O, "Tests: a fast path of this kind fails after the host's call (-1: none)."},
+    {"stats", m_stats, METH_NOARGS, "Sizes of what this module holds."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_hotpath",
+                                        "The probe's compiled hot path (see the C source's header).", -1,
+                                        module_methods};
+
+#define INTERN(var, text)                                  \
+    do {                                                   \
+        var = PyUnicode_InternFromString(text);            \
+        if (var == NULL)                                   \
+            return NULL;                                   \
+    } while (0)
+
+PyMODINIT_FUNC
+PyInit__hotpath(void)
+{
+    INTERN(S_numel, "numel");
+    INTERN(S_item, "item");
+    INTERN(S_is_cpu, "is_cpu");
+    INTERN(S_dtype, "dtype");
+    INTERN(S_is_contiguous, "is_contiguous");
+    INTERN(S_data_ptr, "data_ptr");
+    INTERN(S_fail, "fail");
+    INTERN(S_acquire, "acquire");
+    INTERN(S_release, "release");
+    INTERN(S_on_alloc, "on_alloc");
+    INTERN(S_on_free, "on_free");
+    INTERN(S_on_tree_insert, "on_tree_insert");
+    INTERN(S_evictable_size, "evictable_size");
+    INTERN(S_protected_size, "protected_size");
+    INTERN(S_value, "value");
+    INTERN(S_prefix_len, "prefix_len");
+    INTERN(S_tree, "tree");
+    INTERN(S_kv_allocator, "token_to_kv_pool_allocator");
+    INTERN(S_lock_ref, "lock_ref");
+    INTERN(S_root_node, "root_node");
+    INTERN(S_only_page_starts, "only_page_starts");
+    INTERN(S_evicting, "evicting");
+    INTERN(S_as_pages, "as_pages");
+    INTERN(S_tree_attr, "tree");
+    INTERN(S_dim, "dim");
+    INTERN(S_note_row_write, "note_row_write");
+    INTERN(S_on_owner, "on_owner");
+    INTERN(S_census_if_due, "census_if_due");
+    INTERN(S_allocated, "allocated");
+    INTERN(S_freed, "freed");
+    INTERN(S_request_rows_freed, "request_rows_freed");
+    INTERN(S_rid, "rid");
+    INTERN(S_req_to_token, "req_to_token");
+    INTERN(S_unknown_rid, "?");
+    H.fail_after_kind = -1;
+    if (PyType_Ready(&HookedType) < 0 || PyType_Ready(&FastLockType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Hooked", (PyObject *)&HookedType) < 0 ||
+        PyModule_AddObjectRef(m, "FastLock", (PyObject *)&FastLockType) < 0 ||
+        PyModule_AddIntConstant(m, "FREE", ST_FREE) < 0 || PyModule_AddIntConstant(m, "OWNED", ST_OWNED) < 0 ||
+        PyModule_AddIntConstant(m, "TREE", ST_TREE) < 0 || PyModule_AddIntConstant(m, "RESERVED", ST_RESERVED) < 0 ||
+        PyModule_AddIntConstant(m, "K_GENERIC", K_GENERIC) < 0 || PyModule_AddIntConstant(m, "K_NOTE", K_NOTE) < 0 ||
+        PyModule_AddIntConstant(m, "K_ALLOC", K_ALLOC) < 0 || PyModule_AddIntConstant(m, "K_FREE", K_FREE) < 0 ||
+        PyModule_AddIntConstant(m, "K_TREE_INSERT", K_TREE_INSERT) < 0 ||
+        PyModule_AddIntConstant(m, "K_TREE_EVICT", K_TREE_EVICT) < 0 ||
+        PyModule_AddIntConstant(m, "K_TREE_UNLOCK", K_TREE_UNLOCK) < 0 ||
+        PyModule_AddIntConstant(m, "K_REQ_WRITE", K_REQ_WRITE) < 0 ||
+        PyModule_AddIntConstant(m, "K_REQ_ALLOC", K_REQ_ALLOC) < 0 ||
+        PyModule_AddIntConstant(m, "K_REQ_FREE", K_REQ_FREE) < 0 ||
+        PyModule_AddIntConstant(m, "K_REQ_FREE_ROWS", K_REQ_FREE_ROWS) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SITE_KEYS", MAX_SITE_KEYS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

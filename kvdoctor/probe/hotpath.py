@@ -1,0 +1,314 @@
+"""The compiled hot path (`_hotpath`, a C extension), and the pure-Python fallback beside it.
+
+The probe's wrappers, re-entry bookkeeping and the slot ledger's healthy-case updates run in C
+when the extension is importable: a Python wrapper reading index tensors through torch's Python
+API costs more per hooked call than SGLang's own allocator call. The roles stay the source of
+truth: the extension takes only the cases it has checked to be healthy and hands everything else
+(violations and their evidence, censuses, fixes, injected faults) to the same Python code.
+
+`KVDOCTOR_HOTPATH=0` keeps a process on the Python path (the tests compare the two). Nothing here
+raises: a missing or mismatched extension means the Python path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from kvdoctor.probe.ledger.states import FREE, OWNED, RESERVED, TREE
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.hooks import Hook, Role
+    from kvdoctor.probe.runtime import Probe
+
+ENV_HOTPATH = "KVDOCTOR_HOTPATH"
+MAX_LEDGER_BITS = 32
+MAX_ROLE_BITS = 64
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get(ENV_HOTPATH, "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    try:
+        from kvdoctor.probe import _hotpath  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    if (_hotpath.FREE, _hotpath.OWNED, _hotpath.TREE, _hotpath.RESERVED) != (FREE, OWNED, TREE, RESERVED):
+        return None  # built from another ledger vocabulary: never mix the two
+    return _hotpath  # type: ignore[no-any-return]
+
+
+NATIVE: Any = _load()
+
+# The fast path each role kind takes (`Role.fast_kind`); "" is the generic path.
+KINDS = (
+    {}
+    if NATIVE is None
+    else {
+        "": NATIVE.K_GENERIC,
+        "note": NATIVE.K_NOTE,
+        "alloc": NATIVE.K_ALLOC,
+        "free": NATIVE.K_FREE,
+        "tree_insert": NATIVE.K_TREE_INSERT,
+        "tree_evict": NATIVE.K_TREE_EVICT,
+        "tree_unlock": NATIVE.K_TREE_UNLOCK,
+        "req_write": NATIVE.K_REQ_WRITE,
+        "req_alloc": NATIVE.K_REQ_ALLOC,
+        "req_free": NATIVE.K_REQ_FREE,
+        "req_free_rows": NATIVE.K_REQ_FREE_ROWS,
+    }
+)
+
+
+def active() -> bool:
+    """Whether this process's hooks are the compiled ones."""
+    return NATIVE is not None
+
+
+class _Bits:
+    """Small integers for ledger and role names: the extension tests bit masks, not strings."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.ids: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def id(self, name: str) -> int:
+        found = self.ids.get(name)
+        if found is None:
+            with self.lock:
+                found = self.ids.setdefault(name, len(self.ids))
+        return found
+
+    def bit(self, name: str) -> int:
+        """The name's bit, or 0 past the limit (such a name is never switched by mask)."""
+        i = self.id(name)
+        return 1 << i if i < self.limit else 0
+
+    def mask(self, names: Any) -> int:
+        out = 0
+        for name in names:
+            out |= self.bit(name)
+        return out
+
+
+LEDGER_BITS = _Bits(MAX_LEDGER_BITS)
+ROLE_BITS = _Bits(MAX_ROLE_BITS)
+
+
+def _overridden(role: Role, name: str) -> Callable[..., Any] | None:
+    """The role's bound method, or None where it is the base class's no-op (not worth a call)."""
+    from kvdoctor.probe.hooks import Role
+
+    if getattr(type(role), name) is getattr(Role, name):
+        return None
+    method: Callable[..., Any] = getattr(role, name)
+    return method
+
+
+def _fast_kind(role: Role) -> str:
+    """The role's fast path: its declared kind, "note" for a role that overrides nothing, or the
+    generic path where a role prepares its arguments (the fast paths never do)."""
+    if _overridden(role, "prepare_args") is not None:
+        return ""
+    kind = getattr(role, "fast_kind", "")
+    if kind:
+        return str(kind)
+    if all(_overridden(role, m) is None for m in ("before", "after", "finally_", "rewrite", "rewrite_result")):
+        return "note"
+    return ""
+
+
+def wrap(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
+    """The compiled wrapper of one method: what `hooks.wrap_method` builds in Python."""
+    import functools
+
+    kind = _fast_kind(role)
+    positions = hook.positions
+    options = hook.options
+    group_attr = options.get("group_attr") or None
+
+    def position(name: str) -> int:
+        return int(positions.get(name, -1))
+
+    value_name = "params" if "params" in positions else "value"
+    wrapper = NATIVE.Hooked(
+        original,
+        role,
+        hook,
+        hook.role,
+        ROLE_BITS.id(hook.role),
+        LEDGER_BITS.bit(hook.ledger) if hook.ledger else 0,
+        ROLE_BITS.bit(hook.role),
+        composite=role.composite,
+        wants_site=role.wants_site,
+        kind=KINDS.get(kind, NATIVE.K_GENERIC),
+        before=_overridden(role, "before"),
+        after=_overridden(role, "after"),
+        rewrite=_overridden(role, "rewrite"),
+        finally_=_overridden(role, "finally_"),
+        prepare=_overridden(role, "prepare_args"),
+        rewrite_result=_overridden(role, "rewrite_result"),
+        last_loc_pos=position("last_loc"),
+        last_loc_name="last_loc",
+        only_page_starts=bool(getattr(role, "only_page_starts", False)),
+        as_pages=bool(getattr(role, "as_pages", False)),
+        group_attr=str(group_attr) if group_attr else None,
+        group_open_when_false=options.get("group_open_when") == "false",
+        value_pos=position(value_name),
+        value_in_params=value_name == "params",
+        node_pos=position("node"),
+        indices_pos=position("indices"),
+        values_pos=position("values"),
+        value_name=value_name,
+        node_name="node",
+        indices_name="indices",
+        values_name="values",
+        req_pos=position("req"),
+        reqs_pos=position("reqs"),
+        req_name="req",
+        reqs_name="reqs",
+        req_index_path=tuple(str(options.get("req_index_attr", "req_pool_idx")).split(".")),
+    )
+    functools.update_wrapper(wrapper, original)
+    wrapper.__kvdoctor_role__ = hook.role
+    return wrapper  # type: ignore[no-any-return]
+
+
+def sync(probe: Probe | None) -> None:
+    """Tells the extension the probe's switches; called whenever one of them changes."""
+    if NATIVE is None:
+        return
+    if probe is None:
+        NATIVE.configure(None, False, 0, False, 0)
+        return
+    _ensure_torch()
+    NATIVE.configure(
+        probe, probe.ledger_on, LEDGER_BITS.mask(probe.ledgers_off), bool(probe.fixes), ROLE_BITS.mask(probe.inject), probe.sites.at
+    )
+
+
+def _ensure_torch() -> None:
+    """What an index tensor is, once torch is loaded (the probe never imports it itself)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or NATIVE is None:
+        return
+    try:
+        NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32)
+    except Exception:
+        pass
+
+
+def reset() -> None:
+    """Forgets every ledger, state and call-site key (the probe was deactivated)."""
+    if NATIVE is not None:
+        NATIVE.reset()
+
+
+def calls() -> int:
+    """Hooked calls the extension dispatched in this process (0 without it)."""
+    return int(NATIVE.calls()) if NATIVE is not None else 0
+
+
+def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> bool:
+    """Lets the fast paths update a host ledger (numpy arrays on the CPU, no kernels); `options`
+    are the map's for the allocator's class (its free group)."""
+    if NATIVE is None or not getattr(ledger.xp, "sync_free_branching", False) or ledger.kernels is not None:
+        return False
+    group_attr = options.get("group_attr") or None
+    _ensure_torch()
+    return bool(
+        NATIVE.register_ledger(
+            allocator,
+            ledger,
+            ledger.state,
+            ledger.owner,
+            ledger.alloc_site,
+            ledger.rows,
+            ledger.page_size,
+            ledger.num_pages,
+            ledger.sink,
+            ledger.lock,
+            str(group_attr) if group_attr else None,
+            options.get("group_open_when") == "false",
+        )
+    )
+
+
+def sglang_context(state: Any, last_loc_sources: dict[int, Any], requests: Any) -> None:
+    if NATIVE is not None:
+        NATIVE.sglang_context(state, last_loc_sources, requests)
+
+
+def set_primary(allocator: Any) -> None:
+    if NATIVE is not None:
+        NATIVE.set_primary(allocator)
+
+
+def set_row_extent(extent: Any) -> None:
+    if NATIVE is not None:
+        NATIVE.set_row_extent(extent)
+
+
+def set_divert(flag: bool) -> None:
+    if NATIVE is not None:
+        NATIVE.set_divert(flag)
+
+
+# ----- the ledger's lock -----
+
+_LOCKS: Any = None  # every FastLock made, for the fork handler
+
+
+def new_lock() -> Any:
+    """A reentrant lock for a ledger: the extension's (which it takes without a method call) or
+    threading.RLock. Both are used as `with lock:` by the Python code."""
+    global _LOCKS
+    if NATIVE is None:
+        return threading.RLock()
+    import weakref
+
+    if _LOCKS is None:
+        _LOCKS = weakref.WeakSet()
+        os.register_at_fork(after_in_child=_reinit_locks)
+    lock = NATIVE.FastLock()
+    _LOCKS.add(lock)
+    return lock
+
+
+def _reinit_locks() -> None:
+    """In a forked child the threads that held ledger locks in the parent do not exist."""
+    for lock in list(_LOCKS or ()):
+        try:
+            lock._at_fork_reinit()
+        except Exception:
+            pass
+
+
+# ----- tree evictions in progress on this thread (frees inside one leave the tree bit alone) -----
+
+
+class _Evictions(threading.local):
+    def __init__(self) -> None:
+        self.count = 0
+
+
+_EVICTIONS = _Evictions()
+
+
+def evicting() -> bool:
+    if NATIVE is not None:
+        return bool(NATIVE.evicting())
+    return _EVICTIONS.count > 0
+
+
+def evict_add(delta: int) -> None:
+    if NATIVE is not None:
+        NATIVE.evict_add(delta)
+    else:
+        _EVICTIONS.count += delta

@@ -1,0 +1,141 @@
+"""The compiled hot path against the pure-Python one, on the real SGLang allocator, radix tree and
+request pool: the same ledgers (page by page, call sites as text), the same violations, censuses
+and statuses, the same host results; the healthy calls really take the compiled path; and a
+failure inside it turns the probe off without touching the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import REPO, SUPPORT, sglang_env
+
+hotpath = pytest.importorskip("kvdoctor.probe.hotpath")
+pytestmark = pytest.mark.skipif(not hotpath.active(), reason="the compiled hot path is not built here")
+
+FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc")
+CASES = [[page_size, fault, tree] for page_size in (1, 4) for fault in FAULTS for tree in ("radix", "unified")]
+CASES += [[1, "double-free", "radix", ["double-free"]], [4, "stale-last-loc", "radix", ["stale-last-loc"]]]
+# 0.5.9's paged allocator launches Triton kernels (the GPU machine's); its page_size 1 path is the host's
+CASES_059 = [[1, fault, "radix"] for fault in FAULTS]
+
+
+def _start(compiled: bool, version: str, cases: list) -> subprocess.Popen:
+    env = dict(
+        sglang_env(version),
+        KVDOCTOR_HOTPATH="1" if compiled else "0",
+        # the idle census is taken by whichever thread comes first: keep it on the scheduler's
+        KVDOCTOR_IDLE_CENSUS_INTERVAL_S="0",
+        KVDOCTOR_ROLLING_CENSUS_S="3600",
+    )
+    cmd = [sys.executable, os.path.join(SUPPORT, "hotpath_cases.py"), json.dumps(cases)]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> list[dict]:
+    out, err = proc.communicate(timeout=600)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, err[-3000:]
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def both_paths():
+    python, compiled = _start(False, "0.5.23", CASES), _start(True, "0.5.23", CASES)  # both cores at once
+    return _result(python), _result(compiled)
+
+
+def _same(python: list[dict], compiled: list[dict], cases: list) -> None:
+    assert len(python) == len(compiled) == len(cases)
+    for py, c in zip(python, compiled, strict=True):
+        assert not py["compiled"] and c["compiled"]
+        for key in ("ledgers", "row_extent", "events", "calls", "failures", "ledger_on", "planted", "digest", "sglang_check"):
+            assert py[key] == c[key], (c["case"], key)
+
+
+def test_the_compiled_path_leaves_exactly_what_the_python_path_leaves(both_paths):
+    python, compiled = both_paths
+    _same(python, compiled, CASES)
+    # the comparison has teeth: the faults were found, with slot ids and call sites as evidence
+    found = {tuple(c["case"][:3]): [e for e in c["events"] if e["name"] == "violation"] for c in compiled}
+    assert found[(1, "double-free", "radix")] and all(e["args"]["site"] for e in found[(1, "double-free", "radix")])
+    assert found[(4, "stale-last-loc", "radix")] and found[(1, "index-out-of-range", "unified")]
+    assert not found[(1, "none", "radix")] and not found[(4, "none", "unified")]
+
+
+def test_healthy_calls_take_the_compiled_path(both_paths):
+    _, compiled = both_paths
+    for case in compiled:
+        if case["case"][1] != "none":
+            continue
+        fast, diverted, slow = (sum(case["paths"][k]) for k in ("fast", "diverted", "slow"))
+        assert fast > 1000 and slow == 0 and diverted <= fast // 100, (case["case"], case["paths"])
+
+
+def test_the_compiled_path_on_sglang_0_5_9_leaves_exactly_what_the_python_path_leaves():
+    python, compiled = _start(False, "0.5.9", CASES_059), _start(True, "0.5.9", CASES_059)
+    python_result, compiled_result = _result(python), _result(compiled)
+    _same(python_result, compiled_result, CASES_059)
+    double_free = next(c for c in compiled_result if c["case"][1] == "double-free")
+    assert [e for e in double_free["events"] if e["name"] == "violation"]
+
+
+KINDS_THAT_FAIL = ("alloc", "free", "tree_insert", "req_write", "req_free", "req_free_rows")
+
+
+def _workload(fault: str = "none") -> list:
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
+
+    out = []
+    for page_size in (1, 4):
+        result = run_workload(WorkloadConfig(fault=fault, page_size=page_size, turns=3))
+        out.append((result.outputs_digest, result.sglang_check, result.planted))
+    return out
+
+
+def test_a_failure_inside_a_compiled_fast_path_turns_the_probe_off_and_spares_the_host(tmp_path):
+    """Each fast path that writes the ledger, made to raise after the host's call: the host's
+    results are those of a run without the probe, the probe says it is off and why."""
+    from kvdoctor.analysis.analyzer import analyze
+    from kvdoctor.probe import runtime
+    from kvdoctor.trace.reader import iter_events
+
+    baseline = _workload()
+    for kind in KINDS_THAT_FAIL:
+        path = str(tmp_path / f"{kind}.json")
+        runtime.activate(path)
+        hotpath.NATIVE.fail_after(hotpath.KINDS[kind])
+        try:
+            assert _workload() == baseline, kind
+        finally:
+            runtime.deactivate()
+        findings = analyze(iter_events(path)).findings
+        off = [f for f in findings if f.kind == "probe_off"]
+        assert off and "fault injected into the" in off[0].message, (kind, [f.kind for f in findings])
+        assert not [f for f in findings if f.severity == "error"], kind
+
+
+def test_the_ledger_lock_is_reentrant_owned_and_survives_fork():
+    lock = hotpath.new_lock()
+    with lock:
+        with lock:  # the census takes it inside a hooked call that holds it
+            assert lock._is_owned()
+        taken_elsewhere = []
+        worker = threading.Thread(target=lambda: taken_elsewhere.append(lock.acquire(blocking=False)))
+        worker.start()
+        worker.join()
+        assert taken_elsewhere == [False]
+    assert not lock._is_owned()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    assert lock.acquire(blocking=False)
+    pid = os.fork()  # a child forked while the parent holds the lock can still take it
+    if pid == 0:
+        os._exit(0 if lock.acquire(blocking=False) else 1)
+    _, status = os.waitpid(pid, 0)
+    lock.release()
+    assert os.WEXITSTATUS(status) == 0
