@@ -47,6 +47,7 @@ enum {
     K_REQ_ALLOC,   /* ReqToTokenPool.alloc(reqs) */
     K_REQ_FREE,    /* ReqToTokenPool.free(req) */
     K_REQ_FREE_ROWS, /* ReqToTokenPool.free_rows(indices) */
+    K_LAST_LOC,      /* get_last_loc(req_to_token, req_pool_indices, prefix_lens): a module function */
     K_COUNT
 };
 
@@ -761,6 +762,10 @@ typedef struct {
     Py_ssize_t req_pos, reqs_pos;           /* request pool: where the request(s) are */
     PyObject *req_name, *reqs_name;
     PyObject *req_index_path; /* tuple of attribute names: the request's row (`kv.req_pool_idx`) */
+    int function;             /* a module-level function: no object first, `after` on the result only */
+    Py_ssize_t table_pos, rows_pos, prefix_pos; /* get_last_loc's arguments */
+    PyObject *table_name, *rows_name, *prefix_name;
+    Py_ssize_t sources_max; /* get_last_loc results remembered */
 } Hooked;
 
 static PyTypeObject HookedType;
@@ -1824,10 +1829,112 @@ out:
     return result;
 }
 
+/* A function's argument by keyword, else by position (no object first): borrowed, NULL if absent. */
+static PyObject *
+fn_arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos, PyObject *name)
+{
+    if (pos < 0 && name == NULL)
+        return NULL;
+    if (kwnames != NULL && name != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (k == name || PyUnicode_Compare(k, name) == 0)
+                return args[nargs + i];
+        }
+    }
+    return pos >= 0 && pos < nargs ? args[pos] : NULL;
+}
+
+/* get_last_loc's result remembered with the rows it read (SglangState.remember_last_loc_source,
+ * here without a Python call): keyed by the result's id, the oldest dropped past sources_max. */
+static int
+remember_last_loc(Hooked *self, PyObject *result, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *sources = H.last_loc_sources;
+    if (sources == NULL || !PyDict_CheckExact(sources))
+        return 0;
+    PyObject *table = fn_arg(args, nargs, kwnames, self->table_pos, self->table_name);
+    PyObject *rows = fn_arg(args, nargs, kwnames, self->rows_pos, self->rows_name);
+    PyObject *prefix = fn_arg(args, nargs, kwnames, self->prefix_pos, self->prefix_name);
+    PyObject *entry = PyTuple_Pack(4, result, rows ? rows : Py_None, table ? table : Py_None, prefix ? prefix : Py_None);
+    if (entry == NULL)
+        return -1;
+    PyObject *key = PyLong_FromVoidPtr(result);
+    if (key == NULL) {
+        Py_DECREF(entry);
+        return -1;
+    }
+    Py_INCREF(sources); /* a reset() from inside the dict's own callbacks must not free it under us */
+    int rc = PyDict_SetItem(sources, key, entry);
+    Py_DECREF(key);
+    Py_DECREF(entry);
+    if (rc == 0 && PyDict_GET_SIZE(sources) > self->sources_max) {
+        Py_ssize_t pos = 0;
+        PyObject *first, *value;
+        if (PyDict_Next(sources, &pos, &first, &value)) {
+            Py_INCREF(first);
+            rc = PyDict_DelItem(sources, first);
+            Py_DECREF(first);
+        }
+    }
+    Py_DECREF(sources);
+    return rc;
+}
+
+/* A hooked module-level function: the host's call, then the role's `after` on its result. */
+static PyObject *
+function_call(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *result = call_original(self, args, nargsf, kwnames);
+    if (result == NULL || H.probe == NULL || !H.active || (H.ledgers_off & self->ledger_mask))
+        return result;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int rc; /* not counted in calls(): the Python path counts hooked methods only */
+    if (self->kind == K_LAST_LOC) {
+        rc = maybe_test_failure(self);
+        if (rc == 0)
+            rc = remember_last_loc(self, result, args, nargs, kwnames);
+        H.n_fast[K_LAST_LOC]++;
+    }
+    else if (self->after != NULL) {
+        PyObject *targs = PyTuple_New(nargs);
+        PyObject *kwargs = PyDict_New();
+        rc = -1;
+        if (targs != NULL && kwargs != NULL) {
+            rc = 0;
+            for (Py_ssize_t i = 0; i < nargs; i++)
+                PyTuple_SET_ITEM(targs, i, Py_NewRef(args[i]));
+            Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+            for (Py_ssize_t i = 0; i < nk && rc == 0; i++)
+                rc = PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]);
+            if (rc == 0) {
+                PyObject *probe = Py_NewRef(H.probe);
+                PyObject *aa[7] = {probe, self->hook, Py_None, targs, kwargs, result, Py_None};
+                PyObject *r = PyObject_Vectorcall(self->after, aa, 7, NULL);
+                Py_DECREF(probe);
+                rc = r == NULL ? -1 : 0;
+                Py_XDECREF(r);
+            }
+        }
+        Py_XDECREF(targs);
+        Py_XDECREF(kwargs);
+    }
+    else
+        rc = 0;
+    if (rc < 0 && report_failure(self->name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
 static PyObject *
 hooked_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Hooked *self = (Hooked *)callable;
+    if (self->function)
+        return function_call(self, args, nargsf, kwnames);
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1 || H.probe == NULL || !H.active || (H.ledgers_off & self->ledger_mask))
         return call_original(self, args, nargsf, kwnames);
@@ -1898,25 +2005,30 @@ hooked_init(Hooked *self, PyObject *a, PyObject *kw)
                             "rewrite_result", "last_loc_pos", "last_loc_name", "only_page_starts", "as_pages",
                             "group_attr", "group_open_when_false", "value_pos", "value_in_params", "node_pos",
                             "indices_pos", "values_pos", "value_name", "node_name", "indices_name", "values_name",
-                            "req_pos", "reqs_pos", "req_name", "reqs_name", "req_index_path", NULL};
+                            "req_pos", "reqs_pos", "req_name", "reqs_name", "req_index_path", "function", "table_pos",
+                            "rows_pos", "prefix_pos", "table_name", "rows_name", "prefix_name", "sources_max", NULL};
     PyObject *original, *role, *hook, *name, *before = Py_None, *after = Py_None, *rewrite = Py_None,
                                                   *finally_ = Py_None, *prepare = Py_None, *rewrite_result = Py_None,
                                                   *last_loc_name = Py_None, *group_attr = Py_None, *value_name = Py_None,
                                                   *node_name = Py_None, *indices_name = Py_None, *values_name = Py_None,
-                                                  *req_name = Py_None, *reqs_name = Py_None, *req_index_path = Py_None;
+                                                  *req_name = Py_None, *reqs_name = Py_None, *req_index_path = Py_None,
+                                                  *table_name = Py_None, *rows_name = Py_None, *prefix_name = Py_None;
+    int function = 0;
+    Py_ssize_t table_pos = -1, rows_pos = -1, prefix_pos = -1, sources_max = 64;
     int role_id, composite = 0, wants_site = 0, kind = K_GENERIC, only_page_starts = 0, as_pages = 0,
                  group_open_when_false = 0, value_in_params = 0;
     unsigned int ledger_mask = 0;
     unsigned long long role_bit = 0;
     Py_ssize_t last_loc_pos = -1, value_pos = -1, node_pos = -1, indices_pos = -1, values_pos = -1, req_pos = -1,
                reqs_pos = -1;
-    if (!PyArg_ParseTupleAndKeywords(a, kw, "OOOUiIK|ppiOOOOOOnOppOpnpnnnOOOOnnOOO", names, &original, &role, &hook, &name,
+    if (!PyArg_ParseTupleAndKeywords(a, kw, "OOOUiIK|ppiOOOOOOnOppOpnpnnnOOOOnnOOOpnnnOOOn", names, &original, &role, &hook, &name,
                                      &role_id, &ledger_mask, &role_bit, &composite, &wants_site, &kind, &before,
                                      &after, &rewrite, &finally_, &prepare, &rewrite_result, &last_loc_pos,
                                      &last_loc_name, &only_page_starts, &as_pages, &group_attr,
                                      &group_open_when_false, &value_pos, &value_in_params, &node_pos, &indices_pos,
                                      &values_pos, &value_name, &node_name, &indices_name, &values_name, &req_pos,
-                                     &reqs_pos, &req_name, &reqs_name, &req_index_path))
+                                     &reqs_pos, &req_name, &reqs_name, &req_index_path, &function, &table_pos,
+                                     &rows_pos, &prefix_pos, &table_name, &rows_name, &prefix_name, &sources_max))
         return -1;
     if (kind < 0 || kind >= K_COUNT) {
         PyErr_SetString(PyExc_ValueError, "unknown fast-path kind");
@@ -1946,7 +2058,15 @@ hooked_init(Hooked *self, PyObject *a, PyObject *kw)
     SET(req_name, req_name);
     SET(reqs_name, reqs_name);
     SET(req_index_path, req_index_path);
+    SET(table_name, table_name);
+    SET(rows_name, rows_name);
+    SET(prefix_name, prefix_name);
 #undef SET
+    self->function = function;
+    self->table_pos = table_pos;
+    self->rows_pos = rows_pos;
+    self->prefix_pos = prefix_pos;
+    self->sources_max = sources_max;
     self->req_pos = req_pos;
     self->reqs_pos = reqs_pos;
     self->role_id = role_id;
@@ -2016,6 +2136,9 @@ hooked_clear(Hooked *self)
     Py_CLEAR(self->req_name);
     Py_CLEAR(self->reqs_name);
     Py_CLEAR(self->req_index_path);
+    Py_CLEAR(self->table_name);
+    Py_CLEAR(self->rows_name);
+    Py_CLEAR(self->prefix_name);
     return 0;
 }
 
@@ -2399,6 +2522,7 @@ PyInit__hotpath(void)
         PyModule_AddIntConstant(m, "K_REQ_ALLOC", K_REQ_ALLOC) < 0 ||
         PyModule_AddIntConstant(m, "K_REQ_FREE", K_REQ_FREE) < 0 ||
         PyModule_AddIntConstant(m, "K_REQ_FREE_ROWS", K_REQ_FREE_ROWS) < 0 ||
+        PyModule_AddIntConstant(m, "K_LAST_LOC", K_LAST_LOC) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SITE_KEYS", MAX_SITE_KEYS) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -270,7 +270,10 @@ def python_wrapper(original: Callable[..., Any], role: Role, hook: Hook) -> Call
 
 
 def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
-    """A module-level function with `role.after` run on its result (obj is None)."""
+    """A module-level function with `role.after` run on its result (obj is None): compiled where
+    the extension is available."""
+    if hotpath.active():
+        return hotpath.wrap_function(original, role, hook)
     current = CURRENT
 
     @functools.wraps(original)

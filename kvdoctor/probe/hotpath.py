@@ -59,6 +59,7 @@ KINDS = (
         "req_alloc": NATIVE.K_REQ_ALLOC,
         "req_free": NATIVE.K_REQ_FREE,
         "req_free_rows": NATIVE.K_REQ_FREE_ROWS,
+        "last_loc": NATIVE.K_LAST_LOC,
     }
 )
 
@@ -172,6 +173,43 @@ def wrap(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., 
         req_name="req",
         reqs_name="reqs",
         req_index_path=tuple(str(options.get("req_index_attr", "req_pool_idx")).split(".")),
+    )
+    functools.update_wrapper(wrapper, original)
+    wrapper.__kvdoctor_role__ = hook.role
+    return wrapper  # type: ignore[no-any-return]
+
+
+def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
+    """The compiled wrapper of a module-level function: the host's call, then the role's `after` on
+    its result (`get_last_loc`'s is done in C)."""
+    import functools
+
+    positions = hook.positions
+    reads = getattr(role, "reads", {})
+    names = list(reads)
+
+    def named(index: int) -> str | None:
+        return names[index] if len(names) > index else None
+
+    kind = str(getattr(role, "fast_kind", "")) if len(names) == 3 else ""
+    wrapper = NATIVE.Hooked(
+        original,
+        role,
+        hook,
+        hook.role,
+        ROLE_BITS.id(hook.role),
+        LEDGER_BITS.bit(hook.ledger) if hook.ledger else 0,
+        ROLE_BITS.bit(hook.role),
+        kind=KINDS.get(kind, NATIVE.K_GENERIC),
+        after=_overridden(role, "after"),
+        function=True,
+        table_pos=int(positions.get(names[0], -1)) if names else -1,
+        rows_pos=int(positions.get(names[1], -1)) if len(names) > 1 else -1,
+        prefix_pos=int(positions.get(names[2], -1)) if len(names) > 2 else -1,
+        table_name=named(0),
+        rows_name=named(1),
+        prefix_name=named(2),
+        sources_max=int(getattr(role, "sources_max", 64)),
     )
     functools.update_wrapper(wrapper, original)
     wrapper.__kvdoctor_role__ = hook.role

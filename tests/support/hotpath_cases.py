@@ -21,6 +21,7 @@ warnings.filterwarnings("ignore")
 # Events whose content is decided on the scheduler's thread (the writer thread's timing differs
 # between runs: its counters and rolling censuses are not compared).
 COMPARED = {"violation", "census", "probe_status", "fix_applied"}
+WRITER_THREAD_COMPONENTS = {"memory_classes"}  # statuses said from the writer thread, whenever it runs
 
 
 def ledger_digest(ledger, site_names):
@@ -63,7 +64,11 @@ def main() -> None:
         after = hotpath.NATIVE.stats() if hotpath.active() else {}
         paths = {k: [a - b for a, b in zip(after[k], before[k], strict=True)] for k in ("fast", "diverted", "slow")} if after else {}
         runtime.deactivate()
-        events = [{"name": e.name, "args": e.args} for e in iter_events(path) if e.name in COMPARED]
+        events = [
+            {"name": e.name, "args": e.args}
+            for e in iter_events(path)
+            if e.name in COMPARED and e.args.get("component") not in WRITER_THREAD_COMPONENTS
+        ]
         out.append(
             {
                 "case": case,

@@ -23,7 +23,7 @@ from kvdoctor.probe.sglang.requests import (
     ReqFreeRowsRole,
     ReqWriteRole,
 )
-from kvdoctor.probe.sglang.state import group_open, sglang_state
+from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -275,6 +275,8 @@ class TreeResetRole(SlotRole):
 class LastLocSourceRole(SlotRole):
     """`get_last_loc(req_to_token, req_pool_indices, prefix_lens)`: remember which rows it read."""
 
+    fast_kind = "last_loc"  # the compiled path stores the same tuple (hotpath.wrap_function)
+    sources_max = MAX_LAST_LOC_SOURCES
     reads = {"req_to_token": 0, "req_pool_indices_tensor": 1, "prefix_lens_tensor": 2}
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
