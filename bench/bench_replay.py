@@ -50,6 +50,9 @@ analysis = analyze_trace(sys.argv[1])
 dt = time.perf_counter() - t0
 print(json.dumps({"events": analysis.events, "seconds": dt, "events_per_s": analysis.events / dt,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  # a second process reads the trace when a second core is there: its own peak
+                  "peak_rss_reader_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "cpu_s": time.process_time(),
                   "findings": len(analysis.findings)}))
 """
 

@@ -31,6 +31,17 @@ TRACE_OPTION: Any = typer.Option(
 )
 FIX_OPTION: Any = typer.Option([], "--fix", metavar="NAME", help="turn on an optional fix by name (see `kvdoctor fixes`)")
 FORCE_OPTION: Any = typer.Option(False, "--force", help="replace an existing file at the paths given (never a device or directory)")
+ATTRIBUTION_OPTION: Any = typer.Option(
+    False,
+    "--attribution",
+    help="also name the file:line and thread where host memory grows (short windows: memray where installed, else tracemalloc)",
+)
+ATTRIBUTION_ENGINE_OPTION: Any = typer.Option(
+    None,
+    "--attribution-engine",
+    metavar="ENGINE",
+    help="auto (memray where installed, else tracemalloc), memray or tracemalloc; implies --attribution",
+)
 
 
 def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
@@ -77,12 +88,16 @@ def run(
     fix: list[str] = FIX_OPTION,
     output_format: str = typer.Option("text", "--format", help=f"summary format (on stderr): {REPORT_FORMAT_HELP}"),
     sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
+    attribution: bool = ATTRIBUTION_OPTION,
+    attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
     force: bool = FORCE_OPTION,
 ) -> int:
     """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
     from kvdoctor.commands.run import run as run_command
 
-    return run_command(list(ctx.args), trace, list(fix), output_format, sample_interval, force=force)
+    return run_command(
+        list(ctx.args), trace, list(fix), output_format, sample_interval, force=force, attribution=(attribution, attribution_engine)
+    )
 
 
 @app.command()
@@ -188,14 +203,13 @@ def attach(
     pid: int = typer.Argument(..., help="a running Python server process"),
     trace: str | None = TRACE_OPTION,
     fix: list[str] = FIX_OPTION,
-    attribution: bool = typer.Option(
-        False, "--attribution", help="also name the file:line and thread where host memory grows (short tracemalloc windows)"
-    ),
+    attribution: bool = ATTRIBUTION_OPTION,
+    attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
 ) -> int:
     """Put the probe into a running Python server without restarting it."""
     from kvdoctor.commands.attach import attach_command
 
-    return attach_command(pid, trace, list(fix), attribution=attribution)
+    return attach_command(pid, trace, list(fix), attribution=(attribution, attribution_engine))
 
 
 @app.command()

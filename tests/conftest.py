@@ -11,6 +11,29 @@ SGLANG_059 = os.path.join(REPO, ".venv", "sglang-0.5.9")
 RELEASES = os.path.join(REPO, ".venv", "sglang-releases")
 
 
+def run_for_result(command: list, *, env: dict, cwd: str, timeout: float) -> dict:
+    """Runs a case script that ends by printing `RESULT {json}`; its last RESULT, or the test fails
+    with the end of the script's stderr."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def trace_events(path: str, name: str) -> list:
+    """The events named `name` in the trace at `path` as raw dicts, complete lines only (a trace
+    still being written ends in a cut line); [] before the file exists."""
+    out = []
+    if os.path.exists(path):
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith("{") and line.endswith("\n"):
+                    raw = json.loads(line.rstrip().rstrip(","))
+                    if raw["name"] == name:
+                        out.append(raw)
+    return out
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~20 s")
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.analysis.replay import replay_blocks
+from kvdoctor.analysis.series import ThinnedSeries
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.trace import schema
-from kvdoctor.trace.reader import ReadStats, iter_events
-from kvdoctor.units import BoundedSeries
+from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.trace.reader import ReadStats
 
 __all__ = ["Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "analyze_trace", "exit_code_for"]
 
@@ -30,7 +32,6 @@ REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"  # the JSON r
 
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
 PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024  # smaller traces replay too fast to need a bar
-PROGRESS_EVERY_EVENTS = 20_000
 MAX_PROCESSES = 4096  # distinct pids analysed; a trace naming more is crafted or broken: the rest is noted
 
 D = TypeVar("D")
@@ -75,6 +76,10 @@ class Analysis:
         }
 
 
+def _numbers(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in args.items() if isinstance(v, (int, float))}
+
+
 class SeriesCollector:
     """Keeps the counters reporters plot (ledger sizes, memory), thinned to a bounded size."""
 
@@ -83,7 +88,7 @@ class SeriesCollector:
     MAX_POINTS = 3999
 
     def __init__(self) -> None:
-        self._series: dict[str, BoundedSeries[dict[str, float]]] = {}
+        self._series: dict[str, ThinnedSeries[dict[str, float]]] = {}
 
     def feed(self, event: schema.Event) -> None:
         if event.ph != "C":
@@ -91,8 +96,20 @@ class SeriesCollector:
         label = f"{event.name}:{event.pid}:{event.args.get('allocator', '')}"
         series = self._series.get(label)
         if series is None:
-            series = self._series[label] = BoundedSeries(self.MAX_POINTS)
-        series.add(event.ts, {k: v for k, v in event.args.items() if isinstance(v, (int, float))})
+            series = self._series[label] = ThinnedSeries(self.MAX_POINTS)
+        series.add(event.ts, _numbers(event.args))
+
+    def feed_counter_block(self, block: CounterBlock) -> None:
+        """`feed` for each line of the block; only the points the series keeps are parsed."""
+        label = f"{block.name}:{block.pid}:{block.allocator}"
+        series = self._series.get(label)
+        if series is None:
+            series = self._series[label] = ThinnedSeries(self.MAX_POINTS)
+
+        def points_at(indices: list[int]) -> list[tuple[float, dict[str, float]]]:
+            return [(event.ts, _numbers(event.args)) for event in block.events(indices)]
+
+        series.add_from(len(block), points_at)
 
     @property
     def series(self) -> dict[str, dict[str, Any]]:
@@ -156,6 +173,53 @@ class Analyzer:
                 feed(event)
         self.events += count
 
+    def block_feeds(self, name: str) -> list[Callable[[CounterBlock], None]] | None:
+        """The bulk feeds of every sink that reads counter `name`, or None when one of them
+        takes events only one at a time (its lines then go through `feed`)."""
+        if name in _HEADERS or name in (schema.PROCESS_NAME, schema.CENSUS, schema.TRACE_END):  # the reader or the analyzer reads these
+            return None
+        feeds = []
+        for sink in self._sinks:
+            if _reads(sink, name):
+                bulk = getattr(sink, "feed_counter_block", None)
+                if bulk is None:
+                    return None
+                feeds.append(bulk)
+        return feeds
+
+    def block_names_before(self, name: str) -> frozenset[str] | None:
+        """The counter names whose gathered blocks must be fed before an event `name`: those a
+        sink reads along with `name`, unless that sink keeps its counter state apart from what
+        other events change (`counter_state_apart`). None: every name."""
+        names: set[str] = set()
+        for sink in self._sinks:
+            if not _reads(sink, name):
+                continue
+            consumes: frozenset[str] | None = getattr(sink, "consumes", None)
+            if consumes is None:
+                return None
+            if getattr(sink, "counter_state_apart", False):
+                names.update(consumes & {name})
+            else:
+                names.update(consumes)
+        return frozenset(names)
+
+    def knows_pid(self, pid: int) -> bool:
+        return pid in self._pids
+
+    def feed_counter_block(self, block: CounterBlock, feeds: list[Callable[[CounterBlock], None]]) -> None:
+        """`feed_all` for the block's lines, the counter lines of one (name, pid, allocator)."""
+        count = len(block)
+        self.events += count
+        pids = self._pids
+        if block.pid not in pids:
+            if len(pids) >= MAX_PROCESSES:
+                self.ignored_events += count
+                return
+            pids.add(block.pid)
+        for feed in feeds:
+            feed(block)
+
     def detector(self, kind: type[D]) -> D | None:
         """The detector of this class, for views that read its state as it goes (the live table)."""
         return next((d for d in self.detectors if isinstance(d, kind)), None)
@@ -199,24 +263,17 @@ def analyze_trace(path: str, *, progress: bool = False, host_memory_limit_bytes:
     (a cut tail, skipped lines) end up in the analysis. `progress` shows a bar on a TTY for
     large traces."""
     stats = ReadStats()
-    events: Iterable[schema.Event] = iter_events(path, stats)
-    size = os.path.getsize(path) if os.path.exists(path) else 0
-    if progress and size >= PROGRESS_BAR_MIN_BYTES and sys.stderr.isatty():
-        events = _with_progress(events, stats, size)
     analyzer = Analyzer(source=path, host_memory_limit_bytes=host_memory_limit_bytes)
-    analyzer.feed_all(events)
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    if progress and size >= PROGRESS_BAR_MIN_BYTES and sys.stderr.isatty():
+        from rich.progress import BarColumn, Progress, TransferSpeedColumn
+
+        with Progress("replaying", BarColumn(), TransferSpeedColumn(), transient=True) as bar:
+            task = bar.add_task("trace", total=size)
+            replay_blocks(path, analyzer, stats, lambda: bar.update(task, completed=stats.bytes_read))
+    else:
+        replay_blocks(path, analyzer, stats)
     return analyzer.finish(notes=stats.notes())
-
-
-def _with_progress(events: Iterable[schema.Event], stats: ReadStats, size: int) -> Iterator[schema.Event]:
-    from rich.progress import BarColumn, Progress, TransferSpeedColumn
-
-    with Progress("replaying", BarColumn(), TransferSpeedColumn(), transient=True) as bar:
-        task = bar.add_task("trace", total=size)
-        for i, event in enumerate(events):
-            if i % PROGRESS_EVERY_EVENTS == 0:
-                bar.update(task, completed=stats.bytes_read)
-            yield event
 
 
 def exit_code_for(analysis: Analysis) -> int:

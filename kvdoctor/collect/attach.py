@@ -229,13 +229,14 @@ def attach(
     trace_path: str,
     fixes: Sequence[str] = (),
     *,
-    attribution: bool = False,
+    attribution: bool | str = False,
     gdb_timeout_s: float = GDB_TIMEOUT_S,
     status_timeout_s: float = STATUS_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Starts the probe inside the running Python process `pid`, writing to `trace_path`.
 
-    Returns what the probe reported from inside (`trace_path` it writes to, `already_active`
+    `attribution` names the engine of the host growth windows (`auto`, `memray`, `tracemalloc`;
+    True is `auto`). Returns what the probe reported from inside (`trace_path` it writes to, `already_active`
     when the process already ran under `kvdoctor run`). Raises KvdoctorError with one sentence
     when it cannot, and then the target is left as it was.
     """
@@ -274,7 +275,7 @@ def attach(
         "trace_path": trace_path,
         "fixes": list(fixes),
         "status_path": status_path,
-        "attribution": bool(attribution),
+        "attribution": ("auto" if attribution is True else attribution or ""),
     }
     try:
         with open(script_path, "w") as fh:

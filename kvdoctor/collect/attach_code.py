@@ -28,7 +28,7 @@ def _kvdoctor_attach(params):
             if params["fixes"]:
                 os.environ["KVDOCTOR_FIXES"] = ",".join(params["fixes"])
             if params["attribution"]:
-                os.environ["KVDOCTOR_ATTRIBUTION"] = "1"
+                os.environ["KVDOCTOR_ATTRIBUTION"] = params["attribution"] if isinstance(params["attribution"], str) else "1"
             from kvdoctor.probe import runtime
             already = runtime.current() is not None
             probe = runtime.activate(params["trace_path"], fixes=params["fixes"])

@@ -10,7 +10,7 @@ import sys
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
-from kvdoctor.runner import analyze_recorded, check_fixes
+from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes
 from kvdoctor.runner.launch import run_command
 
 
@@ -22,12 +22,14 @@ def run(
     sample_interval_s: float = 1.0,
     *,
     force: bool = False,
+    attribution: tuple[bool, str | None] = (False, None),
 ) -> int:
     check_format(output_format)
     check_fixes(fixes)
+    engine = check_attribution(attribution)
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):
         raise KvdoctorError(f"--sample-interval must be 0 (off) or a positive number of seconds, not {sample_interval_s}")
-    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force)
+    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine)
     analysis = analyze_recorded(trace_path)
     print(printable(render(analysis, output_format)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)

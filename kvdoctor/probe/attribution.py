@@ -75,14 +75,27 @@ def _env_float(name: str, default: float) -> float:
 
 
 def start_if_enabled(probe: Any, *, force: bool = False) -> bool:
-    """Starts attribution for `probe` when KVDOCTOR_ATTRIBUTION=1 (or `force`). Idempotent; never raises."""
+    """Starts attribution for `probe` when KVDOCTOR_ATTRIBUTION=1 (or `force`). Idempotent; never raises.
+
+    The probe's activation calls this once; it also starts the memory-class readings
+    (kvdoctor/probe/memory_classes.py), which are on unless KVDOCTOR_MEMORY_CLASSES=0."""
     try:
-        if not force and os.environ.get(ENV_ATTRIBUTION, "") not in ("1", "true", "yes", "on"):
+        from kvdoctor.probe import memory_classes
+
+        memory_classes.start_if_enabled(probe)
+    except Exception:
+        pass
+    try:
+        # KVDOCTOR_ATTRIBUTION=memray|auto|tracemalloc (1: tracemalloc); the engines: attribution_memray.py
+        from kvdoctor.probe import attribution_memray
+
+        engine = attribution_memray.engine_asked(os.environ.get(ENV_ATTRIBUTION, ""), force=force)
+        if engine is None:
             return False
         with _LOCK:
             if id(probe) in _STARTED:
                 return True
-            worker = Attribution(probe)
+            worker = attribution_memray.worker_for(probe, engine)
             _STARTED[id(probe)] = worker
         worker.start()
         return True
@@ -182,6 +195,7 @@ class Attribution:
                     }
                 )
         args: dict[str, Any] = {
+            "engine": "tracemalloc",
             "window_index": self.windows,
             "window_s": self.window_s,
             "period_s": self.period_s,

@@ -91,6 +91,11 @@ class Emitter:
     def counter(self, name: str, args: dict[str, Any]) -> None:
         self.emit(name, args, ph="C")
 
+    @property
+    def closing(self) -> bool:
+        """Set once `close` began: background readers stop emitting into a trace that is ending."""
+        return self._stop.is_set()
+
     def _ensure_thread(self) -> None:
         if self._thread is None and self.path and self.write_error is None:
             with self._lock:

@@ -1,6 +1,7 @@
 """A trace's counters as one table, for pandas, spreadsheets and Parquet tools.
 
-Every counter event (`ph` "C") named kv_slots, memory, hicache or probe_stats becomes one row:
+Every counter event (`ph` "C") named kv_slots, memory, memory_classes, hicache, l3_store or
+probe_stats (`schema.COUNTER_NAMES`) becomes one row:
 `ts_s` (seconds since the epoch), `pid`, `name`, `allocator` (empty where the event has none),
 then one column per numeric argument seen anywhere in the trace (`free_slots`, `rss_bytes`, ...),
 empty where an event lacks it. Columns whose values are all integers stay integers (nullable).

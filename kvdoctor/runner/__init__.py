@@ -34,3 +34,15 @@ def check_fixes(names: list[str]) -> list[str]:
     if bad:
         raise KvdoctorError(f"unknown fix {', '.join(bad)}", f"`kvdoctor fixes` lists them: {', '.join(FIXES)}")
     return list(names)
+
+
+def check_attribution(asked: tuple[bool, str | None]) -> str:
+    """The attribution engine from `--attribution` and `--attribution-engine` ("" when off)."""
+    from kvdoctor.probe.attribution_memray import ENGINES
+
+    on, engine = asked
+    if engine is None:
+        return "auto" if on else ""
+    if engine.strip().lower() not in ENGINES:
+        raise KvdoctorError(f"unknown attribution engine {engine!r}", f"--attribution-engine takes {', '.join(ENGINES)}")
+    return engine.strip().lower()

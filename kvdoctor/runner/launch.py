@@ -39,8 +39,9 @@ GROUP_GRACE_S = 10.0  # what is left of the command's group gets this long after
 PR_SET_PDEATHSIG = 1
 
 
-def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment that turns the probe on in every Python process started with it."""
+def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | None = None, attribution: str = "") -> dict[str, str]:
+    """The environment that turns the probe on in every Python process started with it (and host
+    growth attribution with the engine named, `auto`, `memray` or `tracemalloc`)."""
     env = dict(os.environ if base is None else base)
     existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = INJECT_DIR + (os.pathsep + existing if existing else "")
@@ -48,6 +49,8 @@ def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | 
     env["KVDOCTOR_PACKAGE_ROOT"] = kvdoctor.PACKAGE_ROOT
     if fixes:
         env["KVDOCTOR_FIXES"] = ",".join(fixes)
+    if attribution:
+        env["KVDOCTOR_ATTRIBUTION"] = attribution
     return env
 
 
@@ -128,7 +131,13 @@ def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[thread
 
 
 def run_command(
-    command: list[str], trace_path: str | None, fixes: list[str], sample_interval_s: float = 1.0, *, force: bool = False
+    command: list[str],
+    trace_path: str | None,
+    fixes: list[str],
+    sample_interval_s: float = 1.0,
+    *,
+    force: bool = False,
+    attribution: str = "",
 ) -> tuple[int, str]:
     """Runs `command` under the probe (and the sampler unless `sample_interval_s` is 0); returns
     its exit code (128 + N for a signal, as a shell reports it) and the trace's path."""
@@ -142,7 +151,9 @@ def run_command(
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {trace_path}: {exc.strerror}", "pass --trace to a writable place") from None
     try:
-        child = subprocess.Popen(command, env=probe_environment(trace_path, fixes), start_new_session=True, preexec_fn=_die_with_parent)
+        child = subprocess.Popen(
+            command, env=probe_environment(trace_path, fixes, attribution=attribution), start_new_session=True, preexec_fn=_die_with_parent
+        )
     except OSError as exc:
         raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
     sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None

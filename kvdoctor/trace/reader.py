@@ -83,13 +83,8 @@ def check_header(args: dict[str, Any], path: str) -> None:
         raise TraceError(f"{path}: schema version {version} is not one kvdoctor ever wrote")
 
 
-def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
-    """Streams a trace's events. Raises TraceError only when nothing usable can be read.
-
-    A trace whose first readable event is not a kvdoctor header is refused; after that, damaged
-    lines are counted and skipped so that everything still readable is analysed.
-    """
-    stats = stats if stats is not None else ReadStats()
+def open_trace(path: str) -> BinaryIO:
+    """The trace opened for reading, past its opening bracket; a sentence when it cannot be."""
     try:
         fh = open(path, "rb")
     except FileNotFoundError:
@@ -98,7 +93,7 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
         raise TraceError(f"{path}: is a directory, not a trace file") from None
     except PermissionError:
         raise TraceError(f"{path}: permission denied") from None
-    with fh:
+    try:
         first = fh.read(1)
         while first in (b" ", b"\n", b"\r", b"\t"):
             first = fh.read(1)
@@ -106,43 +101,83 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
             raise TraceError(f"{path}: the trace is empty", "the probe never wrote to it; was the run under `kvdoctor run`?")
         if first != b"[":
             raise TraceError(f"{path}: not a kvdoctor trace (it does not start with '[')")
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
+class LineDecoder:
+    """Turns one trace line into an event, with every rule of the reader: the header first, a
+    cut last line, damaged lines counted. Shared by `iter_events` and the block replay, so both
+    read every line the same way."""
+
+    def __init__(self, path: str, stats: ReadStats) -> None:
+        self.path = path
+        self.stats = stats
+        self.seen_header = False
+        self.gave_up = False  # too many unreadable lines before any header: not a trace
+
+    def decode(self, line: bytes, complete: bool | None = None) -> Event | None:
+        """The line's event, or None for a blank, bracket or unreadable line. A line is complete
+        when it ends in a newline, unless `complete` says (for lines already split apart)."""
+        stats = self.stats
+        if complete is None:
+            complete = line.endswith(b"\n")
+        text = line.strip()
+        if not text or text == b"]":
+            return None
+        if text.endswith(b","):
+            text = text[:-1]
+        try:
+            raw = loads(text)
+        except (ValueError, TypeError, RecursionError):
+            if not complete:
+                stats.truncated_tail = True
+            else:
+                stats.corrupt_lines += 1
+                if not self.seen_header and stats.corrupt_lines > 16:
+                    self.gave_up = True
+            return None
+        if not isinstance(raw, dict):
+            stats.corrupt_lines += 1
+            return None
+        event = Event.from_json_dict(raw)
+        if event.name in (HEADER, RUN_HEADER):
+            check_header(event.args, self.path)
+            self.seen_header = True
+            if len(stats.headers) < MAX_HEADERS_KEPT:
+                stats.headers.append(event.args)
+        elif not self.seen_header:
+            raise TraceError(f"{self.path}: the first event is not a kvdoctor header", "is this a kvdoctor trace?")
+        if event.name == TRACE_END:
+            stats.clean_end = True
+        stats.events += 1
+        return event
+
+    def finish(self) -> None:
+        if not self.seen_header:
+            raise TraceError(f"{self.path}: no readable kvdoctor header in the trace", "the file is corrupt or not a kvdoctor trace")
+
+
+def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
+    """Streams a trace's events. Raises TraceError only when nothing usable can be read.
+
+    A trace whose first readable event is not a kvdoctor header is refused; after that, damaged
+    lines are counted and skipped so that everything still readable is analysed.
+    """
+    stats = stats if stats is not None else ReadStats()
+    with open_trace(path) as fh:
         stats.bytes_read = 1
-        seen_header = False
+        decoder = LineDecoder(path, stats)
         for line in _lines(fh, stats):
             stats.bytes_read += len(line)
-            complete = line.endswith(b"\n")
-            text = line.strip()
-            if not text or text == b"]":
-                continue
-            if text.endswith(b","):
-                text = text[:-1]
-            try:
-                raw = loads(text)
-            except (ValueError, TypeError, RecursionError):
-                if not complete:
-                    stats.truncated_tail = True
-                else:
-                    stats.corrupt_lines += 1
-                    if not seen_header and stats.corrupt_lines > 16:
-                        break
-                continue
-            if not isinstance(raw, dict):
-                stats.corrupt_lines += 1
-                continue
-            event = Event.from_json_dict(raw)
-            if event.name in (HEADER, RUN_HEADER):
-                check_header(event.args, path)
-                seen_header = True
-                if len(stats.headers) < MAX_HEADERS_KEPT:
-                    stats.headers.append(event.args)
-            elif not seen_header:
-                raise TraceError(f"{path}: the first event is not a kvdoctor header", "is this a kvdoctor trace?")
-            if event.name == TRACE_END:
-                stats.clean_end = True
-            stats.events += 1
-            yield event
-        if not seen_header:
-            raise TraceError(f"{path}: no readable kvdoctor header in the trace", "the file is corrupt or not a kvdoctor trace")
+            event = decoder.decode(line)
+            if decoder.gave_up:
+                break
+            if event is not None:
+                yield event
+        decoder.finish()
 
 
 class TraceTail:

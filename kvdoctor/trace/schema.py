@@ -31,15 +31,21 @@ CENSUS = "census"  # ph i: an idle/exit count of every slot's state
 PROBE_STATUS = "probe_status"  # ph i: probe enabled/disabled/partial, and why
 LEDGER_COUNTER = "kv_slots"  # ph C: free/owned/tree slot counts of one allocator
 MEMORY_COUNTER = "memory"  # ph C: one process's memory by class, in bytes
+MEMORY_CLASSES = "memory_classes"  # ph C: the probe's split of anon memory: Python heap, malloc heap, pinned cache, native
 PROBE_STATS = "probe_stats"  # ph C: hooked calls, dropped events, probe memory
 HICACHE_COUNTER = "hicache"  # ph C: HiCache host ledger, controller queues, storage traffic
 RETAINED_VIEWS = "retained_views"  # ph i: host-index views kept alive by the tree (sglang#19332)
+L3_COUNTER = "l3_store"  # ph C: HiCache L3 store ledger: pages set/got, keys written/read/never read, bytes
+L3_KEYS = "l3_keys"  # ph i: the L3 ledger's summary with sample keys (periodic when changed, and at exit)
 HOST_GROWTH_SITES = "host_growth_sites"  # ph i: one attribution window: where host memory grew
 FINDING = "finding"  # ph i: a finding the analysis made (written by watch/run)
 FIX_APPLIED = "fix_applied"  # ph i: an optional fix changed the host's behaviour
+CONNECTOR_OVERDUE = "connector_overdue"  # ph i: a KV connector has held a finished request's blocks past the deadline
+CONNECTOR_LATE_RELEASE = "connector_late_release"  # ph i: an overdue connector hold ended at last
+CONTAINER_SIZES = "container_sizes"  # ph i: len() of the engine's containers reachable from a hooked object, by path
 
 # The counters a trace carries, one row per event when exported as a table.
-COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, HICACHE_COUNTER, PROBE_STATS})
+COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, MEMORY_CLASSES, HICACHE_COUNTER, L3_COUNTER, PROBE_STATS})
 
 # The call site given to slots that were in use, held by no request or tree node, when the probe
 # adopted an allocator's state late (attach): they leaked before it arrived.
@@ -64,15 +70,23 @@ REFCOUNT_DISAGREES = "refcount_disagrees"
 
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
+# A probe_status "off" with this `cause`: a part stopped because reading the host cost more than it
+# may, not because something failed (the analysis says it as information, not as a warning).
+OFF_FOR_COST = "cost"
+
 # Finding kinds the analysis makes besides the violation kinds above.
 MEMORY_GROWTH = "memory_growth"
+MEMORY_CLASS_GROWTH = "memory_class_growth"
 RETAINED_VIEW = "retained_view"
+L3_STORE_BYTES = "l3_store_bytes"
 HOST_GROWTH = "host_growth_sites"
 PROBE_OFF = "probe_off"
 PROBE_PARTIAL = "probe_partial"
 EVENTS_DROPPED = "events_dropped"
 TRACE_WRITE_FAILED = "trace_write_failed"
 LEDGER_DISAGREES = "ledger_disagrees"
+CONNECTOR_HELD_BLOCKS = "connector_held_blocks"
+CONTAINER_GROWTH = "container_growth"
 
 FINDING_KINDS = (
     ORPHAN_SLOTS,
@@ -85,8 +99,12 @@ FINDING_KINDS = (
     LOCK_UNDERFLOW,
     GRAPH_REPLAY_DURING_LOAD,
     REFCOUNT_DISAGREES,
+    CONNECTOR_HELD_BLOCKS,
+    CONTAINER_GROWTH,
     MEMORY_GROWTH,
+    MEMORY_CLASS_GROWTH,
     RETAINED_VIEW,
+    L3_STORE_BYTES,
     HOST_GROWTH,
     PROBE_OFF,
     PROBE_PARTIAL,

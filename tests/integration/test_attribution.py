@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import textwrap
 import time
 import tracemalloc
 
-from conftest import REPO
+from conftest import REPO, trace_events
 
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.findings import INFO, WARNING
@@ -39,19 +38,6 @@ GROWER = textwrap.dedent(
 )
 
 
-def _events(path: str, name: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            if line.startswith("{") and line.endswith("\n"):
-                raw = json.loads(line.rstrip().rstrip(","))
-                if raw["name"] == name:
-                    out.append(raw)
-    return out
-
-
 def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
     trace = str(tmp_path / "attr.kvtrace.json")
     script = tmp_path / "grower.py"
@@ -72,7 +58,7 @@ def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
         events = []
         while time.monotonic() < deadline and not events:
             time.sleep(0.3)
-            events = _events(trace, "host_growth_sites")
+            events = trace_events(trace, "host_growth_sites")
     finally:
         child.kill()
         child.wait()
@@ -86,7 +72,7 @@ def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
     assert args["snapshots"] and all(os.path.exists(p) for p in args["snapshots"])
     after, before = (tracemalloc.Snapshot.load(p) for p in args["snapshots"][::-1][:2])
     assert after.compare_to(before, "lineno")[0].size_diff > 0  # diffable outside the server
-    statuses = [e["args"] for e in _events(trace, "probe_status") if e["args"].get("component") == "attribution"]
+    statuses = [e["args"] for e in trace_events(trace, "probe_status") if e["args"].get("component") == "attribution"]
     assert statuses and statuses[0]["state"] == "on"
 
     detector = HostGrowthAttributionDetector()

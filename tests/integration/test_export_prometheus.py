@@ -59,7 +59,8 @@ def test_export_demo_trace_reads_back(demo_trace, tmp_path, fmt):
         assert column in df.columns
     ledger = df[df["name"] == schema.LEDGER_COUNTER]
     assert len(ledger) > 0 and ledger["free_slots"].notna().all()
-    assert set(df["name"]) <= {"kv_slots", "memory", "hicache", "probe_stats"}
+    assert set(df["name"]) <= {"kv_slots", "memory", "memory_classes", "hicache", "l3_store", "probe_stats"}
+    assert schema.MEMORY_CLASSES in set(df["name"])  # the probe's own split of anonymous memory
     # the same counters as the trace holds, row for row
     expected = [e for e in iter_events(demo_trace) if e.ph == "C" and e.name == schema.LEDGER_COUNTER]
     assert list(ledger["free_slots"].astype(int)) == [e.args["free_slots"] for e in expected]

@@ -18,7 +18,7 @@ except ImportError:  # Python 3.10
 
 # Imported only where they are optional: each import sits in a try block or a function that says
 # how to get it (extras), or belongs to the engine being probed.
-OPTIONAL = {"orjson", "triton", "pandas", "pyarrow", "prometheus_client", "pynvml", "torch", "sglang", "vllm"}
+OPTIONAL = {"orjson", "triton", "pandas", "pyarrow", "prometheus_client", "pynvml", "memray", "torch", "sglang", "vllm"}
 DISTRIBUTION_OF = {"pynvml": "nvidia-ml-py", "prometheus_client": "prometheus_client"}
 
 

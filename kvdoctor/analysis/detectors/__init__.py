@@ -5,11 +5,15 @@ the detectors `all_detectors()` returns, so the two can never disagree."""
 from __future__ import annotations
 
 from kvdoctor.analysis.detectors.base import Detector
+from kvdoctor.analysis.detectors.connector_held import ConnectorHeldDetector
+from kvdoctor.analysis.detectors.container_growth import ContainerGrowthDetector
 from kvdoctor.analysis.detectors.double_alloc import DoubleAllocDetector
 from kvdoctor.analysis.detectors.double_free import DoubleFreeDetector
 from kvdoctor.analysis.detectors.graph_replay import GraphReplayDuringLoadDetector
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.detectors.index_out_of_range import IndexOutOfRangeDetector
+from kvdoctor.analysis.detectors.l3_store import L3StoreDetector
+from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
 from kvdoctor.analysis.detectors.probe_health import ProbeHealthDetector
@@ -36,8 +40,12 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         GraphReplayDuringLoadDetector(),
         RefcountDisagreesDetector(),
         OrphanSlotsDetector(),
+        ConnectorHeldDetector(),
+        ContainerGrowthDetector(),
         ProbeHealthDetector(),
         MemoryGrowthDetector(growth_params, host_memory_limit_bytes=host_memory_limit_bytes),
+        MemoryClassGrowthDetector(growth_params),
         RetainedViewDetector(),
+        L3StoreDetector(),
         HostGrowthAttributionDetector(),
     ]

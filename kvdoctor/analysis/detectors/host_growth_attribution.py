@@ -1,7 +1,7 @@
 """host_growth_attribution: where in Python, and in which thread, host memory grew.
 
-Reads the probe's `host_growth_sites` events (tracemalloc windows, see
-kvdoctor/probe/attribution.py) and reports the latest window of each process: the thread and
+Reads the probe's `host_growth_sites` events (tracemalloc or memray windows, see
+kvdoctor/probe/attribution.py and attribution_memray.py) and reports the latest window of each process: the thread and
 the file:line that gained the most. Info below `warn_bytes` over a window, warning above.
 """
 
@@ -39,10 +39,14 @@ class HostGrowthAttributionDetector:
             top = max(sites, key=lambda s: as_int(s.get("size_diff_bytes")))
             thread = str(threads[0].get("thread")) if threads else str(top.get("thread") or "an unknown thread")
             window_s = args.get("window_s", "?")
+            memray = args.get("engine") == "memray"
+            seen = (
+                "memray sees native allocations, torch CPU tensors included" if memray else "tracemalloc does not see torch tensor storage"
+            )
             message = (
                 f"host memory grows mostly in thread {thread} at {top.get('site', '?')} "
-                f"(+{format_bytes(as_int(top.get('size_diff_bytes')), 1)} there, +{format_bytes(growth_bytes, 1)} traced in all, "
-                f"over the {window_s} s window) in pid {pid}; tracemalloc does not see torch tensor storage"
+                f"(+{format_bytes(as_int(top.get('size_diff_bytes')), 1)} there, +{format_bytes(growth_bytes, 1)} "
+                f"{'retained' if memray else 'traced'} in all, over the {window_s} s window) in pid {pid}; {seen}"
             )
             evidence = {
                 "pid": pid,
@@ -53,7 +57,10 @@ class HostGrowthAttributionDetector:
                 "torch_tensors": args.get("torch_tensors"),
                 "snapshots": args.get("snapshots"),
                 "method": args.get("method"),
+                "engine": args.get("engine", "tracemalloc"),
             }
+            if memray:
+                evidence["captures"] = args.get("captures")
             if args.get("memray_command"):
                 evidence["memray_command"] = args["memray_command"]
             severity = WARNING if growth_bytes >= self.warn_bytes else INFO

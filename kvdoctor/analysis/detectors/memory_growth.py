@@ -9,12 +9,15 @@ it, and rss only when no narrower class grows.
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, cast
 
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
+from kvdoctor.analysis.series import ThinnedSeries
 from kvdoctor.trace import schema
-from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
+from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.units import finite_number, format_bytes, format_duration, short_title
 
 MAX_POINTS_PER_SERIES = 20_000
 TITLE_LIMIT = 60
@@ -71,7 +74,7 @@ class MemoryGrowthDetector:
         self._recorded_limit: int | None = None
         self._host_limit = host_memory_limit_bytes
         self._max_points = max(_MIN_SERIES_POINTS, max_points_per_series)
-        self._series: dict[tuple[int, str], BoundedSeries[float]] = {}
+        self._series: dict[tuple[int, str], ThinnedSeries[float]] = {}
         self._latest: dict[tuple[int, str], float] = {}
         self._titles: dict[int, str] = {}
         self._start_s: dict[int, float] = {}
@@ -109,7 +112,7 @@ class MemoryGrowthDetector:
             self._latest[key] = value
             series = self._series.get(key)
             if series is None:
-                series = self._series[key] = BoundedSeries(self._max_points)
+                series = self._series[key] = ThinnedSeries(self._max_points)
             if not series.times or t_s > series.times[-1]:  # the fit needs increasing times
                 series.add(t_s, value)
         total = finite_number(args.get("gpu_total_bytes"))
@@ -119,6 +122,58 @@ class MemoryGrowthDetector:
         if rss is not None:
             self._last_rss[pid] = rss
         self._last_ts_s[pid] = max(t_s, self._last_ts_s.get(pid, t_s))
+
+    def feed_counter_block(self, block: CounterBlock) -> None:
+        """`feed` for each line of one process's counter block, a memory class at a time: the
+        classes keep separate state, so only the order within each one matters."""
+        if block.name != schema.MEMORY_COUNTER:
+            return
+        pid = block.pid
+        times = [ts / 1e6 for ts in block.timestamps()]
+        title = block.last_text("title")
+        if title:
+            self._titles[pid] = title
+        rising = all(map(operator.lt, times, times[1:]))
+        finite: dict[str, list[float | None] | None] = {}
+        for memory_class, arg in CLASS_ARG.items():
+            values = finite[arg] = self._finite_values(block, arg)
+            if values is None:
+                continue
+            key = (pid, memory_class)
+            if None not in values and rising:
+                series = self._series.get(key)
+                if series is None:
+                    series = self._series[key] = ThinnedSeries(self._max_points)
+                if not series.times or times[0] > series.times[-1]:
+                    present = cast("list[float]", values)
+                    self._latest[key] = present[-1]
+                    series.extend(times, present)
+                    continue
+            for t_s, value in zip(times, values, strict=True):
+                if value is None:
+                    continue
+                self._latest[key] = value
+                series = self._series.get(key)
+                if series is None:
+                    series = self._series[key] = ThinnedSeries(self._max_points)
+                if not series.times or t_s > series.times[-1]:
+                    series.add(t_s, value)
+        totals = self._finite_values(block, "gpu_total_bytes")
+        for total in reversed(totals or []):
+            if total is not None and total > 0:
+                self._gpu_total[pid] = total
+                break
+        rss = [value for value in finite.get("rss_bytes") or [] if value is not None]
+        if rss:
+            self._last_rss[pid] = rss[-1]
+        latest = max(times)
+        self._last_ts_s[pid] = max(latest, self._last_ts_s.get(pid, latest))
+
+    @staticmethod
+    def _finite_values(block: CounterBlock, arg: str) -> list[float | None] | None:
+        """`finite_number` of argument `arg` in every line; None when no line has it as a number.
+        Within the bounds a known shape checked, a number's `finite_number` is its float()."""
+        return block.floats_where_present(arg)
 
     # -- queries used by the live view ----------------------------------------------------------
     def pids(self) -> list[int]:

@@ -7,17 +7,27 @@ from typing import Any
 from kvdoctor.analysis.detectors.base import as_list
 from kvdoctor.analysis.findings import INFO, WARNING, Finding
 from kvdoctor.trace import schema
+from kvdoctor.trace.blocks import CounterBlock
 from kvdoctor.units import as_count
+
+# Components whose turning off is the whole probe's; any other (attribution, memory classes, the
+# container walk, ...) stops alone and the ledgers go on: said as a partial probe, not an off one.
+WHOLE_PROBE = frozenset({"ledger", "attach"})
+MAX_PARTS_OFF = 256
 
 
 class ProbeHealthDetector:
     """Everything that makes the other findings less complete than they look, per process."""
 
     consumes = frozenset({schema.VIOLATION, schema.PROBE_STATUS, schema.PROBE_STATS, schema.CENSUS, schema.FIX_APPLIED})
+    # What probe stats change (drops, write errors) is apart from what the other events change:
+    # a replay may hand over gathered probe stats after events that followed them.
+    counter_state_apart = True
 
     def __init__(self) -> None:
         self.off: dict[int, str] = {}  # pid: why the probe turned itself off
         self.partial: dict[int, str] = {}  # pid: what it could not hook
+        self.parts_off: dict[tuple[int, str], tuple[str, bool]] = {}  # (pid, component): why that part alone stopped, for cost
         self.dropped: dict[int, int] = {}  # pid: most events dropped so far
         self.write_error: dict[int, str] = {}
         self.disagree: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): the census
@@ -30,7 +40,13 @@ class ProbeHealthDetector:
             self.pids_with_violations.add(event.pid)
         elif event.name == schema.PROBE_STATUS:
             state = args.get("state")
-            if state == "off":
+            component = str(args.get("component") or "ledger")
+            if state == "off" and component not in WHOLE_PROBE:
+                if len(self.parts_off) < MAX_PARTS_OFF:
+                    self.parts_off.setdefault(
+                        (event.pid, component), (str(args.get("reason", "")), args.get("cause") == schema.OFF_FOR_COST)
+                    )
+            elif state == "off":
                 self.off.setdefault(event.pid, str(args.get("reason", "")))
             elif state == "partial":
                 self.partial[event.pid] = str(args.get("reason", ""))
@@ -44,12 +60,38 @@ class ProbeHealthDetector:
             key = (event.pid, str(args.get("fix")))
             self.fixes[key] = self.fixes.get(key, 0) + max(1, as_count(args.get("count")))
 
+    def feed_counter_block(self, block: CounterBlock) -> None:
+        """`feed` for each line of one process's counter block: the most dropped events is all
+        a block of probe stats changes, unless its lines carry a write error."""
+        if block.name != schema.PROBE_STATS:
+            return
+        dropped = block.numbers("dropped_events") if block.kind("dropped_events") in ("int", "float") else None
+        if dropped is None or any("write_error" in layout.args for layout in block.layouts):
+            for index in range(len(block)):
+                self.feed(block.event(index))
+            return
+        most = as_count(max(dropped))  # as_count never decreases as its number grows
+        self.dropped[block.pid] = max(self.dropped.get(block.pid, 0), most)
+
     def findings(self) -> list[Finding]:
         out = []
         for pid, reason in self.off.items():
             out.append(
                 Finding(
                     schema.PROBE_OFF, WARNING, f"the probe turned itself off in pid {pid}: {reason}", 0, {"reason": reason, "pid": pid}, pid
+                )
+            )
+        for (pid, component), (reason, for_cost) in self.parts_off.items():
+            out.append(
+                Finding(
+                    schema.PROBE_PARTIAL,
+                    INFO if for_cost else WARNING,
+                    f"one part of the probe ({component}) turned itself off in pid {pid}"
+                    + (", as reading it cost more than it may" if for_cost else "")
+                    + f"; the ledgers go on: {reason}",
+                    0,
+                    {"reason": reason, "component": component, "pid": pid, "for_cost": for_cost},
+                    pid,
                 )
             )
         for pid, reason in self.partial.items():

@@ -187,8 +187,19 @@ class BlockLedger:
 
     # ----- census -----
 
-    def census(self, *, reason: str, live_requests: set[str], pool: Any = None) -> dict[str, Any]:
-        """Counts every block; `pool` (vLLM's own) is read for the cross-check when given."""
+    def census(
+        self,
+        *,
+        reason: str,
+        live_requests: set[str],
+        pool: Any = None,
+        held_requests: set[str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Counts every block; `pool` (vLLM's own) is read for the cross-check when given.
+        `held_requests` finished, but a KV connector still keeps their blocks: those blocks are
+        counted apart (`connector_held_blocks`), never as orphans; `extra` joins the event."""
+        held_requests = held_requests or set()
         with self.lock:
             self.census_count += 1
             ref = self.ref.copy()
@@ -197,12 +208,16 @@ class BlockLedger:
                 body[self.null_block_id] = False
             held = (ref > 0) & body
             idle = not live_requests
-            if idle:
+            connector_held = 0
+            if idle and not held_requests:
                 orphan = np.nonzero(held)[0]
             else:
                 orphan_list = []
                 for bid in np.nonzero(held)[0][: MAX_NAMED * 4]:
                     names = self.holders.get(int(bid)) or []
+                    if held_requests and any(n in held_requests for n in names):
+                        connector_held += 1
+                        continue
                     if MANY in names or any(n in live_requests for n in names):
                         continue
                     orphan_list.append(int(bid))
@@ -231,7 +246,9 @@ class BlockLedger:
                 "orphan_block_ids": [int(b) for b in orphan[:MAX_IDS_IN_EVIDENCE]],
                 "orphan_allocated_at": sites,
                 "orphan_requests": reqs,
+                "connector_held_blocks": connector_held,
                 **self.stats,
+                **(extra or {}),
             }
             if pool is not None:
                 args.update(self._compare_with_host(ref, body, pool))

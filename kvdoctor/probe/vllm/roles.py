@@ -15,6 +15,9 @@ The roles (what a hooked method means to the block ledger, `ledger.blocks.BlockL
   blocks come back later through `free_blocks`);
 - `vllm_exit`      `EngineCore.shutdown()`: the exit census.
 
+Blocks a KV connector keeps after their request finished have their own ledger and roles
+(`connector.py`); a census counts them apart from orphans.
+
 The census runs when the last live request is freed (at most one per
 `KVDOCTOR_IDLE_CENSUS_INTERVAL_S`; one that was due but rate-limited runs before the next
 allocation, or from the writer thread once the engine has been quiet for a second) and at exit.
@@ -30,8 +33,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvdoctor.probe import containers
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, positive_ints
 from kvdoctor.probe.ledger.blocks import BlockLedger
+from kvdoctor.probe.vllm.connector import ConnectorHolds
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -58,6 +63,8 @@ class VllmState:
         self.last_census = -1e9
         self.last_call = time.monotonic()
         self.exit_done = False
+        self.allocations = 0  # allocate_slots calls that returned blocks
+        self.live_peak = 0  # the most live requests since the last container walk
         self.lock = threading.Lock()
         atexit.register(self.exit_census)
         try:
@@ -104,12 +111,23 @@ class VllmState:
         if ledger is None or getattr(ledger, "_size_checked", False):
             return
         ledger._size_checked = True  # type: ignore[attr-defined]
+        containers.sizes_state(self.probe).watch(type(manager).__name__, manager, "vllm.", self.container_context)
         managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None) or ()
         sizes = {getattr(m, "block_size", None) for m in managers}
         if len(sizes) == 1:
             size = sizes.pop()
             if isinstance(size, int) and size > 0:
                 ledger.block_size = size
+
+    def container_context(self) -> dict[str, int]:
+        """What the container walk emits beside the sizes: the most requests live since the last
+        walk, allocations served, and the pools' blocks (a cache keyed by block cannot hold more)."""
+        peak, self.live_peak = self.live_peak, len(self.live)
+        return {
+            "live_requests": max(peak, len(self.live)),
+            "allocations": self.allocations,
+            "pool_blocks": sum(ledger.num_blocks for ledger in list(self.ledgers.values())),
+        }
 
     # ----- census -----
 
@@ -121,9 +139,15 @@ class VllmState:
             self.census_due = False
             self.last_census = time.monotonic()
             live = set(self.live)
+        connector = probe.states.get("vllm_connector")
+        held: set[str] = set()
+        extra: dict[str, Any] = {}
+        if isinstance(connector, ConnectorHolds) and probe.ledger_is_on("connector"):
+            held = connector.held_requests()
+            extra = connector.census_args()
         for key, ledger in list(self.ledgers.items()):
             try:
-                ledger.census(reason=reason, live_requests=live, pool=self.pools.get(key))
+                ledger.census(reason=reason, live_requests=live, pool=self.pools.get(key), held_requests=held, extra=extra)
             except Exception as exc:
                 probe.fail("vllm_census", exc)
 
@@ -154,6 +178,12 @@ class VllmState:
         if self.exit_done:
             return
         self.exit_done = True
+        connector = self.probe.states.get("vllm_connector")
+        if isinstance(connector, ConnectorHolds):
+            try:
+                connector.close(self.probe, "exit")  # the overdue holds, with their age at the end
+            except Exception as exc:
+                self.probe.fail("vllm_connector_exit", exc)
         if not self.ledgers:
             return
         try:
@@ -290,8 +320,12 @@ class ReqAllocRole(VllmRole):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         st.set_block_size(obj)
-        if result is not None and rid is not None:
-            st.live.add(rid)
+        if result is not None:
+            st.allocations += 1
+            if rid is not None:
+                st.live.add(rid)
+                if len(st.live) > st.live_peak:
+                    st.live_peak = len(st.live)
 
 
 class ReqFreeRole(ReqAllocRole):

@@ -1,0 +1,300 @@
+"""Host growth attribution with memray: torch's CPU tensors and other native allocations included.
+
+tracemalloc sees only what goes through Python's allocators. torch's CPU tensor storage is
+`posix_memalign`ed by its own allocator, so HiCache's host KV copies (sglang#19332) grow where
+tracemalloc cannot look. memray hooks the C allocator itself (malloc, calloc, realloc,
+posix_memalign, aligned_alloc, mmap, ...) and records the Python stack of each call, so its
+windows name the Python file:line and the thread that allocated the growing native memory.
+
+Same shape as the tracemalloc windows (kvdoctor/probe/attribution.py, whose loop this reuses):
+every `period_s`, a fresh `memray.Tracker` runs for `window_s` and writes one capture beside the
+trace (`<trace>.memray.<n>`, the newest few kept), in memray's aggregated format, whose size
+follows the number of distinct stacks and not the number of allocations, so a server that runs
+for days keeps a few small files. The window's growth is what memray calls leaks: allocations
+made in the window and still alive at its end, grouped by the innermost Python frame and by
+thread (memray records each allocation's thread; the names of threads started before the window
+are handed to it when the window opens). Each capture opens with `memray flamegraph --leaks`,
+`memray table` or `memray.FileReader` outside the server.
+
+Starting and stopping a tracker patches the allocator entries of every loaded library while
+holding the GIL: with torch loaded, a pause of about 0.2 s at each end of a window
+(bench/bench_attribution_memray.py), which is why windows are short and far apart.
+
+Native stack unwinding (memray's `native_traces`) is not needed to see torch's allocations and
+multiplies the cost; `KVDOCTOR_ATTRIBUTION_MEMRAY_NATIVE=1` adds the native frames to the capture
+files for `memray flamegraph --native`.
+
+Where memray is not installed, or another profiler holds `sys.setprofile` (memray's tracker would
+replace it in every thread), the tracemalloc windows run instead and the probe_status line says
+why. Nothing here raises into the host.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from kvdoctor.probe.attribution import DEFAULT_TOP, Attribution, _status
+from kvdoctor.probe.callsites import short_path
+
+ENV_NATIVE = "KVDOCTOR_ATTRIBUTION_MEMRAY_NATIVE"
+ENGINES = ("auto", "memray", "tracemalloc")
+LEGACY_ON = ("1", "true", "yes", "on")  # KVDOCTOR_ATTRIBUTION=1 always meant the tracemalloc windows
+KEEP_CAPTURE_FILES = 8
+MEMORY_INTERVAL_MS = 1000  # memray's RSS samples inside a capture; the probe reads none of them
+MAX_RECORDS = 50_000  # aggregated records read per window (memory bound on the reading side)
+STACK_FRAMES = 4
+NO_PYTHON_STACK = "(no Python stack)"
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+METHOD = (
+    "memray (the C allocator hooked: malloc, posix_memalign, mmap, ...; Python stacks) over the window: "
+    "allocations made in the window and still alive at its end, grouped by the innermost Python file:line "
+    "and by the thread that made them"
+)
+NOT_SEEN = (
+    "memory allocated before the window and freed in it is not subtracted, so a window shows what was "
+    "retained, not the net change; buffers alive only briefly past the window's end count as growth"
+)
+
+
+def engine_asked(value: str, *, force: bool = False) -> str | None:
+    """The engine named by KVDOCTOR_ATTRIBUTION (None: attribution is off)."""
+    value = value.strip().lower()
+    if value in LEGACY_ON:
+        return "tracemalloc"
+    if value in ("", "0", "false", "no", "off"):
+        return "tracemalloc" if force else None
+    return value  # an unknown name is judged by worker_for, which says so in probe_status
+
+
+def memray_unavailable_reason() -> str | None:
+    """None when a memray window can run in this process, else why not (one clause)."""
+    if not sys.platform.startswith("linux"):
+        return f"memray windows run on Linux only (this is {sys.platform})"
+    if importlib.util.find_spec("memray") is None:
+        return "memray is not installed in this process's Python (pip install memray)"
+    if sys.getprofile() is not None or getattr(threading, "_profile_hook", None) is not None:
+        return "another profiler holds sys.setprofile, which memray's tracker would replace in every thread"
+    return None
+
+
+def worker_for(probe: Any, engine: str) -> Attribution:
+    """The attribution worker for `engine` ("auto", "memray", "tracemalloc"), falling back to
+    tracemalloc (with the reason in its probe_status line) where memray cannot run."""
+    if engine == "tracemalloc":
+        return Attribution(probe)
+    if engine not in ENGINES:
+        return TracemallocFallback(probe, f"KVDOCTOR_ATTRIBUTION={engine!r} names no engine (auto, memray, tracemalloc)")
+    reason = memray_unavailable_reason()
+    if reason is None:
+        return MemrayAttribution(probe)
+    return TracemallocFallback(probe, reason)
+
+
+class TracemallocFallback(Attribution):
+    """The tracemalloc windows, started where memray was asked for (or `auto`) and cannot run."""
+
+    def __init__(self, probe: Any, reason: str) -> None:
+        super().__init__(probe)
+        self.reason = reason
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="kvdoctor-attribution", daemon=True)
+        self.thread.start()
+        _status(
+            self.probe,
+            "on",
+            f"engine tracemalloc: a {self.window_s:g} s window every {self.period_s:g} s, instead of memray: {self.reason}; "
+            "tracemalloc does not see torch tensor storage",
+        )
+
+
+class MemrayAttribution(Attribution):
+    """A fresh memray tracker for `window_s` every `period_s`; one host_growth_sites event each."""
+
+    def __init__(self, probe: Any) -> None:
+        super().__init__(probe)
+        self.native_traces = os.environ.get(ENV_NATIVE, "") in ("1", "true", "yes", "on")
+        self.captures: list[str] = []
+        self.capture_index = 0
+        self.scratch: str | None = None
+        self.busy_windows = 0
+        self.open_tracker: Any = None
+        self.open_lock = threading.Lock()
+
+    def start(self) -> None:
+        atexit.register(self.close_window, stopping=True)
+        self.thread = threading.Thread(target=self._run, name="kvdoctor-attribution", daemon=True)
+        self.thread.start()
+        native = " with native frames" if self.native_traces else ""
+        _status(
+            self.probe,
+            "on",
+            f"engine memray: a {self.window_s:g} s window{native} every {self.period_s:g} s "
+            "(sees native allocations: torch CPU tensors, malloc)",
+        )
+
+    def close_window(self, *, stopping: bool = False) -> None:
+        """Stops the open tracker, from the window's thread, or at exit from the main thread (a
+        tracker left running while the interpreter finalizes would outlive the objects it uses)."""
+        with self.open_lock:
+            if stopping:
+                self.stop.set()
+            tracker, self.open_tracker = self.open_tracker, None
+            if tracker is not None:
+                try:
+                    tracker.__exit__(None, None, None)
+                except Exception:
+                    pass
+
+    # ----- one window -----
+
+    def window(self) -> dict[str, Any] | None:
+        import memray
+
+        path = self._capture_path()
+        tracker = memray.Tracker(
+            destination=memray.FileDestination(path=path, overwrite=True),
+            native_traces=self.native_traces,
+            memory_interval_ms=MEMORY_INTERVAL_MS,
+            file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS,
+        )
+        started_unix_s = time.time()
+        with self.open_lock:
+            if self.stop.is_set():
+                return None
+            try:
+                tracker.__enter__()
+            except RuntimeError as exc:  # another memray tracker is active (`memray attach`): skip this window
+                self.busy_windows += 1
+                if self.busy_windows == 1:
+                    _status(self.probe, "paused", f"memray window skipped: {exc}; retried every {self.period_s:g} s")
+                del tracker
+                _remove(path)
+                return None
+            self.open_tracker = tracker
+        try:
+            _name_running_threads()
+            self.stop.wait(self.window_s)
+        finally:
+            self.close_window()
+        del tracker
+        if self.stop.is_set():  # stopping (at exit): the capture stays on disk, unread
+            return None
+        self.busy_windows = 0
+        self.windows += 1
+        try:
+            args = self._read(memray, path)
+        finally:
+            self._keep(path)
+        args["started_unix_s"] = round(started_unix_s, 3)
+        return args
+
+    def _read(self, memray: Any, path: str) -> dict[str, Any]:
+        sites: dict[tuple[str, int], dict[str, Any]] = {}
+        by_thread: dict[str, int] = {}
+        growth_bytes = 0
+        records = 0
+        with memray.FileReader(path) as reader:
+            for record in reader.get_leaked_allocation_records(merge_threads=False):
+                records += 1
+                if records > MAX_RECORDS:
+                    break
+                stack = record.stack_trace(max_stacks=STACK_FRAMES + 2)
+                if stack and _is_ours(stack[0][1]):
+                    continue
+                size = int(record.size)
+                thread = str(record.thread_name or "") or f"memray thread {record.tid}"
+                growth_bytes += size
+                by_thread[thread] = by_thread.get(thread, 0) + size
+                key = (stack[0][1], int(stack[0][2])) if stack else (NO_PYTHON_STACK, 0)
+                site = sites.get(key)
+                if site is None:
+                    site = sites[key] = {
+                        "site": f"{short_path(key[0])}:{key[1]}" if stack else NO_PYTHON_STACK,
+                        "file": key[0] if stack else "",
+                        "line": key[1],
+                        "function": stack[0][0] if stack else "",
+                        "size_diff_bytes": 0,
+                        "count_diff": 0,
+                        "threads_bytes": {},
+                        "stack": [f"{short_path(f)}:{ln} in {fn}" for fn, f, ln in stack[:STACK_FRAMES]],
+                    }
+                site["size_diff_bytes"] += size
+                site["count_diff"] += int(record.n_allocations)
+                site["threads_bytes"][thread] = site["threads_bytes"].get(thread, 0) + size
+            peak_bytes = sum(int(r.size) for r in reader.get_high_watermark_allocation_records(merge_threads=True))
+        top = sorted(sites.values(), key=lambda s: -int(s["size_diff_bytes"]))[: self.top if self.top > 0 else DEFAULT_TOP]
+        for site in top:
+            threads_bytes: dict[str, int] = site.pop("threads_bytes")
+            total = sum(threads_bytes.values()) or 1
+            ranked = sorted(threads_bytes.items(), key=lambda kv: -kv[1])
+            site["thread"] = ranked[0][0] if ranked else ""
+            site["threads"] = {name: round(size / total, 3) for name, size in ranked[:8]}
+        return {
+            "engine": "memray",
+            "window_index": self.windows,
+            "window_s": self.window_s,
+            "period_s": self.period_s,
+            "native_traces": self.native_traces,
+            "growth_bytes": growth_bytes,
+            "window_peak_bytes": peak_bytes,
+            "records": min(records, MAX_RECORDS),
+            "top_sites": top,
+            "by_thread": [
+                {"thread": name, "size_diff_bytes": size} for name, size in sorted(by_thread.items(), key=lambda kv: -kv[1])[:16]
+            ],
+            "method": METHOD,
+            "not_seen": NOT_SEEN,
+            "captures": [path] if self.probe_keeps_captures() else [],
+        }
+
+    def probe_keeps_captures(self) -> bool:
+        return bool(getattr(self.probe, "trace_path", None))
+
+    def _capture_path(self) -> str:
+        base = getattr(self.probe, "trace_path", None)
+        if base:
+            path = f"{base}.memray.{self.capture_index}"
+            self.capture_index += 1
+            return path
+        if self.scratch is None:
+            self.scratch = tempfile.mkdtemp(prefix="kvdoctor-memray-")
+        return os.path.join(self.scratch, "window.bin")
+
+    def _keep(self, path: str) -> None:
+        """The newest KEEP_CAPTURE_FILES captures stay beside the trace; without a trace, none."""
+        if not self.probe_keeps_captures():
+            _remove(path)
+            return
+        self.captures.append(path)
+        while len(self.captures) > KEEP_CAPTURE_FILES:
+            _remove(self.captures.pop(0))
+
+
+def _name_running_threads() -> None:
+    """memray learns a thread's name when `Thread._name` is assigned while its tracker runs;
+    threads started before the window are named again so their allocations carry the name."""
+    for thread in threading.enumerate():
+        try:
+            thread._name = thread._name  # type: ignore[attr-defined]
+        except Exception:
+            pass
+
+
+def _is_ours(filename: str) -> bool:
+    return filename.startswith(_OWN_DIR) or f"{os.sep}memray{os.sep}" in filename
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
