@@ -18,11 +18,11 @@ from kvdoctor.analysis.detectors.base import Detector
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams
 from kvdoctor.analysis.replay import replay_blocks
-from kvdoctor.analysis.series import ThinnedSeries
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.trace import schema
 from kvdoctor.trace.blocks import CounterBlock
 from kvdoctor.trace.reader import ReadStats
+from kvdoctor.units import BoundedSeries
 
 __all__ = ["Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "analyze_trace", "exit_code_for"]
 
@@ -88,7 +88,7 @@ class SeriesCollector:
     MAX_POINTS = 3999
 
     def __init__(self) -> None:
-        self._series: dict[str, ThinnedSeries[dict[str, float]]] = {}
+        self._series: dict[str, BoundedSeries[dict[str, float]]] = {}
 
     def feed(self, event: schema.Event) -> None:
         if event.ph != "C":
@@ -96,7 +96,7 @@ class SeriesCollector:
         label = f"{event.name}:{event.pid}:{event.args.get('allocator', '')}"
         series = self._series.get(label)
         if series is None:
-            series = self._series[label] = ThinnedSeries(self.MAX_POINTS)
+            series = self._series[label] = BoundedSeries(self.MAX_POINTS)
         series.add(event.ts, _numbers(event.args))
 
     def feed_counter_block(self, block: CounterBlock) -> None:
@@ -104,7 +104,7 @@ class SeriesCollector:
         label = f"{block.name}:{block.pid}:{block.allocator}"
         series = self._series.get(label)
         if series is None:
-            series = self._series[label] = ThinnedSeries(self.MAX_POINTS)
+            series = self._series[label] = BoundedSeries(self.MAX_POINTS)
 
         def points_at(indices: list[int]) -> list[tuple[float, dict[str, float]]]:
             return [(event.ts, _numbers(event.args)) for event in block.events(indices)]

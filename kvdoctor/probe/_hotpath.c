@@ -360,6 +360,18 @@ report_failure(PyObject *name, const char *method)
     return 0;
 }
 
+/* A fast path failed after the host's call returned `result`: the failure is reported (the probe
+ * turns itself off) and the host gets its result, unless the failure is not an Exception. */
+static PyObject *
+kept_after_failure(PyObject *name, PyObject *result)
+{
+    if (report_failure(name, "fail") < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
 /* ------------------------------------------------------------------ reading index tensors */
 
 typedef struct {
@@ -967,11 +979,7 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
     }
     return result;
 failed:
-    if (report_failure(self->name, "fail") < 0) {
-        Py_DECREF(result);
-        return NULL;
-    }
-    return result;
+    return kept_after_failure(self->name, result);
 }
 
 /* --- free / free_segment / free_pages --- */
@@ -1073,11 +1081,7 @@ done:
     return result;
 failed:
     Py_DECREF(index);
-    if (report_failure(self->name, "fail") < 0) {
-        Py_DECREF(result);
-        return NULL;
-    }
-    return result;
+    return kept_after_failure(self->name, result);
 }
 
 /* --- RadixCache.insert --- */
@@ -1241,11 +1245,7 @@ done:
     return result;
 failed:
     Py_XDECREF(value);
-    if (report_failure(self->name, "fail") < 0) {
-        Py_DECREF(result);
-        return NULL;
-    }
-    return result;
+    return kept_after_failure(self->name, result);
 }
 
 /* --- RadixCache.evict --- */
@@ -1398,11 +1398,7 @@ done:
 failed:
     Py_DECREF(values);
     Py_DECREF(indices);
-    if (report_failure(self->name, "fail") < 0) {
-        Py_DECREF(result);
-        return NULL;
-    }
-    return result;
+    return kept_after_failure(self->name, result);
 }
 
 /* --- ReqToTokenPool.alloc(reqs): rows handed to requests --- */
@@ -1474,11 +1470,7 @@ done:
 failed:
     Py_XDECREF(seq);
     Py_XDECREF(reqs);
-    if (report_failure(self->name, "fail") < 0) {
-        Py_DECREF(result);
-        return NULL;
-    }
-    return result;
+    return kept_after_failure(self->name, result);
 }
 
 /* `SglangState.check_release` for a host ledger, as a test: 1 the row's release is healthy (nothing it

@@ -15,7 +15,6 @@ from conftest import REPO
 
 from kvdoctor.analysis import replay
 from kvdoctor.analysis.analyzer import Analyzer, analyze, analyze_trace
-from kvdoctor.analysis.series import ThinnedSeries
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.trace import blocks, schema
 from kvdoctor.trace.reader import ReadStats, iter_events
@@ -231,8 +230,8 @@ def test_layout_refuses_what_it_cannot_vouch_for():
 def test_thinned_series_keeps_what_add_keeps():
     rng = random.Random(1)
     one_by_one: BoundedSeries[int] = BoundedSeries(7)
-    in_runs: ThinnedSeries[int] = ThinnedSeries(7)
-    in_slices: ThinnedSeries[int] = ThinnedSeries(7)
+    in_runs: BoundedSeries[int] = BoundedSeries(7)
+    in_slices: BoundedSeries[int] = BoundedSeries(7)
     index = 0
     for _ in range(200):
         run = rng.randrange(0, 40)

@@ -54,6 +54,10 @@ class L3StoreDetector:
                 f"({format_bytes(never * page, 1)}, {share}), {unwritten} reads of pages it never wrote, "
                 f"{gone} written pages gone when read back"
             )
+            for label, name in (("never read", "sample_unread_keys"), ("read but never written", "sample_unwritten_keys")):
+                samples = args.get(name)
+                if isinstance(samples, list) and samples:
+                    ledger += f"; a key {label}: {str(samples[0])[:80]}"
             views = self.retained.get(pid, {})
             retained = as_count(views.get("retained_bytes"))
             if retained >= MIN_RETAINED_BYTES and retained > held:

@@ -14,10 +14,9 @@ from typing import Any, cast
 
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
-from kvdoctor.analysis.series import ThinnedSeries
 from kvdoctor.trace import schema
 from kvdoctor.trace.blocks import CounterBlock
-from kvdoctor.units import finite_number, format_bytes, format_duration, short_title
+from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
 
 MAX_POINTS_PER_SERIES = 20_000
 TITLE_LIMIT = 60
@@ -74,7 +73,7 @@ class MemoryGrowthDetector:
         self._recorded_limit: int | None = None
         self._host_limit = host_memory_limit_bytes
         self._max_points = max(_MIN_SERIES_POINTS, max_points_per_series)
-        self._series: dict[tuple[int, str], ThinnedSeries[float]] = {}
+        self._series: dict[tuple[int, str], BoundedSeries[float]] = {}
         self._latest: dict[tuple[int, str], float] = {}
         self._titles: dict[int, str] = {}
         self._start_s: dict[int, float] = {}
@@ -112,7 +111,7 @@ class MemoryGrowthDetector:
             self._latest[key] = value
             series = self._series.get(key)
             if series is None:
-                series = self._series[key] = ThinnedSeries(self._max_points)
+                series = self._series[key] = BoundedSeries(self._max_points)
             if not series.times or t_s > series.times[-1]:  # the fit needs increasing times
                 series.add(t_s, value)
         total = finite_number(args.get("gpu_total_bytes"))
@@ -143,7 +142,7 @@ class MemoryGrowthDetector:
             if None not in values and rising:
                 series = self._series.get(key)
                 if series is None:
-                    series = self._series[key] = ThinnedSeries(self._max_points)
+                    series = self._series[key] = BoundedSeries(self._max_points)
                 if not series.times or times[0] > series.times[-1]:
                     present = cast("list[float]", values)
                     self._latest[key] = present[-1]
@@ -155,7 +154,7 @@ class MemoryGrowthDetector:
                 self._latest[key] = value
                 series = self._series.get(key)
                 if series is None:
-                    series = self._series[key] = ThinnedSeries(self._max_points)
+                    series = self._series[key] = BoundedSeries(self._max_points)
                 if not series.times or t_s > series.times[-1]:
                     series.add(t_s, value)
         totals = self._finite_values(block, "gpu_total_bytes")
