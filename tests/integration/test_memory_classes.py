@@ -372,10 +372,14 @@ void *realloc(void *p, size_t n) {
 
 READINGS_IN_A_PROBED_PROCESS = r"""
 import sys, time
-from kvdoctor.probe import runtime
+from kvdoctor.probe import memory_classes, runtime
 probe = runtime.activate(sys.argv[1])
 probe.status("on", "engine met")
-time.sleep(0.5)
+deadline = time.monotonic() + 60  # until the readings turned themselves off, however busy the machine
+while time.monotonic() < deadline:
+    if probe in memory_classes._STARTED and getattr(memory_classes._STARTED[probe], "off_reason", "refused to start"):
+        break
+    time.sleep(0.02)
 runtime.deactivate()
 print("done", flush=True)
 """
@@ -426,14 +430,21 @@ def test_a_reading_over_its_cpu_budget_is_the_last_one(tmp_path):
 
 READINGS_ACROSS_A_FORK = r"""
 import json, os, sys, time
-from kvdoctor.probe import runtime
+from kvdoctor.probe import memory_classes, runtime
+
+def wait_for_a_reading(done):
+    deadline = time.monotonic() + 60  # however busy the machine
+    while time.monotonic() < deadline and not done(memory_classes._STARTED.get(probe)):
+        time.sleep(0.02)
+
 probe = runtime.activate(sys.argv[1])
 probe.status("on", "engine met")
-time.sleep(0.3)
+wait_for_a_reading(lambda sampler: sampler is not None and sampler.readings >= 1)
 child = os.fork()
 if child == 0:
+    before = memory_classes._STARTED[probe].readings
     runtime.current().status("on", "in the child")
-    time.sleep(1.0)
+    wait_for_a_reading(lambda sampler: sampler.thread_pid == os.getpid() and sampler.readings > before)
     runtime.deactivate()
     os._exit(0)
 os.waitpid(child, 0)
