@@ -41,7 +41,7 @@ def main() -> None:
         "quick": quick,
     }
     steps = [
-        ("probe_cost_cpu", "bench_probe.py", ["--rounds", "2" if quick else "3", "--repeats", "3" if quick else "5"]),
+        ("probe_cost_cpu", "bench_probe.py", ["--rounds", "2" if quick else "5", "--repeats", "3" if quick else "5"]),
         ("anchors_cpu", "bench_anchors.py", ["--rounds", "2" if quick else "3", "--repeats", "3" if quick else "5"]),
         (
             "probe_memory",

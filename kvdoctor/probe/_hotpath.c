@@ -8,10 +8,13 @@
  *
  * - dispatch: the probe's switches, re-entry (composite roles), the hooked-call count;
  * - the call site: looked up by (code object, offset) of the caller and its caller, interned by
- *   the same `CallSites` table the Python path uses (asked once per new key);
- * - index tensors: read through their data pointer (CPU, int32/int64, contiguous), one-element
- *   ones with item();
- * - the ledger: the numpy arrays the Python `SlotLedger` owns, through their buffers.
+ *   the same `CallSites` table the Python path uses (asked once per new key); on 3.11 and 3.12 the
+ *   key is read from the interpreter's frame records, without making frame objects;
+ * - index tensors: described by torch's DLPack C exchange table (`Tensor.__dlpack_c_exchange_api__`,
+ *   one C call, no Python attribute reads) and read through their data pointer (CPU, int32/int64,
+ *   contiguous); where the table is missing or declines a tensor, torch's Python getters;
+ * - the ledger: the numpy arrays the Python `SlotLedger` owns, through their buffers, under a lock
+ *   whose uncontended acquire is two stores (FastLock).
  *
  * It only ever takes the healthy case: every rule is checked first, and anything else (a
  * violation, an index it cannot read, a census due, a fix on, a fault injected) goes to the
@@ -24,9 +27,26 @@
 #if PY_VERSION_HEX < 0x030B0000
 #include <frameobject.h>
 #endif
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+/* 3.11 and 3.12: the interpreter's own frame records, read to key call sites without making frame
+ * objects (see site_key_direct; every key it makes is checked against the public API first). */
+#ifndef Py_BUILD_CORE
+#define Py_BUILD_CORE 1
+#define KVD_UNDEF_BUILD_CORE 1
+#endif
+#include <internal/pycore_frame.h>
+#ifdef KVD_UNDEF_BUILD_CORE
+#undef Py_BUILD_CORE
+#endif
+#define KVD_DIRECT_FRAMES 1
+#endif
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#ifdef Py_GIL_DISABLED
+#error "the hot path's state is guarded by the GIL"
+#endif
 
 /* The ledger's vocabulary (kvdoctor/probe/ledger/states.py; hotpath.py checks they agree). */
 #define ST_FREE 1
@@ -54,7 +74,49 @@ enum {
 #define MAX_DEPTH 32       /* nested hooked calls remembered per thread */
 #define MAX_LEDGERS 64     /* allocators with a host ledger (more stay on the Python path) */
 #define MAX_SITE_KEYS 65536 /* (caller, caller's caller) keys remembered */
-#define SMALL_READ 64      /* index tensors up to this size are copied to the stack */
+
+/* ------------------------------------------------------------------ DLPack (the open standard's C ABI) */
+
+/* The part of DLPack 1.x's C ABI the probe reads (dlpack.h, `DLTensor` and `DLPackExchangeAPI`):
+ * torch publishes the table as a capsule on its tensor type, and its `dltensor_from_py_object_no_sync`
+ * fills a DLTensor that views the tensor's own metadata, without a copy, a sync or a Python call. */
+typedef struct {
+    int32_t device_type; /* kDLCPU = 1 */
+    int32_t device_id;
+} DlDevice;
+typedef struct {
+    uint8_t code; /* kDLInt = 0 */
+    uint8_t bits;
+    uint16_t lanes;
+} DlDataType;
+typedef struct {
+    void *data;
+    DlDevice device;
+    int32_t ndim;
+    DlDataType dtype;
+    int64_t *shape;
+    int64_t *strides; /* NULL: compact row-major */
+    uint64_t byte_offset;
+} DlTensor;
+typedef int (*DLTensorFromPy)(void *py_object, DlTensor *out);
+typedef struct DlExchangeHeader {
+    struct {
+        uint32_t major, minor;
+    } version;
+    struct DlExchangeHeader *prev_api;
+} DlExchangeHeader;
+typedef struct {
+    DlExchangeHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    DLTensorFromPy dltensor_from_py_object_no_sync; /* may be NULL */
+    void *current_work_stream;
+} DlExchangeAPI;
+#define DL_CPU 1
+#define DL_CUDA_HOST 3 /* page-locked host memory: a CPU tensor to torch (is_cpu), if a producer says so */
+#define DL_ROCM_HOST 11
+#define DL_INT 0
 
 /* ------------------------------------------------------------------ per-thread re-entry */
 
@@ -109,12 +171,13 @@ pop(void)
 
 /* ------------------------------------------------------------------ the ledger's lock */
 
-/* A reentrant lock, like threading.RLock, that C takes without a method call: an uncontended
- * acquire is a thread-id compare and a non-blocking try (an RLock through its Python methods costs
- * more than the ledger update it guards). Python uses it the same way: `with ledger.lock:`. */
+/* A reentrant lock, like threading.RLock, that C takes without a method call. Its state is only
+ * read and written with the GIL held (every caller holds it), so an uncontended acquire is a
+ * thread-id compare and two stores: no lock of the system's. A thread that finds it held by
+ * another (one that let go of the GIL inside its locked section, as a census in the writer thread
+ * can) waits without the GIL, looking again every 50 us. Python uses it as `with ledger.lock:`. */
 typedef struct {
     PyObject_HEAD
-    PyThread_type_lock lock;
     unsigned long owner;
     long count;
     PyObject *weakrefs;
@@ -126,20 +189,18 @@ static int
 fastlock_take(FastLock *self, int blocking)
 {
     unsigned long me = PyThread_get_thread_ident();
-    if (self->count > 0 && self->owner == me) {
-        self->count++;
-        return 1;
-    }
-    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+    if (self->count > 0) {
+        if (self->owner == me) {
+            self->count++;
+            return 1;
+        }
         if (!blocking)
             return 0;
-        int ok;
-        Py_BEGIN_ALLOW_THREADS
-        ok = PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        Py_END_ALLOW_THREADS
-        if (!ok) {
-            PyErr_SetString(PyExc_RuntimeError, "could not take the ledger lock");
-            return -1;
+        while (self->count > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec pause = {0, 50 * 1000};
+            nanosleep(&pause, NULL);
+            Py_END_ALLOW_THREADS
         }
     }
     self->owner = me;
@@ -154,26 +215,15 @@ fastlock_give(FastLock *self)
         PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
         return -1;
     }
-    if (--self->count == 0) {
+    if (--self->count == 0)
         self->owner = 0;
-        PyThread_release_lock(self->lock);
-    }
     return 0;
 }
 
 static PyObject *
 fastlock_new(PyTypeObject *type, PyObject *a, PyObject *kw)
 {
-    FastLock *self = (FastLock *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    self->lock = PyThread_allocate_lock();
-    if (self->lock == NULL) {
-        Py_DECREF(self);
-        PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
-        return NULL;
-    }
-    return (PyObject *)self;
+    return type->tp_alloc(type, 0);
 }
 
 static void
@@ -181,11 +231,6 @@ fastlock_dealloc(FastLock *self)
 {
     if (self->weakrefs != NULL)
         PyObject_ClearWeakRefs((PyObject *)self);
-    if (self->lock != NULL) {
-        if (self->count > 0)
-            PyThread_release_lock(self->lock);
-        PyThread_free_lock(self->lock);
-    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -241,10 +286,6 @@ static PyObject *
 fastlock_at_fork_reinit(FastLock *self, PyObject *unused)
 {
     /* in a forked child: whoever held it in the parent does not exist here */
-    PyThread_type_lock fresh = PyThread_allocate_lock();
-    if (fresh == NULL)
-        return PyErr_NoMemory();
-    self->lock = fresh; /* the parent's lock object is abandoned, as threading does */
     self->owner = 0;
     self->count = 0;
     Py_RETURN_NONE;
@@ -282,6 +323,7 @@ typedef struct {
     int32_t *alloc_site;
     Py_ssize_t n;
     long rows, page_size, num_pages, sink;
+    int page_shift; /* log2(page_size) when it is a power of two, else -1 */
     PyObject *group_attr; /* its free group (NULL: none): frees staged there are judged at the group's end */
     int group_open_when_false;
 } Ledger;
@@ -321,6 +363,7 @@ static struct {
     Py_ssize_t extent_n;
 
     PyObject *tensor_type, *dtype_int64, *dtype_int32;
+    DLTensorFromPy dl_read; /* torch's DLPack reader; NULL: torch's Python getters */
 } H;
 
 static PyObject *S_numel, *S_item, *S_is_cpu, *S_dtype, *S_is_contiguous, *S_data_ptr, *S_fail, *S_acquire,
@@ -376,10 +419,10 @@ kept_after_failure(PyObject *name, PyObject *result)
 
 typedef struct {
     Py_ssize_t n;
-    const void *data; /* n > 1: int32 or int64 elements */
+    const void *data; /* int32 or int64 elements; from read_ints with n == 1, &one (int64) */
     int itemsize;
     int64_t one; /* n == 1 */
-} Ints;
+} Ints; /* never copied: `data` may point into it */
 
 static inline int64_t
 ints_at(const Ints *v, Py_ssize_t i)
@@ -397,17 +440,52 @@ call0(PyObject *obj, PyObject *name)
     return PyObject_CallMethodNoArgs(obj, name);
 }
 
-/* A CPU integer tensor's values, without a copy: 1 read, 0 not a tensor we read here (no error
- * set), -1 an error (set). Only exact torch.Tensor objects on the CPU, int32/int64, contiguous. */
+/* read_ints through DLPack: the same answers as torch's getters below (the tests compare them),
+ * -1 with an error set where torch declines the tensor. */
 static int
-read_ints(PyObject *t, Ints *out)
+read_ints_dlpack(PyObject *t, Ints *out)
 {
-    out->n = 0;
-    out->data = NULL;
-    out->itemsize = 0;
-    out->one = 0;
-    if (H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
+    DlTensor d;
+    if (H.dl_read(t, &d) != 0)
+        return -1;
+    int host = d.device.device_type == DL_CPU || d.device.device_type == DL_CUDA_HOST ||
+               d.device.device_type == DL_ROCM_HOST;
+    if (!host || d.dtype.code != DL_INT || d.dtype.lanes != 1 ||
+        (d.dtype.bits != 64 && d.dtype.bits != 32) || d.ndim < 0)
         return 0;
+    Py_ssize_t n = 1;
+    for (int32_t i = 0; i < d.ndim; i++)
+        n *= (Py_ssize_t)d.shape[i];
+    int itemsize = d.dtype.bits / 8;
+    out->n = n;
+    out->itemsize = itemsize;
+    if (n == 0)
+        return 1;
+    if (n > 1 && d.strides != NULL) { /* torch's is_contiguous: size-1 dimensions' strides do not count */
+        int64_t expected = 1;
+        for (int32_t i = d.ndim - 1; i >= 0; i--) {
+            if (d.shape[i] != 1) {
+                if (d.strides[i] != expected)
+                    return 0;
+                expected *= d.shape[i];
+            }
+        }
+    }
+    const char *ptr = (const char *)d.data + d.byte_offset;
+    if (ptr == NULL)
+        return 0;
+    out->data = ptr;
+    if (n == 1) {
+        out->one = itemsize == 8 ? *(const int64_t *)ptr : *(const int32_t *)ptr;
+        out->data = NULL;
+    }
+    return 1;
+}
+
+/* read_ints through torch's Python getters (is_cpu, dtype, numel(), is_contiguous(), data_ptr()). */
+static int
+read_ints_getters(PyObject *t, Ints *out)
+{
     PyObject *cpu = PyObject_GetAttr(t, S_is_cpu);
     if (cpu == NULL)
         return -1;
@@ -458,6 +536,40 @@ read_ints(PyObject *t, Ints *out)
     return 1;
 }
 
+static void
+ints_clear(Ints *out)
+{
+    out->n = 0;
+    out->data = NULL;
+    out->itemsize = 0;
+    out->one = 0;
+}
+
+/* A CPU integer tensor's values, without a copy: 1 read, 0 not a tensor we read here (no error
+ * set), -1 an error (set). Only exact torch.Tensor objects on the CPU, int32/int64, contiguous. */
+static int
+read_ints(PyObject *t, Ints *out)
+{
+    ints_clear(out);
+    if (H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
+        return 0;
+    int rc = -1;
+    if (H.dl_read != NULL) {
+        rc = read_ints_dlpack(t, out);
+        if (rc < 0) {
+            PyErr_Clear(); /* a tensor DLPack cannot describe (a meta tensor): torch's own getters say */
+            ints_clear(out);
+        }
+    }
+    if (rc < 0)
+        rc = read_ints_getters(t, out);
+    if (rc == 1 && out->n == 1) { /* one element: read like the others (EACH_INT), from `one` */
+        out->data = &out->one;
+        out->itemsize = 8;
+    }
+    return rc;
+}
+
 /* ------------------------------------------------------------------ call sites */
 
 static inline Py_ssize_t
@@ -505,13 +617,79 @@ sites_clear(void)
     H.sites_cap = H.sites_len = 0;
 }
 
+/* The site already interned for this key, or -1. */
+static int
+site_lookup(PyCodeObject *code, int lasti, PyCodeObject *back_code, int back_lasti)
+{
+    if (!H.sites_cap)
+        return -1;
+    Py_ssize_t mask = H.sites_cap - 1;
+    Py_ssize_t j = site_hash(code, lasti, back_code, back_lasti, mask);
+    while (H.sites[j].code != NULL) {
+        SiteKey *k = &H.sites[j];
+        if (k->code == code && k->lasti == lasti && k->back == back_code && k->back_lasti == back_lasti)
+            return k->site;
+        j = (j + 1) & mask;
+    }
+    return -1;
+}
+
+#ifdef KVD_DIRECT_FRAMES
+static int direct_frames = 1; /* off for good after one disagreement with the public API */
+
+static inline _PyInterpreterFrame *
+first_complete(_PyInterpreterFrame *f)
+{
+    while (f != NULL && _PyFrame_IsIncomplete(f))
+        f = f->previous;
+    return f;
+}
+
+static inline int
+frame_lasti(_PyInterpreterFrame *f)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    return lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT); /* PyFrame_GetLasti's units */
+}
+
+/* The key of the current call site from the interpreter's frame records: what the public API below
+ * gives, without PyEval_GetFrame/PyFrame_GetBack making (and later freeing) two frame objects per
+ * caller. Borrowed code objects. */
+static int
+site_key_direct(PyCodeObject **code, int *lasti, PyCodeObject **back_code, int *back_lasti)
+{
+    PyThreadState *ts = PyThreadState_GET();
+    _PyInterpreterFrame *f = first_complete(ts->cframe->current_frame);
+    if (f == NULL)
+        return 0;
+    *code = f->f_code;
+    *lasti = frame_lasti(f);
+    _PyInterpreterFrame *b = first_complete(f->previous);
+    *back_code = b != NULL ? b->f_code : NULL;
+    *back_lasti = b != NULL ? frame_lasti(b) : -1;
+    return 1;
+}
+#endif
+
 /* The interned call site of the current call (the hooked method's caller and its caller), the same
  * id `CallSites.at(sys._getframe(1))` gives from the Python wrapper. -1 with an error set. */
 static int
 current_site(void)
 {
+    if (H.site_at == NULL)
+        return 0;
+#ifdef KVD_DIRECT_FRAMES
+    PyCodeObject *d_code = NULL, *d_back = NULL;
+    int d_lasti = -1, d_back_lasti = -1;
+    int direct = direct_frames && site_key_direct(&d_code, &d_lasti, &d_back, &d_back_lasti);
+    if (direct) {
+        int found = site_lookup(d_code, d_lasti, d_back, d_back_lasti);
+        if (found >= 0)
+            return found;
+    }
+#endif
     PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the caller of the hooked method */
-    if (frame == NULL || H.site_at == NULL)
+    if (frame == NULL)
         return 0;
     PyCodeObject *code = PyFrame_GetCode(frame);
 #if PY_VERSION_HEX >= 0x030B0000
@@ -531,19 +709,12 @@ current_site(void)
 #endif
         Py_DECREF(back);
     }
-    int site = -1;
-    if (H.sites_cap) {
-        Py_ssize_t mask = H.sites_cap - 1;
-        Py_ssize_t j = site_hash(code, lasti, back_code, back_lasti, mask);
-        while (H.sites[j].code != NULL) {
-            SiteKey *k = &H.sites[j];
-            if (k->code == code && k->lasti == lasti && k->back == back_code && k->back_lasti == back_lasti) {
-                site = k->site;
-                break;
-            }
-            j = (j + 1) & mask;
-        }
-    }
+#ifdef KVD_DIRECT_FRAMES
+    /* a new key: the direct read must name the same frames, or it is not used again */
+    if (direct && (d_code != code || d_lasti != lasti || d_back != back_code || d_back_lasti != back_lasti))
+        direct_frames = 0;
+#endif
+    int site = site_lookup(code, lasti, back_code, back_lasti);
     if (site >= 0) {
         Py_DECREF(code);
         Py_XDECREF(back_code);
@@ -622,112 +793,169 @@ unlock_ledger(Ledger *l)
     return 0;
 }
 
-static inline int
-page_in_body(const Ledger *l, int64_t page)
+/* A ledger's shape in locals for its loops: the state array is int8, which may alias anything, so
+ * fields read through the ledger inside a loop would be read again after every store. */
+typedef struct {
+    int64_t rows, num_pages;
+    long page_size;
+    int shift; /* log2(page_size), or -1 */
+} Shape;
+
+static inline Shape
+shape_of(const Ledger *l)
 {
-    return page >= 1 && page <= l->num_pages;
+    Shape s = {l->rows, l->num_pages, l->page_size, l->page_shift};
+    return s;
 }
+
+/* The page of a slot (slot >= 0): a shift for the usual power-of-two page sizes. */
+static inline int64_t
+page_at(const Shape *s, int64_t slot)
+{
+    return s->shift >= 0 ? slot >> s->shift : slot / s->page_size;
+}
+
+/* Whether a slot (>= 0) starts its page. */
+static inline int
+starts_page(const Shape *s, int64_t slot)
+{
+    return s->shift >= 0 ? (slot & ((INT64_C(1) << s->shift) - 1)) == 0 : slot % s->page_size == 0;
+}
+
+static inline int
+in_body(const Shape *s, int64_t page)
+{
+    return page >= 1 && page <= s->num_pages;
+}
+
+/* Runs the statements after `x` for each element v[start:stop] bound to `x` (int64 or int32, the
+ * type chosen once, not per element). `continue` skips an element; `return` leaves the caller. */
+#define EACH_INT(v, start, stop, x, ...)                                                                    \
+    do {                                                                                                    \
+        if ((v)->itemsize == 8) {                                                                           \
+            const int64_t *each_ = (const int64_t *)(v)->data;                                              \
+            for (Py_ssize_t i_ = (start); i_ < (stop); i_++) {                                              \
+                const int64_t x = each_[i_];                                                                \
+                __VA_ARGS__                                                                                 \
+            }                                                                                               \
+        }                                                                                                   \
+        else {                                                                                              \
+            const int32_t *each_ = (const int32_t *)(v)->data;                                              \
+            for (Py_ssize_t i_ = (start); i_ < (stop); i_++) {                                              \
+                const int64_t x = each_[i_];                                                                \
+                __VA_ARGS__                                                                                 \
+            }                                                                                               \
+        }                                                                                                   \
+    } while (0)
 
 /* alloc: every page handed out (page starts only, with `only_page_starts`) must be free. */
 static int
 alloc_is_healthy(const Ledger *l, const Ints *v, int only_page_starts)
 {
-    long ps = l->page_size;
-    for (Py_ssize_t i = 0; i < v->n; i++) {
-        int64_t slot = ints_at(v, i);
-        if (slot < 0 || slot >= l->rows)
+    const Shape s = shape_of(l);
+    const int8_t *state = l->state;
+    EACH_INT(v, 0, v->n, slot, {
+        if (slot < 0 || slot >= s.rows)
             return 0;
-        if (only_page_starts && slot % ps)
+        if (only_page_starts && !starts_page(&s, slot))
             continue;
-        int64_t page = slot / ps;
-        if (!page_in_body(l, page) || l->state[page] != ST_FREE)
+        int64_t page = page_at(&s, slot);
+        if (!in_body(&s, page) || state[page] != ST_FREE)
             return 0;
-    }
+    });
     return 1;
 }
 
 static void
 alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
 {
-    long ps = l->page_size;
-    for (Py_ssize_t i = 0; i < v->n; i++) {
-        int64_t slot = ints_at(v, i);
-        if (only_page_starts && slot % ps)
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    int32_t *owner = l->owner, *alloc_site = l->alloc_site;
+    EACH_INT(v, 0, v->n, slot, {
+        if (only_page_starts && !starts_page(&s, slot))
             continue;
-        int64_t page = slot / ps;
-        l->state[page] = ST_OWNED;
-        l->owner[page] = -1;
-        l->alloc_site[page] = site;
-    }
+        int64_t page = page_at(&s, slot);
+        state[page] = ST_OWNED;
+        owner[page] = -1;
+        alloc_site[page] = site;
+    });
 }
 
 /* free: every page named must be held (not free) and inside the pool. */
 static int
 free_is_healthy(const Ledger *l, const Ints *v, int as_pages)
 {
-    for (Py_ssize_t i = 0; i < v->n; i++) {
-        int64_t x = ints_at(v, i);
+    const Shape s = shape_of(l);
+    const int8_t *state = l->state;
+    EACH_INT(v, 0, v->n, x, {
         int64_t page;
         if (as_pages)
             page = x;
         else {
-            if (x < 0 || x >= l->rows)
+            if (x < 0 || x >= s.rows)
                 return 0;
-            page = x / l->page_size;
+            page = page_at(&s, x);
         }
-        if (!page_in_body(l, page) || (l->state[page] & ST_FREE))
+        if (!in_body(&s, page) || (state[page] & ST_FREE))
             return 0;
-    }
+    });
     return 1;
 }
 
 static void
 free_apply(Ledger *l, const Ints *v, int as_pages, int evicting)
 {
-    for (Py_ssize_t i = 0; i < v->n; i++) {
-        int64_t x = ints_at(v, i);
-        int64_t page = as_pages ? x : x / l->page_size;
-        l->state[page] = evicting ? ST_FREE : (int8_t)((l->state[page] & ST_TREE) | ST_FREE);
-    }
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    EACH_INT(v, 0, v->n, x, {
+        int64_t page = as_pages ? x : page_at(&s, x);
+        state[page] = evicting ? ST_FREE : (int8_t)((state[page] & ST_TREE) | ST_FREE);
+    });
 }
 
 /* tree insert of value[start:stop]: every page must be held, not free. */
 static int
 tree_insert_is_healthy(const Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
 {
-    for (Py_ssize_t i = start; i < stop; i++) {
-        int64_t slot = ints_at(v, i);
-        if (slot < 0 || slot >= l->rows)
+    const Shape s = shape_of(l);
+    const int8_t *state = l->state;
+    EACH_INT(v, start, stop, slot, {
+        if (slot < 0 || slot >= s.rows)
             return 0;
-        int64_t page = slot / l->page_size;
-        if (!page_in_body(l, page) || (l->state[page] & ST_FREE))
+        int64_t page = page_at(&s, slot);
+        if (!in_body(&s, page) || (state[page] & ST_FREE))
             return 0;
-    }
+    });
     return 1;
 }
 
 static void
 tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
 {
-    for (Py_ssize_t i = start; i < stop; i++) {
-        int64_t page = ints_at(v, i) / l->page_size;
-        l->state[page] = ST_TREE;
-        l->owner[page] = -1;
-    }
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    int32_t *owner = l->owner;
+    EACH_INT(v, start, stop, slot, {
+        int64_t page = page_at(&s, slot);
+        state[page] = ST_TREE;
+        owner[page] = -1;
+    });
 }
 
 /* last_loc must point into a page its request still holds (-1: no prefix). */
 static int
 last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req)
 {
+    const Shape s = shape_of(l);
     for (Py_ssize_t i = 0; i < last->n; i++) {
         int64_t v = ints_at(last, i);
         if (v == -1)
             continue;
-        if (v < 0 || v >= l->rows)
+        if (v < 0 || v >= s.rows)
             return 0;
-        int64_t page = v / l->page_size;
-        if (!page_in_body(l, page))
+        int64_t page = page_at(&s, v);
+        if (!in_body(&s, page))
             return 0;
         int st = l->state[page];
         if ((st & ST_FREE) || !(st & (ST_OWNED | ST_TREE)))
@@ -1379,15 +1607,16 @@ fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t na
         /* on_owner: the slots the row now points at belong to it */
         if (lock_ledger(l) < 0)
             goto failed;
-        long ps = l->page_size;
-        for (Py_ssize_t i = 0; i < v.n; i++) {
-            int64_t slot = ints_at(&v, i);
-            if (slot < 0 || slot >= l->rows)
+        const Shape shape = shape_of(l);
+        const int8_t *state = l->state;
+        int32_t *owner = l->owner;
+        EACH_INT(&v, 0, v.n, slot, {
+            if (slot < 0 || slot >= shape.rows)
                 continue;
-            int64_t page = slot / ps;
-            if (l->state[page] == ST_OWNED)
-                l->owner[page] = (int32_t)r;
-        }
+            int64_t page = page_at(&shape, slot);
+            if (state[page] == ST_OWNED)
+                owner[page] = (int32_t)r;
+        });
         if (unlock_ledger(l) < 0)
             goto failed;
     }
@@ -1514,19 +1743,20 @@ release_is_healthy(PyObject *pool, long row)
     }
     Py_ssize_t cols = t.n / H.extent_n;
     Py_ssize_t upto = extent < cols ? (Py_ssize_t)extent : cols;
-    long ps = l->page_size;
+    const Shape shape = shape_of(l);
+    const int8_t *state = l->state;
+    const int32_t *owner = l->owner;
+    Py_ssize_t first = (Py_ssize_t)row * cols;
     int healthy = 1;
-    for (Py_ssize_t c = 0; c < upto; c++) {
-        Py_ssize_t i = (Py_ssize_t)row * cols + c;
-        int64_t slot = t.itemsize == 8 ? ((const int64_t *)t.data)[i] : ((const int32_t *)t.data)[i];
+    EACH_INT(&t, first, first + upto, slot, {
         if (slot < 0)
             continue;
-        int64_t page = slot / ps;
-        if (page_in_body(l, page) && l->state[page] == ST_OWNED && l->owner[page] == row) {
+        int64_t page = page_at(&shape, slot);
+        if (in_body(&shape, page) && state[page] == ST_OWNED && owner[page] == row) {
             healthy = 0;
             break;
         }
-    }
+    });
     Py_DECREF(table);
     return healthy;
 }
@@ -2210,11 +2440,75 @@ m_configure(PyObject *m, PyObject *a, PyObject *kw)
     Py_RETURN_NONE;
 }
 
+/* Both readers on one tensor: whether they agree (a result, or both declining). */
+static int
+readers_agree(PyObject *t)
+{
+    Ints a, b;
+    ints_clear(&a);
+    ints_clear(&b);
+    int ra = read_ints_dlpack(t, &a);
+    if (ra < 0) {
+        PyErr_Clear();
+        return 1; /* declined: read_ints asks the getters */
+    }
+    int rb = read_ints_getters(t, &b);
+    if (rb < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (ra != rb)
+        return 0;
+    if (ra == 0)
+        return 1;
+    return a.n == b.n && a.itemsize == b.itemsize && a.data == b.data && a.one == b.one;
+}
+
+/* torch's DLPack reader, if its table is one this file knows and it reads every sample as the
+ * getters do; NULL otherwise (the getters then read every tensor). */
+static DLTensorFromPy
+dlpack_reader(PyObject *tensor_type, PyObject *samples)
+{
+    PyObject *capsule = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+    if (capsule == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    DlExchangeAPI *api = PyCapsule_IsValid(capsule, "dlpack_exchange_api")
+                             ? (DlExchangeAPI *)PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
+                             : NULL;
+    Py_DECREF(capsule);
+    if (api == NULL || api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    DLTensorFromPy saved = H.dl_read;
+    H.dl_read = api->dltensor_from_py_object_no_sync;
+    int agree = samples != NULL && PyList_Check(samples) && PyList_GET_SIZE(samples) > 0;
+    for (Py_ssize_t i = 0; agree && i < PyList_GET_SIZE(samples); i++) {
+        PyObject *t = PyList_GET_ITEM(samples, i);
+        agree = Py_TYPE(t) == (PyTypeObject *)tensor_type && readers_agree(t);
+    }
+    H.dl_read = saved;
+    return agree ? api->dltensor_from_py_object_no_sync : NULL;
+}
+
+static PyObject *
+m_readers_agree(PyObject *m, PyObject *t)
+{
+    if (H.dl_read == NULL || H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type) {
+        PyErr_SetString(PyExc_ValueError, "the DLPack reader is not in use, or not a tensor");
+        return NULL;
+    }
+    return PyBool_FromLong(readers_agree(t));
+}
+
 static PyObject *
 m_set_torch(PyObject *m, PyObject *a)
 {
-    PyObject *t, *i64, *i32;
-    if (!PyArg_ParseTuple(a, "OOO", &t, &i64, &i32))
+    PyObject *t, *i64, *i32, *samples = NULL;
+    int use_dlpack = 1;
+    if (!PyArg_ParseTuple(a, "OOO|Op", &t, &i64, &i32, &samples, &use_dlpack))
         return NULL;
     if (!PyType_Check(t)) {
         PyErr_SetString(PyExc_TypeError, "tensor type expected");
@@ -2223,7 +2517,8 @@ m_set_torch(PyObject *m, PyObject *a)
     Py_XSETREF(H.tensor_type, Py_NewRef(t));
     Py_XSETREF(H.dtype_int64, Py_NewRef(i64));
     Py_XSETREF(H.dtype_int32, Py_NewRef(i32));
-    Py_RETURN_NONE;
+    H.dl_read = use_dlpack ? dlpack_reader(t, samples) : NULL;
+    return PyBool_FromLong(H.dl_read != NULL);
 }
 
 static void
@@ -2288,6 +2583,10 @@ m_register_ledger(PyObject *m, PyObject *a, PyObject *kw)
     l->n = n;
     l->rows = rows;
     l->page_size = page_size;
+    l->page_shift = -1;
+    for (int b = 0; b < 62; b++)
+        if ((1L << b) == page_size)
+            l->page_shift = b;
     l->num_pages = num_pages;
     l->sink = sink;
     l->allocator = Py_NewRef(allocator);
@@ -2424,15 +2723,24 @@ m_stats(PyObject *m, PyObject *unused)
         PyList_SET_ITEM(diverted, k, PyLong_FromUnsignedLongLong(H.n_diverted[k]));
         PyList_SET_ITEM(slow, k, PyLong_FromUnsignedLongLong(H.n_slow[k]));
     }
-    return Py_BuildValue("{s:n,s:n,s:i,s:i,s:N,s:N,s:N}", "site_keys", H.sites_len, "site_slots", H.sites_cap,
+#ifdef KVD_DIRECT_FRAMES
+    int direct = direct_frames;
+#else
+    int direct = 0;
+#endif
+    return Py_BuildValue("{s:n,s:n,s:i,s:i,s:N,s:N,s:N,s:O,s:O}", "site_keys", H.sites_len, "site_slots", H.sites_cap,
                          "ledgers", H.n_ledgers, "depth", tls.depth, "fast", fast, "diverted", diverted, "slow",
-                         slow);
+                         slow, "direct_frames", direct ? Py_True : Py_False, "dlpack_reader",
+                         H.dl_read != NULL ? Py_True : Py_False);
 }
 
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))m_configure, METH_VARARGS | METH_KEYWORDS,
      "The probe's switches: which probe, on or off, ledgers off (bit mask), fixes on, roles with a fault injected."},
-    {"set_torch", m_set_torch, METH_VARARGS, "torch.Tensor, torch.int64 and torch.int32: what index tensors are."},
+    {"set_torch", m_set_torch, METH_VARARGS,
+     "torch.Tensor, torch.int64 and torch.int32: what index tensors are; sample tensors on which torch's DLPack "
+     "reader must agree with its getters before it is used (False: not used); use_dlpack=False keeps the getters."},
+    {"readers_agree", m_readers_agree, METH_O, "Tests: whether the DLPack reader and the getters read a tensor alike."},
     {"register_ledger", (PyCFunction)(void (*)(void))m_register_ledger, METH_VARARGS | METH_KEYWORDS,
      "A host slot ledger the fast paths may update (its numpy arrays, shape, lock)."},
     {"sglang_context", m_sglang_context, METH_VARARGS, "The SGLang state and its last_loc sources."},

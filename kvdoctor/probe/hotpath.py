@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
 
 ENV_HOTPATH = "KVDOCTOR_HOTPATH"
+ENV_DLPACK = "KVDOCTOR_HOTPATH_DLPACK"  # 0: index tensors read through torch's Python getters only
 MAX_LEDGER_BITS = 32
 MAX_ROLE_BITS = 64
 
@@ -42,6 +43,7 @@ def _load() -> ModuleType | None:
 
 
 NATIVE: Any = _load()
+DLPACK_READER = False  # index tensors are read through torch's DLPack table (set once torch is seen)
 
 # The fast path each role kind takes (`Role.fast_kind`); "" is the generic path.
 KINDS = (
@@ -229,17 +231,50 @@ def sync(probe: Probe | None) -> None:
     )
 
 
+_TORCH_SEEN: Any = None
+
+
 def _ensure_torch() -> None:
     """What an index tensor is, once torch is loaded (the probe never imports it itself)."""
+    global _TORCH_SEEN, DLPACK_READER
     import sys
 
     torch = sys.modules.get("torch")
     if torch is None or NATIVE is None:
         return
+    use = os.environ.get(ENV_DLPACK, "1").strip().lower() not in ("0", "off", "false", "no")
+    if _TORCH_SEEN == (id(torch), use):
+        return
     try:
-        NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32)
+        DLPACK_READER = bool(NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32, index_samples(torch) if use else [], use))
+        _TORCH_SEEN = (id(torch), use)
     except Exception:
         pass
+
+
+def index_samples(torch: Any) -> list[Any]:
+    """Tensors of every shape the readers must agree on before the DLPack one is trusted: both
+    index dtypes, views with an offset, strided and transposed views, one element, empty, other
+    dtypes (declined by both)."""
+    base = torch.arange(24, dtype=torch.int64)
+    return [
+        base,
+        base[5:9],
+        base[::3],
+        base[7:8],
+        base.view(4, 6),
+        base.view(4, 6).t(),
+        base.view(4, 6)[:, 2:3],
+        base.view(24, 1),
+        torch.arange(10, dtype=torch.int32)[3:],
+        torch.tensor(11),
+        torch.tensor(-12, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(3, dtype=torch.int16),
+        torch.zeros(3, dtype=torch.float32),
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(3, dtype=torch.uint8),
+    ]
 
 
 def reset() -> None:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import REPO, SUPPORT, sglang_env
@@ -74,6 +75,25 @@ def test_healthy_calls_take_the_compiled_path(both_paths):
             continue
         fast, diverted, slow = (sum(case["paths"][k]) for k in ("fast", "diverted", "slow"))
         assert fast > 1000 and slow == 0 and diverted <= fast // 100, (case["case"], case["paths"])
+    # what the equality above covered: tensors read through torch's DLPack table (torch >= 2.11 has
+    # one) and call sites keyed from the interpreter's frame records (3.11 and 3.12)
+    assert all(case["readers"] == {"dlpack_reader": True, "direct_frames": True} for case in compiled)
+
+
+def test_the_dlpack_reader_reads_what_the_getters_read():
+    """The samples the extension checks before trusting torch's DLPack table, and more: both
+    readers give the same element count, width, address and value, or both decline."""
+    import torch
+
+    hotpath._ensure_torch()
+    assert hotpath.DLPACK_READER
+    base = torch.arange(40, dtype=torch.int64)
+    more = [base[3:], base[::5], base.view(5, 8)[:, ::2], base.view(8, 5)[2], torch.tensor([7], dtype=torch.int32)]
+    more += [base.view(2, 20).t().contiguous(), torch.empty(0, 3, dtype=torch.int64), base.to(torch.float64)]
+    for tensor in hotpath.index_samples(torch) + more:
+        assert hotpath.NATIVE.readers_agree(tensor), (tensor.shape, tensor.stride(), tensor.dtype)
+    meta = torch.empty(4, dtype=torch.int64, device="meta")
+    assert hotpath.NATIVE.readers_agree(meta)  # DLPack declines it: the getters are asked
 
 
 def test_the_compiled_path_on_sglang_0_5_9_leaves_exactly_what_the_python_path_leaves():
@@ -84,7 +104,8 @@ def test_the_compiled_path_on_sglang_0_5_9_leaves_exactly_what_the_python_path_l
     assert [e for e in double_free["events"] if e["name"] == "violation"]
 
 
-KINDS_THAT_FAIL = ("alloc", "free", "tree_insert", "req_write", "req_free", "req_free_rows", "last_loc")
+# req_free_rows is reached here only inside free(req), which records the release itself (composite)
+KINDS_THAT_FAIL = ("alloc", "free", "tree_insert", "req_write", "req_free", "last_loc")
 
 
 def _workload(fault: str = "none") -> list:
@@ -119,6 +140,45 @@ def test_a_failure_inside_a_compiled_fast_path_turns_the_probe_off_and_spares_th
         assert not [f for f in findings if f.severity == "error"], kind
 
 
+def _probe_off_message(path: str) -> str:
+    from kvdoctor.analysis.analyzer import analyze
+    from kvdoctor.trace.reader import iter_events
+
+    findings = analyze(iter_events(path)).findings
+    assert not [f for f in findings if f.severity == "error"]
+    return next((f.message for f in findings if f.kind == "probe_off"), "")
+
+
+def test_free_rows_called_by_itself_is_recorded_and_its_failure_spares_the_host(tmp_path):
+    """Beam search releases rows with `free_rows` directly (not through `free(req)`): the compiled
+    path records that release, and a failure inside it leaves the host's pool as without the probe."""
+    from kvdoctor.demo.engine import Engine, Request
+    from kvdoctor.probe import runtime
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    def release_by_rows(fail: bool) -> tuple[list, set]:
+        probe = runtime.activate(str(tmp_path / f"rows-{fail}.json"))
+        try:
+            engine = Engine(pool_tokens=256, page_size=1)
+            reqs = [Request(f"beam-{i}") for i in range(3)]
+            for req in reqs:
+                engine.take_row(req)
+            rows = [req.kv.req_pool_idx for req in reqs]
+            if fail:
+                hotpath.NATIVE.fail_after(hotpath.KINDS["req_free_rows"])
+            engine.req_pool.free_rows(rows[:2])
+            return sorted(engine.req_pool.free_slots), set(sglang_state(probe).requests.live)
+        finally:
+            hotpath.NATIVE.fail_after(-1)
+            runtime.deactivate()
+
+    free_slots, live = release_by_rows(fail=False)
+    assert len(live) == 1 and _probe_off_message(str(tmp_path / "rows-False.json")) == ""
+    failed_free_slots, _ = release_by_rows(fail=True)
+    assert failed_free_slots == free_slots
+    assert "fault injected into the" in _probe_off_message(str(tmp_path / "rows-True.json"))
+
+
 def test_the_ledger_lock_is_reentrant_owned_and_survives_fork():
     lock = hotpath.new_lock()
     with lock:
@@ -130,6 +190,23 @@ def test_the_ledger_lock_is_reentrant_owned_and_survives_fork():
         worker.join()
         assert taken_elsewhere == [False]
     assert not lock._is_owned()
+    # a thread that lets go of the GIL inside the lock (time.sleep) keeps it: another thread waits
+    order, held = [], threading.Event()
+
+    def holder() -> None:
+        with lock:
+            order.append("held")
+            held.set()
+            time.sleep(0.2)
+            order.append("released")
+
+    worker = threading.Thread(target=holder)
+    worker.start()
+    held.wait()
+    with lock:
+        order.append("taken")
+    worker.join()
+    assert order == ["held", "released", "taken"]
     with pytest.raises(RuntimeError):
         lock.release()
     assert lock.acquire(blocking=False)

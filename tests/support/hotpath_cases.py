@@ -83,6 +83,8 @@ def main() -> None:
                 "digest": result.outputs_digest,
                 "sglang_check": result.sglang_check,
                 "paths": paths,
+                # how the compiled path read tensors and keyed call sites (not compared)
+                "readers": {k: after.get(k) for k in ("dlpack_reader", "direct_frames")},
             }
         )
     print("RESULT " + json.dumps(out, default=str))

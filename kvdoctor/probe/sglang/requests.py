@@ -72,6 +72,9 @@ class ReqFreeIndexRole(RequestPoolRole):
 
 class ReqFreeRole(RequestPoolRole):
     fast_kind = "req_free"
+    # `free(req)` releases through `free_rows([row])` on the same pool from 0.5.23: one release,
+    # recorded once, by the outer call
+    composite = True
     reads = {"req": 0}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
@@ -92,6 +95,7 @@ class ReqFreeRole(RequestPoolRole):
 
 class ReqFreeRowsRole(RequestPoolRole):
     fast_kind = "req_free_rows"
+    composite = True  # inside `free(req)` it is the same release (see ReqFreeRole)
     reads = {"indices": 0}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:

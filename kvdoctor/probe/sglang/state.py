@@ -26,7 +26,9 @@ from kvdoctor.trace import schema
 if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
 
-MAX_LAST_LOC_SOURCES = 64  # recent get_last_loc results remembered (to name the rows they read)
+MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the rows they read): few, because
+# each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
+# (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
 QUIET_S = 1.0  # an idle engine this long without a release gets its census from the writer thread
 
