@@ -139,7 +139,7 @@ def table(r: dict) -> str:
         rows.append(
             (
                 "container walk, vLLM 0.32 KVCacheManager (writer thread)",
-                f"{walk['walk_us_median']} us median, {walk['walk_us_max']} us max; {walk['cpu_percent_of_one_core']}% of one core at 1 walk / {walk['period_s']:g} s",
+                f"{walk['walk_us_median']:.1f} us median, {walk['walk_us_max']:.1f} us max; {walk['cpu_percent_of_one_core']}% of one core at 1 walk / {walk['period_s']:g} s",
                 "-",
             )
         )

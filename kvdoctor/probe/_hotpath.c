@@ -440,6 +440,18 @@ call0(PyObject *obj, PyObject *name)
     return PyObject_CallMethodNoArgs(obj, name);
 }
 
+/* Both readers' last step: the elements (n and itemsize set) are at `ptr`; one is read now. */
+static int
+ints_found(Ints *out, const void *ptr)
+{
+    out->data = ptr;
+    if (out->n == 1) {
+        out->one = out->itemsize == 8 ? *(const int64_t *)ptr : *(const int32_t *)ptr;
+        out->data = NULL;
+    }
+    return 1;
+}
+
 /* read_ints through DLPack: the same answers as torch's getters below (the tests compare them),
  * -1 with an error set where torch declines the tensor. */
 static int
@@ -474,12 +486,7 @@ read_ints_dlpack(PyObject *t, Ints *out)
     const char *ptr = (const char *)d.data + d.byte_offset;
     if (ptr == NULL)
         return 0;
-    out->data = ptr;
-    if (n == 1) {
-        out->one = itemsize == 8 ? *(const int64_t *)ptr : *(const int32_t *)ptr;
-        out->data = NULL;
-    }
-    return 1;
+    return ints_found(out, ptr);
 }
 
 /* read_ints through torch's Python getters (is_cpu, dtype, numel(), is_contiguous(), data_ptr()). */
@@ -528,12 +535,7 @@ read_ints_getters(PyObject *t, Ints *out)
     Py_DECREF(p);
     if (ptr == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    out->data = ptr;
-    if (n == 1) {
-        out->one = itemsize == 8 ? *(const int64_t *)ptr : *(const int32_t *)ptr;
-        out->data = NULL;
-    }
-    return 1;
+    return ints_found(out, ptr);
 }
 
 static void
