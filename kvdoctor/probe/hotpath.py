@@ -43,7 +43,6 @@ def _load() -> ModuleType | None:
 
 
 NATIVE: Any = _load()
-DLPACK_READER = False  # index tensors are read through torch's DLPack table (set once torch is seen)
 
 # The fast path each role kind takes (`Role.fast_kind`); "" is the generic path.
 KINDS = (
@@ -211,7 +210,7 @@ def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Calla
         table_name=named(0),
         rows_name=named(1),
         prefix_name=named(2),
-        sources_max=int(getattr(role, "sources_max", 64)),
+        sources_max=int(getattr(role, "sources_max", 0)),  # only the last_loc kind remembers: its role says how many
     )
     functools.update_wrapper(wrapper, original)
     wrapper.__kvdoctor_role__ = hook.role
@@ -236,7 +235,7 @@ _TORCH_SEEN: Any = None
 
 def _ensure_torch() -> None:
     """What an index tensor is, once torch is loaded (the probe never imports it itself)."""
-    global _TORCH_SEEN, DLPACK_READER
+    global _TORCH_SEEN
     import sys
 
     torch = sys.modules.get("torch")
@@ -246,7 +245,7 @@ def _ensure_torch() -> None:
     if _TORCH_SEEN == (id(torch), use):
         return
     try:
-        DLPACK_READER = bool(NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32, index_samples(torch) if use else [], use))
+        NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32, index_samples(torch) if use else [], use)
         _TORCH_SEEN = (id(torch), use)
     except Exception:
         pass

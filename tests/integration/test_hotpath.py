@@ -86,7 +86,7 @@ def test_the_dlpack_reader_reads_what_the_getters_read():
     import torch
 
     hotpath._ensure_torch()
-    assert hotpath.DLPACK_READER
+    assert hotpath.NATIVE.stats()["dlpack_reader"]
     base = torch.arange(40, dtype=torch.int64)
     more = [base[3:], base[::5], base.view(5, 8)[:, ::2], base.view(8, 5)[2], torch.tensor([7], dtype=torch.int32)]
     more += [base.view(2, 20).t().contiguous(), torch.empty(0, 3, dtype=torch.int64), base.to(torch.float64)]
