@@ -48,6 +48,14 @@
 #error "the hot path's state is guarded by the GIL"
 #endif
 
+/* Failure and violation paths: out of line, in the cold section, so the healthy path's code stays
+ * dense (the host's own code evicts ours from the instruction cache between two hooked calls). */
+#if defined(__GNUC__)
+#define COLD __attribute__((cold, noinline))
+#else
+#define COLD
+#endif
+
 /* The ledger's vocabulary (kvdoctor/probe/ledger/states.py; hotpath.py checks they agree). */
 #define ST_FREE 1
 #define ST_OWNED 2
@@ -377,7 +385,7 @@ static PyObject *S_numel, *S_item, *S_is_cpu, *S_dtype, *S_is_contiguous, *S_dat
 /* The current exception goes to probe.fail(name, exc) (or fix_failed): the probe turns itself off
  * and says why; the host never sees it. BaseExceptions that are not Exceptions (KeyboardInterrupt)
  * propagate, as they do through the Python wrapper. Returns 0 when handled, -1 to propagate. */
-static int
+COLD static int
 report_failure(PyObject *name, const char *method)
 {
     PyObject *type, *value, *tb;
@@ -405,7 +413,7 @@ report_failure(PyObject *name, const char *method)
 
 /* A fast path failed after the host's call returned `result`: the failure is reported (the probe
  * turns itself off) and the host gets its result, unless the failure is not an Exception. */
-static PyObject *
+COLD static PyObject *
 kept_after_failure(PyObject *name, PyObject *result)
 {
     if (report_failure(name, "fail") < 0) {
@@ -549,6 +557,370 @@ ints_clear(Ints *out)
 
 /* A CPU integer tensor's values, without a copy: 1 read, 0 not a tensor we read here (no error
  * set), -1 an error (set). Only exact torch.Tensor objects on the CPU, int32/int64, contiguous. */
+/* ------------------------------------------------------------------ torch's own tensor fields
+
+torch's DLPack call costs about 600 instructions, most of them pybind11's (a GIL check, a type
+caster, two reference counts), and from cold caches more than the rest of a hooked call. Where a
+tensor is torch's plain CPU tensor, the same facts lie at fixed places: the TensorImpl pointer in the
+Python object, its sizes and strides (inline up to 5 dimensions), storage offset, dtype, device and
+dispatch keys, and the data pointer in its StorageImpl. Those places are not guessed: at start they
+are found on sample tensors, each by the DLPack call's own answer, and taken only where every
+sample agrees on one place (a pointer is followed only where it points where DLPack's shape array
+or data are). A tensor is then read this way only if its TensorImpl and StorageImpl are of the very
+classes the samples had, on the CPU, of an index dtype, with dispatch keys a sample had; anything
+else is asked of DLPack. One read in CHECK_EVERY is also read through DLPack and compared: a
+difference turns this reader off for good. KVDOCTOR_HOTPATH_DIRECT=0 never uses it. */
+
+#define DIRECT_CHECK_EVERY 1024
+#define DIRECT_MAX_KEYSETS 4
+
+typedef struct {
+    int on;
+    Py_ssize_t impl;          /* in the Python object: the TensorImpl pointer */
+    const void *impl_class;   /* the plain TensorImpl's vtable */
+    Py_ssize_t ndim, sizes, strides, inline_dims, storage_offset, dtype, device, keys;
+    uint16_t dtype_i64, dtype_i32;
+    uint64_t keysets[DIRECT_MAX_KEYSETS];
+    int n_keysets;
+    Py_ssize_t storage;       /* in the TensorImpl: the StorageImpl pointer */
+    const void *storage_class;
+    Py_ssize_t data;          /* in the StorageImpl: the data pointer */
+    unsigned long reads, checked, check_every, mismatches;
+} DirectLayout;
+
+static DirectLayout DIRECT = {.check_every = DIRECT_CHECK_EVERY};
+
+#define AT(base, off, type) (*(const type *)((const char *)(base) + (off)))
+
+static inline int
+plausible_pointer(uintptr_t p)
+{
+    return p >= 65536 && (p & 7) == 0;
+}
+
+/* 1 read, -2 not a tensor this reader knows (DLPack is asked). Reads nothing it has not checked. */
+static int
+read_ints_direct(PyObject *t, Ints *out)
+{
+    const DirectLayout *L = &DIRECT;
+    const char *impl = AT(t, L->impl, const char *);
+    if (impl == NULL || AT(impl, 0, const void *) != L->impl_class)
+        return -2;
+    if (AT(impl, L->device, uint8_t) != 0 || AT(impl, L->device + 2, uint8_t) != 1) /* CPU, and set */
+        return -2;
+    uint64_t keys = AT(impl, L->keys, uint64_t);
+    int known = 0;
+    for (int i = 0; i < L->n_keysets; i++)
+        known |= keys == L->keysets[i];
+    if (!known)
+        return -2;
+    uint16_t dtype = AT(impl, L->dtype, uint16_t);
+    int itemsize = dtype == L->dtype_i64 ? 8 : dtype == L->dtype_i32 ? 4 : 0;
+    uint64_t ndim = AT(impl, L->ndim, uint64_t);
+    if (itemsize == 0 || ndim > (uint64_t)L->inline_dims)
+        return -2;
+    const int64_t *shape = (const int64_t *)(impl + L->sizes), *strides = (const int64_t *)(impl + L->strides);
+    Py_ssize_t n = 1;
+    for (uint64_t i = 0; i < ndim; i++)
+        n *= (Py_ssize_t)shape[i];
+    if (n < 0)
+        return -2;
+    if (n > 1) { /* torch's is_contiguous, as the DLPack reader checks it */
+        int64_t expected = 1;
+        for (int64_t i = (int64_t)ndim - 1; i >= 0; i--) {
+            if (shape[i] != 1) {
+                if (strides[i] != expected)
+                    return -2;
+                expected *= shape[i];
+            }
+        }
+    }
+    out->n = n;
+    out->itemsize = itemsize;
+    if (n == 0)
+        return 1;
+    const char *storage = AT(impl, L->storage, const char *);
+    if (storage == NULL || AT(storage, 0, const void *) != L->storage_class)
+        return -2;
+    const char *data = AT(storage, L->data, const char *);
+    int64_t offset = AT(impl, L->storage_offset, int64_t);
+    if (data == NULL || offset < 0)
+        return -2;
+    return ints_found(out, data + offset * itemsize);
+}
+
+static int
+same_ints(const Ints *a, const Ints *b)
+{
+    return a->n == b->n && a->itemsize == b->itemsize && a->data == b->data && a->one == b->one;
+}
+
+/* One sample as DLPack and torch's getters describe it, for learning the places. */
+typedef struct {
+    PyObject *t;
+    DlTensor d;
+    int dl_ok;
+    int meta;
+    int64_t storage_offset;
+    const char *impl;
+} Sample;
+
+/* The one offset in [lo, hi) (step `step`) where `fits` holds for every sample; -1: none, or more
+ * than one (a place two fields could be is no place). */
+typedef int (*Fits)(const Sample *s, int n, Py_ssize_t off, void *ctx);
+
+static Py_ssize_t
+only_offset(const Sample *s, int n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step, Fits fits, void *ctx)
+{
+    Py_ssize_t found = -1;
+    for (Py_ssize_t off = lo; off < hi; off += step) {
+        if (fits(s, n, off, ctx)) {
+            if (found >= 0)
+                return -1;
+            found = off;
+        }
+    }
+    return found;
+}
+
+static int
+is_index_dtype(const DlTensor *d, int bits)
+{
+    return d->dtype.code == DL_INT && d->dtype.lanes == 1 && d->dtype.bits == bits;
+}
+
+static int
+fits_storage_offset(const Sample *s, int n, Py_ssize_t off, void *ctx)
+{
+    int varied = 0;
+    for (int i = 0; i < n; i++) {
+        if (s[i].meta)
+            continue;
+        if (AT(s[i].impl, off, int64_t) != s[i].storage_offset)
+            return 0;
+        varied |= s[i].storage_offset != 0;
+    }
+    return varied;
+}
+
+/* the dtype: one value per DLPack dtype, different dtypes different values */
+static int
+fits_dtype(const Sample *s, int n, Py_ssize_t off, void *ctx)
+{
+    for (int i = 0; i < n; i++) {
+        if (s[i].meta || !s[i].dl_ok)
+            continue;
+        for (int j = 0; j < i; j++) {
+            if (s[j].meta || !s[j].dl_ok)
+                continue;
+            int same_type = s[i].d.dtype.code == s[j].d.dtype.code && s[i].d.dtype.bits == s[j].d.dtype.bits &&
+                            s[i].d.dtype.lanes == s[j].d.dtype.lanes;
+            int same_value = AT(s[i].impl, off, uint16_t) == AT(s[j].impl, off, uint16_t);
+            if (same_type != same_value)
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* the device: c10's Device {type, index} and its optional's flag: CPU (0), index -1, set; the meta
+ * sample's type is not CPU */
+static int
+fits_device(const Sample *s, int n, Py_ssize_t off, void *ctx)
+{
+    int saw_meta = 0;
+    for (int i = 0; i < n; i++) {
+        uint8_t type = AT(s[i].impl, off, uint8_t), index = AT(s[i].impl, off + 1, uint8_t);
+        uint8_t set = AT(s[i].impl, off + 2, uint8_t);
+        if (index != 0xff || set != 1)
+            return 0;
+        if (s[i].meta) {
+            if (type == 0)
+                return 0;
+            saw_meta = 1;
+        }
+        else if (type != 0)
+            return 0;
+    }
+    return saw_meta;
+}
+
+static int
+learn_direct(PyObject *samples)
+{
+    DirectLayout L = {.check_every = DIRECT_CHECK_EVERY};
+    int n = (int)PyList_GET_SIZE(samples);
+    if (n < 4 || n > 64 || H.dl_read == NULL)
+        return 0;
+    Sample s[64];
+    memset(s, 0, sizeof(s));
+    Py_ssize_t basic = ((PyTypeObject *)H.tensor_type)->tp_basicsize;
+    /* what DLPack and the getters say of each sample */
+    for (int i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(samples, i);
+        if (Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
+            return 0;
+        s[i].t = t;
+        PyObject *meta = PyObject_GetAttrString(t, "is_meta");
+        PyObject *offset = meta ? PyObject_CallMethod(t, "storage_offset", NULL) : NULL;
+        s[i].meta = meta == Py_True;
+        s[i].storage_offset = offset ? PyLong_AsLongLong(offset) : -1;
+        Py_XDECREF(meta);
+        Py_XDECREF(offset);
+        if (PyErr_Occurred())
+            return -1;
+        if (!s[i].meta) {
+            s[i].dl_ok = H.dl_read(t, &s[i].d) == 0 && s[i].d.device.device_type == DL_CPU;
+            PyErr_Clear();
+            if (!s[i].dl_ok)
+                return 0;
+        }
+    }
+    /* the TensorImpl pointer: where DLPack's shape array lies a little past it, in every sample */
+    for (Py_ssize_t off = 16; off <= 24 && L.impl == 0; off += 8) {
+        if (off + 8 > basic)
+            break;
+        Py_ssize_t sizes = -1;
+        int ok = 1;
+        for (int i = 0; i < n && ok; i++) {
+            uintptr_t p = AT(s[i].t, off, uintptr_t);
+            if (!plausible_pointer(p)) {
+                ok = 0;
+                break;
+            }
+            if (s[i].meta || s[i].d.ndim < 1)
+                continue;
+            intptr_t d = (intptr_t)s[i].d.shape - (intptr_t)p;
+            if (d < 16 || d >= 512 || d % 8 || (sizes >= 0 && d != sizes))
+                ok = 0;
+            sizes = d;
+        }
+        if (ok && sizes > 0) {
+            L.impl = off;
+            L.sizes = sizes;
+        }
+    }
+    if (L.impl == 0)
+        return 0;
+    for (int i = 0; i < n; i++)
+        s[i].impl = AT(s[i].t, L.impl, const char *);
+    L.impl_class = AT(s[0].impl, 0, const void *);
+    L.strides = -1;
+    for (int i = 0; i < n; i++) {
+        if (AT(s[i].impl, 0, const void *) != L.impl_class)
+            return 0;
+        if (s[i].meta || s[i].d.ndim < 1)
+            continue;
+        if (s[i].d.strides == NULL)
+            return 0;
+        Py_ssize_t d = (const char *)s[i].d.strides - s[i].impl;
+        if (d <= L.sizes || (L.strides >= 0 && d != L.strides))
+            return 0;
+        L.strides = d;
+    }
+    L.inline_dims = (L.strides - L.sizes) / 8;
+    L.ndim = L.sizes - 8;
+    if (L.strides < 0 || L.inline_dims < 2 || L.inline_dims > 8)
+        return 0;
+    int max_ndim = 0;
+    for (int i = 0; i < n; i++) {
+        if (!s[i].meta && AT(s[i].impl, L.ndim, uint64_t) != (uint64_t)s[i].d.ndim)
+            return 0;
+        if (!s[i].meta && s[i].d.ndim > max_ndim)
+            max_ndim = s[i].d.ndim;
+    }
+    if (max_ndim < 2)
+        return 0;
+    /* past the sizes and strides: storage offset, then dtype, device and dispatch keys */
+    Py_ssize_t past = L.strides + 8 * L.inline_dims;
+    L.storage_offset = only_offset(s, n, past, past + 32, 8, fits_storage_offset, NULL);
+    if (L.storage_offset < 0)
+        return 0;
+    L.dtype = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 2, fits_dtype, NULL);
+    L.device = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 1, fits_device, NULL);
+    if (L.dtype < 0 || L.device < 0)
+        return 0;
+    L.keys = (L.device + 3 + 7) / 8 * 8;
+    int have64 = 0, have32 = 0;
+    for (int i = 0; i < n; i++) {
+        if (s[i].meta)
+            continue;
+        if (is_index_dtype(&s[i].d, 64)) {
+            L.dtype_i64 = AT(s[i].impl, L.dtype, uint16_t);
+            have64 = 1;
+        }
+        if (is_index_dtype(&s[i].d, 32)) {
+            L.dtype_i32 = AT(s[i].impl, L.dtype, uint16_t);
+            have32 = 1;
+        }
+        if (is_index_dtype(&s[i].d, 64) || is_index_dtype(&s[i].d, 32)) {
+            uint64_t keys = AT(s[i].impl, L.keys, uint64_t);
+            int known = 0;
+            for (int k = 0; k < L.n_keysets; k++)
+                known |= L.keysets[k] == keys;
+            if (!known) {
+                if (L.n_keysets == DIRECT_MAX_KEYSETS)
+                    return 0;
+                L.keysets[L.n_keysets++] = keys;
+            }
+        }
+    }
+    if (!have64 || !have32 || L.dtype_i64 == L.dtype_i32)
+        return 0;
+    /* the data: the StorageImpl pointer, and the data pointer in it, where DLPack's data is */
+    for (Py_ssize_t st = 16; st <= 24 && L.storage == 0; st += 8) {
+        for (Py_ssize_t dp = 16; dp <= 24 && L.storage == 0; dp += 8) {
+            int ok = 1, seen = 0;
+            const void *storage_class = NULL;
+            for (int i = 0; i < n && ok; i++) {
+                if (s[i].meta)
+                    continue;
+                Py_ssize_t item = s[i].d.dtype.bits / 8;
+                Py_ssize_t numel = 1;
+                for (int k = 0; k < s[i].d.ndim; k++)
+                    numel *= s[i].d.shape[k];
+                if (numel == 0 || item == 0)
+                    continue;
+                uintptr_t storage = AT(s[i].impl, st, uintptr_t);
+                if (!plausible_pointer(storage)) {
+                    ok = 0;
+                    break;
+                }
+                const char *want = (const char *)s[i].d.data + s[i].d.byte_offset - s[i].storage_offset * item;
+                const void *cls = AT(storage, 0, const void *);
+                ok = AT(storage, dp, const char *) == want && (storage_class == NULL || cls == storage_class);
+                storage_class = cls;
+                seen++;
+            }
+            if (ok && seen >= 3) {
+                L.storage = st;
+                L.data = dp;
+                L.storage_class = storage_class;
+            }
+        }
+    }
+    if (L.storage == 0)
+        return 0;
+    /* every sample, read both ways: what DLPack reads, this reads the same; what DLPack declines
+     * (another dtype, not contiguous) or cannot describe (meta), this leaves to it */
+    L.on = 1;
+    DirectLayout saved = DIRECT;
+    DIRECT = L;
+    for (int i = 0; i < n; i++) {
+        Ints a, b;
+        ints_clear(&a);
+        ints_clear(&b);
+        int ra = read_ints_direct(s[i].t, &a);
+        int rb = s[i].meta ? -1 : read_ints_dlpack(s[i].t, &b);
+        PyErr_Clear();
+        if (rb == 1 ? !(ra == 1 && same_ints(&a, &b)) : ra != -2) {
+            DIRECT = saved;
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int
 read_ints(PyObject *t, Ints *out)
 {
@@ -556,7 +928,25 @@ read_ints(PyObject *t, Ints *out)
     if (H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
         return 0;
     int rc = -1;
-    if (H.dl_read != NULL) {
+    if (DIRECT.on) {
+        rc = read_ints_direct(t, out);
+        if (rc == 1 && ++DIRECT.reads % DIRECT.check_every == 0) {
+            Ints check;
+            ints_clear(&check);
+            DIRECT.checked++;
+            if (read_ints_dlpack(t, &check) != 1 || !same_ints(out, &check)) {
+                PyErr_Clear();
+                DIRECT.mismatches++;
+                DIRECT.on = 0; /* a layout we misread: DLPack from now on */
+                rc = -1;
+            }
+        }
+        if (rc != 1) {
+            rc = -1;
+            ints_clear(out);
+        }
+    }
+    if (rc < 0 && H.dl_read != NULL) {
         rc = read_ints_dlpack(t, out);
         if (rc < 0) {
             PyErr_Clear(); /* a tensor DLPack cannot describe (a meta tensor): torch's own getters say */
@@ -585,7 +975,7 @@ site_hash(void *a, int b, void *c, int d, Py_ssize_t mask)
     return (Py_ssize_t)(h & (uint64_t)mask);
 }
 
-static int
+COLD static int
 sites_grow(void)
 {
     Py_ssize_t cap = H.sites_cap ? H.sites_cap * 2 : 256;
@@ -793,6 +1183,25 @@ unlock_ledger(Ledger *l)
         return -1;
     Py_DECREF(r);
     return 0;
+}
+
+/* A fast path's update of a ledger: pure C, no Python code, the GIL held throughout. Where the
+ * ledger's FastLock is held by nobody, no other thread can take it before this thread lets go of
+ * the GIL (taking it needs the GIL), so the update is already exclusive and the lock is left alone.
+ * Held by anyone (this thread's Python role, or another thread waiting out a census), it is taken
+ * as usual. Returns 1 taken (give it back with ledger_leave), 0 not needed, -1 an error. */
+static inline int
+ledger_enter(Ledger *l)
+{
+    if (Py_TYPE(l->lock) == &FastLockType && ((FastLock *)l->lock)->count == 0)
+        return 0;
+    return lock_ledger(l) < 0 ? -1 : 1;
+}
+
+static inline int
+ledger_leave(Ledger *l, int taken)
+{
+    return taken ? unlock_ledger(l) : 0;
 }
 
 /* A ledger's shape in locals for its loops: the state array is int8, which may alias anything, so
@@ -1071,7 +1480,7 @@ maybe_test_failure(Hooked *self)
 
 /* The Python ledger method, under the ledger's lock, for what the fast path does not record itself
  * (a violation: its evidence is made there, exactly as without this module). */
-static int
+COLD static int
 ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
 {
     if (lock_ledger(l) < 0)
@@ -1184,12 +1593,13 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
         rc = -1;
     if (rc < 0)
         goto failed;
-    if (lock_ledger(l) < 0)
+    int taken = ledger_enter(l);
+    if (taken < 0)
         goto failed;
     int healthy = rc == 1 && alloc_is_healthy(l, &v, self->only_page_starts);
     if (healthy)
         alloc_apply(l, &v, self->only_page_starts, site);
-    if (unlock_ledger(l) < 0)
+    if (ledger_leave(l, taken) < 0)
         goto failed;
     if (!healthy) {
         PyObject *site_obj = PyLong_FromLong(site);
@@ -1264,12 +1674,13 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
         goto done;
     int evicting = tls.evicting > 0;
     if (rc == 1) {
-        if (lock_ledger(l) < 0)
+        int taken = ledger_enter(l);
+        if (taken < 0)
             goto failed;
         int healthy = free_is_healthy(l, &v, self->as_pages);
         if (healthy)
             free_apply(l, &v, self->as_pages, evicting);
-        if (unlock_ledger(l) < 0)
+        if (ledger_leave(l, taken) < 0)
             goto failed;
         if (healthy)
             goto done;
@@ -1444,12 +1855,13 @@ fast_tree_insert(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t 
         if (dim == 1) {
             Py_ssize_t start = prefix_len < v.n ? prefix_len : v.n;
             Py_ssize_t stop = prefix_len + grown < v.n ? prefix_len + grown : v.n;
-            if (lock_ledger(l) < 0)
+            int taken = ledger_enter(l);
+            if (taken < 0)
                 goto failed;
             healthy = tree_insert_is_healthy(l, &v, start, stop);
             if (healthy)
                 tree_insert_apply(l, &v, start, stop);
-            if (unlock_ledger(l) < 0)
+            if (ledger_leave(l, taken) < 0)
                 goto failed;
         }
     }
@@ -1607,7 +2019,8 @@ fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t na
         if (r >= 0 && r < H.extent_n && stop > H.extent[r])
             H.extent[r] = stop;
         /* on_owner: the slots the row now points at belong to it */
-        if (lock_ledger(l) < 0)
+        int taken = ledger_enter(l);
+        if (taken < 0)
             goto failed;
         const Shape shape = shape_of(l);
         const int8_t *state = l->state;
@@ -1619,7 +2032,7 @@ fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t na
             if (state[page] == ST_OWNED)
                 owner[page] = (int32_t)r;
         });
-        if (unlock_ledger(l) < 0)
+        if (ledger_leave(l, taken) < 0)
             goto failed;
     }
 done:
@@ -2452,7 +2865,14 @@ readers_agree(PyObject *t)
     int ra = read_ints_dlpack(t, &a);
     if (ra < 0) {
         PyErr_Clear();
-        return 1; /* declined: read_ints asks the getters */
+        ints_clear(&b);
+        return !DIRECT.on || read_ints_direct(t, &b) == -2; /* declined: read_ints asks the getters */
+    }
+    if (DIRECT.on) {
+        int rd = read_ints_direct(t, &b);
+        if (rd != -2 && !(ra == 1 && rd == 1 && same_ints(&a, &b))) /* -2: it asks DLPack */
+            return 0;
+        ints_clear(&b);
     }
     int rb = read_ints_getters(t, &b);
     if (rb < 0) {
@@ -2505,12 +2925,33 @@ m_readers_agree(PyObject *m, PyObject *t)
     return PyBool_FromLong(readers_agree(t));
 }
 
+/* Tests: the learned layout misreads from now on (int64 taken for int32 and back: the same bytes,
+ * in bounds, the wrong element size), as a torch we misunderstood would; the next compared read
+ * must turn the in-place reader off. */
+static PyObject *
+m_direct_misread(PyObject *m, PyObject *unused)
+{
+    uint16_t i64 = DIRECT.dtype_i64;
+    DIRECT.dtype_i64 = DIRECT.dtype_i32;
+    DIRECT.dtype_i32 = i64;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_read_in_place(PyObject *m, PyObject *t)
+{
+    Ints v;
+    ints_clear(&v);
+    int tensor = H.tensor_type != NULL && Py_TYPE(t) == (PyTypeObject *)H.tensor_type;
+    return PyBool_FromLong(DIRECT.on && tensor && read_ints_direct(t, &v) == 1);
+}
+
 static PyObject *
 m_set_torch(PyObject *m, PyObject *a)
 {
     PyObject *t, *i64, *i32, *samples = NULL;
-    int use_dlpack = 1;
-    if (!PyArg_ParseTuple(a, "OOO|Op", &t, &i64, &i32, &samples, &use_dlpack))
+    int use_dlpack = 1, use_direct = 1;
+    if (!PyArg_ParseTuple(a, "OOO|Opp", &t, &i64, &i32, &samples, &use_dlpack, &use_direct))
         return NULL;
     if (!PyType_Check(t)) {
         PyErr_SetString(PyExc_TypeError, "tensor type expected");
@@ -2520,6 +2961,9 @@ m_set_torch(PyObject *m, PyObject *a)
     Py_XSETREF(H.dtype_int64, Py_NewRef(i64));
     Py_XSETREF(H.dtype_int32, Py_NewRef(i32));
     H.dl_read = use_dlpack ? dlpack_reader(t, samples) : NULL;
+    DIRECT.on = 0;
+    if (H.dl_read != NULL && use_direct && samples != NULL && PyList_Check(samples) && learn_direct(samples) < 0)
+        return NULL;
     return PyBool_FromLong(H.dl_read != NULL);
 }
 
@@ -2701,6 +3145,16 @@ m_evict_add(PyObject *m, PyObject *delta)
 }
 
 static PyObject *
+m_direct_check_every(PyObject *m, PyObject *every)
+{
+    long n = PyLong_AsLong(every);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    DIRECT.check_every = n >= 1 ? (unsigned long)n : DIRECT_CHECK_EVERY;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 m_fail_after(PyObject *m, PyObject *kind)
 {
     long k = PyLong_AsLong(kind);
@@ -2730,10 +3184,12 @@ m_stats(PyObject *m, PyObject *unused)
 #else
     int direct = 0;
 #endif
-    return Py_BuildValue("{s:n,s:n,s:i,s:i,s:N,s:N,s:N,s:O,s:O}", "site_keys", H.sites_len, "site_slots", H.sites_cap,
-                         "ledgers", H.n_ledgers, "depth", tls.depth, "fast", fast, "diverted", diverted, "slow",
-                         slow, "direct_frames", direct ? Py_True : Py_False, "dlpack_reader",
-                         H.dl_read != NULL ? Py_True : Py_False);
+    return Py_BuildValue("{s:n,s:n,s:i,s:i,s:N,s:N,s:N,s:O,s:O,s:O,s:k,s:k,s:k}", "site_keys", H.sites_len,
+                         "site_slots", H.sites_cap, "ledgers", H.n_ledgers, "depth", tls.depth, "fast", fast,
+                         "diverted", diverted, "slow", slow, "direct_frames", direct ? Py_True : Py_False,
+                         "dlpack_reader", H.dl_read != NULL ? Py_True : Py_False, "direct_reader",
+                         DIRECT.on ? Py_True : Py_False, "direct_reads", DIRECT.reads, "direct_checked",
+                         DIRECT.checked, "direct_mismatches", DIRECT.mismatches);
 }
 
 static PyMethodDef module_methods[] = {
@@ -2742,7 +3198,7 @@ static PyMethodDef module_methods[] = {
     {"set_torch", m_set_torch, METH_VARARGS,
      "torch.Tensor, torch.int64 and torch.int32: what index tensors are; sample tensors on which torch's DLPack "
      "reader must agree with its getters before it is used (False: not used); use_dlpack=False keeps the getters."},
-    {"readers_agree", m_readers_agree, METH_O, "Tests: whether the DLPack reader and the getters read a tensor alike."},
+    {"readers_agree", m_readers_agree, METH_O, "Tests: whether the readers (in place, DLPack, getters) read a tensor alike."},
     {"register_ledger", (PyCFunction)(void (*)(void))m_register_ledger, METH_VARARGS | METH_KEYWORDS,
      "A host slot ledger the fast paths may update (its numpy arrays, shape, lock)."},
     {"sglang_context", m_sglang_context, METH_VARARGS, "The SGLang state and its last_loc sources."},
@@ -2753,6 +3209,10 @@ static PyMethodDef module_methods[] = {
     {"calls", m_calls, METH_NOARGS, "Hooked calls dispatched here since the process started."},
     {"evicting", m_evicting, METH_NOARGS, "Tree evictions in progress on this thread."},
     {"evict_add", m_evict_add, METH_O, "Adds to this thread's evictions in progress."},
+    {"direct_misread", m_direct_misread, METH_NOARGS, "Tests: the in-place reader swaps the index dtypes."},
+    {"read_in_place", m_read_in_place, METH_O, "Tests: whether this tensor is read from torch's own fields."},
+    {"direct_check_every", m_direct_check_every, METH_O,
+     "Tests: compare every n-th direct tensor read with DLPack's (0: the default, 1024)."},
     {"fail_after", m_fail_after, METH_O, "Tests: a fast path of this kind fails after the host's call (-1: none)."},
     {"stats", m_stats, METH_NOARGS, "Sizes of what this module holds."},
     {NULL, NULL, 0, NULL}};

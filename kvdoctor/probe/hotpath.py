@@ -6,6 +6,11 @@ API costs more per hooked call than SGLang's own allocator call. The roles stay 
 truth: the extension takes only the cases it has checked to be healthy and hands everything else
 (violations and their evidence, censuses, fixes, injected faults) to the same Python code.
 
+Index tensors are read where torch keeps their fields (places learned at start on `index_samples`
+and checked against DLPack's answers, every 1024th read compared again), else through torch's
+DLPack C table, else through its getters; `KVDOCTOR_HOTPATH_DIRECT=0` and `KVDOCTOR_HOTPATH_DLPACK=0`
+step down the first one or two.
+
 `KVDOCTOR_HOTPATH=0` keeps a process on the Python path (the tests compare the two). Nothing here
 raises: a missing or mismatched extension means the Python path.
 """
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
 
 ENV_HOTPATH = "KVDOCTOR_HOTPATH"
 ENV_DLPACK = "KVDOCTOR_HOTPATH_DLPACK"  # 0: index tensors read through torch's Python getters only
+ENV_DIRECT = "KVDOCTOR_HOTPATH_DIRECT"  # 0: never read torch's tensor fields in place (DLPack only)
 MAX_LEDGER_BITS = 32
 MAX_ROLE_BITS = 64
 
@@ -241,22 +247,32 @@ def _ensure_torch() -> None:
     torch = sys.modules.get("torch")
     if torch is None or NATIVE is None:
         return
-    use = os.environ.get(ENV_DLPACK, "1").strip().lower() not in ("0", "off", "false", "no")
-    if _TORCH_SEEN == (id(torch), use):
+    use = _switched_on(ENV_DLPACK)
+    direct = use and _switched_on(ENV_DIRECT)
+    if _TORCH_SEEN == (id(torch), use, direct):
         return
     try:
-        NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32, index_samples(torch) if use else [], use)
-        _TORCH_SEEN = (id(torch), use)
+        NATIVE.set_torch(torch.Tensor, torch.int64, torch.int32, index_samples(torch) if use else [], use, direct)
+        _TORCH_SEEN = (id(torch), use, direct)
     except Exception:
         pass
+
+
+def _switched_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def index_samples(torch: Any) -> list[Any]:
     """Tensors of every shape the readers must agree on before the DLPack one is trusted: both
     index dtypes, views with an offset, strided and transposed views, one element, empty, other
-    dtypes (declined by both)."""
+    dtypes (declined by both), tensors made under inference mode (other dispatch keys) and a meta
+    tensor (no data: DLPack cannot describe it; the in-place reader learns the device from it)."""
     base = torch.arange(24, dtype=torch.int64)
+    with torch.inference_mode():
+        inference = [torch.arange(12, dtype=torch.int64)[2:], torch.arange(6, dtype=torch.int32)]
     return [
+        *inference,
+        torch.empty(3, dtype=torch.int64, device="meta"),
         base,
         base[5:9],
         base[::3],

@@ -56,3 +56,55 @@ def test_a_late_probe_names_exactly_what_leaked_before_it(tmp_path, fault, tree)
         assert not set(leak.evidence["slot_ids"]) & {int(s) for s in held}
     census = [e.args for e in events if e.name == schema.CENSUS][-1]
     assert census["ledger_disagrees_slots"] == 0  # the adopted ledger agrees with SGLang's own free list
+
+
+def _ledger(size: int, page_size: int):
+    from kvdoctor.probe.callsites import CallSites
+    from kvdoctor.probe.ledger.requests import RequestTable
+    from kvdoctor.probe.ledger.slots import SlotLedger
+
+    return SlotLedger(
+        name="check", size=size, page_size=page_size, device="cpu", emit=lambda *a, **k: None, requests=RequestTable(), sites=CallSites()
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_fresh_pool_check_counts_distinct_pages_as_unique_does(page_size):
+    """Whether to adopt is decided by counting distinct free pages on a bitmap; it must agree with
+    counting them by `np.unique` on the real allocator's free list (fresh, in use, freed again)
+    and on lists no allocator makes (repeats, numbers past the pool, floats, empty)."""
+    import numpy as np
+
+    from kvdoctor.probe.sglang.adopt import needs_adoption
+    from kvdoctor.probe.sglang.state import host_free_pages
+
+    def by_unique(ledger, pages):
+        return pages is not None and len(np.unique(np.asarray(pages))) < ledger.num_pages
+
+    engine = Engine(pool_tokens=256, page_size=page_size)
+    ledger = _ledger(256, page_size)
+    n = ledger.num_pages
+    fresh = host_free_pages(engine.allocator)
+    taken = engine.allocator.alloc(8 * page_size)
+    in_use = host_free_pages(engine.allocator)
+    engine.allocator.free(taken)
+    freed = host_free_pages(engine.allocator)
+    cases = [
+        fresh,
+        in_use,
+        freed,
+        None,
+        [],
+        np.arange(1, n + 1)[::-1],
+        np.arange(0, n),
+        np.r_[np.arange(1, n), 1],
+        np.r_[np.arange(1, n + 1), 1],
+        np.r_[np.arange(2, n + 1), n + 5],
+        np.r_[np.arange(2, n + 1), -3],
+        np.arange(1, n + 1, dtype=np.float64),
+        torch.arange(1, n + 1, dtype=torch.int32),
+        np.arange(1, n + 2),
+    ]
+    answers = [needs_adoption(ledger, pages) for pages in cases]
+    assert answers == [by_unique(ledger, pages) for pages in cases]
+    assert answers[:3] == [False, True, False]  # the cases the probe meets: fresh, in use, all returned

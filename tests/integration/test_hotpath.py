@@ -96,6 +96,74 @@ def test_the_dlpack_reader_reads_what_the_getters_read():
     assert hotpath.NATIVE.readers_agree(meta)  # DLPack declines it: the getters are asked
 
 
+def test_the_in_place_reader_reads_what_dlpack_reads_and_leaves_the_rest_to_it():
+    """torch's own tensor fields, at the places learned at start: every contiguous CPU index
+    tensor is read there, alike with DLPack; anything else (strided, other dtypes, more than the
+    inline dimensions, meta, subclasses) is left to DLPack."""
+    import torch
+
+    hotpath._ensure_torch()
+    native = hotpath.NATIVE
+    assert native.stats()["direct_reader"]
+    base = torch.arange(60, dtype=torch.int64)
+    with torch.inference_mode():
+        inference = torch.arange(9, dtype=torch.int32)[1:]
+    read_here = [base, base[7:31], base.view(6, 10)[4], base.view(6, 10)[2:3], base.to(torch.int32)[2:]]
+    read_here += [inference, torch.tensor(5), torch.empty(0, dtype=torch.int64), base.view(3, 4, 5)[1:]]
+    left = [base[::2], base.view(6, 10).t(), base.view(6, 10)[:, 3:4].t(), base.to(torch.float32), base.to(torch.int16)]
+    left += [base.view(1, 2, 3, 2, 5, 1)]  # more dimensions than torch keeps inline
+    left += [torch.empty(3, dtype=torch.int64, device="meta")]
+    for tensor in read_here + left:
+        assert native.readers_agree(tensor), (tensor.shape, tensor.stride(), tensor.dtype)
+    assert [native.read_in_place(t) for t in read_here] == [True] * len(read_here)
+    assert [native.read_in_place(t) for t in left] == [False] * len(left)
+    assert not native.read_in_place(torch.nn.Parameter(base.float()))  # a subclass: not read by any reader here
+
+
+def test_the_in_place_reader_is_compared_with_dlpack_and_turns_off_on_a_difference(tmp_path, monkeypatch):
+    """On the real workload every in-place read compared with DLPack's agrees; a layout misread
+    (as on a torch we misunderstood) is caught at the first compared read, turns the in-place
+    reader off, and the ledger still comes out as DLPack reads it."""
+    import torch
+
+    from kvdoctor.demo.engine import Engine
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
+    from kvdoctor.probe import runtime
+    from kvdoctor.probe.ledger.states import OWNED
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    native = hotpath.NATIVE
+    hotpath._TORCH_SEEN = None  # learn afresh: the counters start at zero
+    runtime.activate(str(tmp_path / "inplace.json"))
+    try:
+        native.direct_check_every(1)
+        run_workload(WorkloadConfig(page_size=1, conversations=4, turns=2, pool_tokens=1024))
+        stats = native.stats()
+        assert stats["direct_reader"] and stats["direct_mismatches"] == 0
+        assert stats["direct_checked"] == stats["direct_reads"] > 100
+
+        engine = Engine(pool_tokens=256, page_size=1)
+        ledger = sglang_state(runtime.current()).ledger_for(engine.allocator)
+        native.direct_misread()
+        slots = engine.allocator.alloc(6)  # an int64 tensor, now misread as int32
+        stats = native.stats()
+        assert not stats["direct_reader"] and stats["direct_mismatches"] == 1
+        assert [int(ledger.state[int(s)]) for s in slots] == [OWNED] * 6
+        assert native.readers_agree(torch.arange(5))
+    finally:
+        native.direct_check_every(0)
+        runtime.deactivate()
+        hotpath._TORCH_SEEN = None
+        hotpath._ensure_torch()  # learned again: on for the tests after this one
+    assert native.stats()["direct_reader"]
+    monkeypatch.setenv(hotpath.ENV_DIRECT, "0")
+    hotpath._ensure_torch()
+    assert not native.stats()["direct_reader"] and native.stats()["dlpack_reader"]
+    monkeypatch.delenv(hotpath.ENV_DIRECT)
+    hotpath._ensure_torch()
+    assert native.stats()["direct_reader"]
+
+
 def test_the_compiled_path_on_sglang_0_5_9_leaves_exactly_what_the_python_path_leaves():
     python, compiled = _start(False, "0.5.9", CASES_059), _start(True, "0.5.9", CASES_059)
     python_result, compiled_result = _result(python), _result(compiled)
@@ -216,3 +284,43 @@ def test_the_ledger_lock_is_reentrant_owned_and_survives_fork():
     _, status = os.waitpid(pid, 0)
     lock.release()
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_a_fast_path_waits_for_a_ledger_lock_another_thread_holds(tmp_path):
+    """A fast path leaves the ledger's lock alone only where nobody holds it. Held by a thread
+    that let go of the GIL inside (a census in the writer thread), the allocation's ledger update
+    waits for it, and is recorded once it is released."""
+    from kvdoctor.demo.engine import Engine
+    from kvdoctor.probe import runtime
+    from kvdoctor.probe.ledger.states import FREE, OWNED
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    runtime.activate(str(tmp_path / "held.json"))
+    try:
+        engine = Engine(pool_tokens=256, page_size=1)
+        ledger = sglang_state(runtime.current()).ledger_for(engine.allocator)
+        order, held, seen = [], threading.Event(), {}
+
+        def holder() -> None:
+            with ledger.lock:
+                order.append("held")
+                held.set()
+                time.sleep(0.3)
+                seen["while_held"] = int((ledger.state == OWNED).sum())
+                order.append("released")
+
+        worker = threading.Thread(target=holder)
+        worker.start()
+        held.wait()
+        before = hotpath.NATIVE.stats()["fast"][hotpath.KINDS["alloc"]]
+        slots = engine.allocator.alloc(5)
+        order.append("allocated")
+        worker.join()
+        assert order == ["held", "released", "allocated"]
+        assert seen["while_held"] == 0  # nothing changed under the holder
+        assert hotpath.NATIVE.stats()["fast"][hotpath.KINDS["alloc"]] == before + 1
+        assert all(ledger.state[int(s)] == OWNED for s in slots)
+        engine.allocator.free(slots)
+        assert all(ledger.state[int(s)] == FREE for s in slots)
+    finally:
+        runtime.deactivate()

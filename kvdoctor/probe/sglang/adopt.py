@@ -35,8 +35,20 @@ REQUEST_CLASS_SUFFIXES = ("Req", "Request")
 
 
 def needs_adoption(ledger: SlotLedger, free_pages: Any) -> bool:
-    """Slots were handed out before the probe saw this allocator (a fresh one has all pages free)."""
-    return free_pages is not None and len(np.unique(np.asarray(free_pages))) < ledger.num_pages
+    """Slots were handed out before the probe saw this allocator (a fresh one has all pages free).
+
+    Counted as distinct pages on a bitmap: a fresh pool's free list is every page once, and
+    sorting or hashing it (`np.unique`) cost more than the rest of a ledger's setup together."""
+    if free_pages is None:
+        return False
+    pages = np.asarray(free_pages).ravel()
+    if pages.size < ledger.num_pages:
+        return True
+    if pages.dtype.kind not in "iu" or int(pages.min()) < 0 or int(pages.max()) > ledger.num_pages + 1:
+        return len(np.unique(pages)) < ledger.num_pages  # not page numbers as we know them: count them all
+    seen = np.zeros(ledger.num_pages + 2, dtype=np.bool_)
+    seen[pages] = True
+    return int(np.count_nonzero(seen)) < ledger.num_pages
 
 
 def adopt(
