@@ -3,7 +3,9 @@ hide behind, the worst case). Four arms, each in its own fresh interpreter, alte
 one run: no probe; a bare pass-through wrapper on exactly the methods the probe hooks (the floor:
 what any wrapper costs); the probe with its compiled hot path; the probe in pure Python
 (KVDOCTOR_HOTPATH=0, the fallback where the extension is not built). Ratios are minimum over
-minimum (the least disturbed loop of each arm), medians beside them."""
+minimum (the least disturbed loop of each arm), medians beside them, and the median over rounds of
+each round's own ratio (arms of one round run back to back, so a drift in the machine's speed
+between rounds cancels)."""
 
 from __future__ import annotations
 
@@ -71,14 +73,18 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     for page_size in (1, 4):
         times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        paired: list[float] = []  # per round: its compiled minimum over its unprobed minimum
         calls, compiled = 0, None
         for r in range(args.rounds):
+            best_in_round = {}
             for arm in ARMS:
                 result = probe_arm(arm, page_size, args.repeats, os.path.join(tmp, f"p{page_size}-{arm}-{r}.json"))
                 times[arm] += result["times_s"]
+                best_in_round[arm] = min(result["times_s"])
                 if arm == "compiled":
                     calls = result["hooked_calls"] // (args.repeats + 1)
                     compiled = result["compiled"]
+            paired.append(best_in_round["compiled"] / best_in_round["off"])
         best = {arm: min(t) for arm, t in times.items()}
         median = {arm: statistics.median(t) for arm, t in times.items()}
         off = best["off"]
@@ -87,6 +93,9 @@ def main() -> None:
             "loop_s_median": {arm: round(v, 5) for arm, v in median.items()},
             "ratio": round(best["compiled"] / off, 3),
             "ratio_median": round(median["compiled"] / median["off"], 3),
+            # the machine's speed drifts between rounds; arms of one round ran back to back
+            "ratio_paired_median": round(statistics.median(paired), 3),
+            "ratio_paired_per_round": [round(x, 3) for x in paired],
             "floor_ratio_bare_wrapper": round(best["bare"] / off, 3),
             "ratio_over_floor": round(best["compiled"] / best["bare"], 3),
             "python_fallback_ratio": round(best["python"] / off, 3),

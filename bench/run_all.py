@@ -41,7 +41,7 @@ def main() -> None:
         "quick": quick,
     }
     steps = [
-        ("probe_cost_cpu", "bench_probe.py", ["--rounds", "2" if quick else "5", "--repeats", "3" if quick else "5"]),
+        ("probe_cost_cpu", "bench_probe.py", ["--rounds", "2" if quick else "8", "--repeats", "3" if quick else "5"]),
         ("anchors_cpu", "bench_anchors.py", ["--rounds", "2" if quick else "3", "--repeats", "3" if quick else "5"]),
         (
             "probe_memory",
@@ -72,7 +72,8 @@ def main() -> None:
 def _probe_rows(page_size: int, p: dict) -> list[tuple[str, str, str]]:
     """The probe's ratio with the floor beside it: a bare pass-through wrapper on the same methods."""
     name = f"probe cost, allocator + tree loop, page_size {page_size} (CPU)"
-    measured = f"{p['ratio']}x ({p['cost_per_hooked_call_us']} us/hooked call)"
+    measured = f"{p['ratio']}x ({p['cost_per_hooked_call_us']} us/hooked call"
+    measured += f"; rounds' own ratios, median {p['ratio_paired_median']}x)" if "ratio_paired_median" in p else ")"
     if "floor_ratio_bare_wrapper" not in p:
         return [(name, measured, "<= 1.10x")]
     return [
