@@ -462,6 +462,28 @@ ints_found(Ints *out, const void *ptr)
 
 /* read_ints through DLPack: the same answers as torch's getters below (the tests compare them),
  * -1 with an error set where torch declines the tensor. */
+/* The element count of a tensor of this shape, and whether its strides are torch's is_contiguous
+ * (size-1 dimensions' strides do not count; NULL strides: compact). Both readers ask it. */
+static inline int
+contiguous_count(const int64_t *shape, const int64_t *strides, int64_t ndim, Py_ssize_t *n)
+{
+    Py_ssize_t count = 1;
+    for (int64_t i = 0; i < ndim; i++)
+        count *= (Py_ssize_t)shape[i];
+    *n = count;
+    if (count <= 1 || strides == NULL)
+        return 1;
+    int64_t expected = 1;
+    for (int64_t i = ndim - 1; i >= 0; i--) {
+        if (shape[i] != 1) {
+            if (strides[i] != expected)
+                return 0;
+            expected *= shape[i];
+        }
+    }
+    return 1;
+}
+
 static int
 read_ints_dlpack(PyObject *t, Ints *out)
 {
@@ -473,24 +495,15 @@ read_ints_dlpack(PyObject *t, Ints *out)
     if (!host || d.dtype.code != DL_INT || d.dtype.lanes != 1 ||
         (d.dtype.bits != 64 && d.dtype.bits != 32) || d.ndim < 0)
         return 0;
-    Py_ssize_t n = 1;
-    for (int32_t i = 0; i < d.ndim; i++)
-        n *= (Py_ssize_t)d.shape[i];
+    Py_ssize_t n;
+    int contiguous = contiguous_count(d.shape, d.strides, d.ndim, &n);
     int itemsize = d.dtype.bits / 8;
     out->n = n;
     out->itemsize = itemsize;
     if (n == 0)
         return 1;
-    if (n > 1 && d.strides != NULL) { /* torch's is_contiguous: size-1 dimensions' strides do not count */
-        int64_t expected = 1;
-        for (int32_t i = d.ndim - 1; i >= 0; i--) {
-            if (d.shape[i] != 1) {
-                if (d.strides[i] != expected)
-                    return 0;
-                expected *= d.shape[i];
-            }
-        }
-    }
+    if (!contiguous)
+        return 0;
     const char *ptr = (const char *)d.data + d.byte_offset;
     if (ptr == NULL)
         return 0;
@@ -585,10 +598,10 @@ typedef struct {
     Py_ssize_t storage;       /* in the TensorImpl: the StorageImpl pointer */
     const void *storage_class;
     Py_ssize_t data;          /* in the StorageImpl: the data pointer */
-    unsigned long reads, checked, check_every, mismatches;
+    unsigned long reads, checked, check_every, until_check, mismatches;
 } DirectLayout;
 
-static DirectLayout DIRECT = {.check_every = DIRECT_CHECK_EVERY};
+static DirectLayout DIRECT = {.check_every = DIRECT_CHECK_EVERY, .until_check = DIRECT_CHECK_EVERY};
 
 #define AT(base, off, type) (*(const type *)((const char *)(base) + (off)))
 
@@ -620,21 +633,9 @@ read_ints_direct(PyObject *t, Ints *out)
     if (itemsize == 0 || ndim > (uint64_t)L->inline_dims)
         return -2;
     const int64_t *shape = (const int64_t *)(impl + L->sizes), *strides = (const int64_t *)(impl + L->strides);
-    Py_ssize_t n = 1;
-    for (uint64_t i = 0; i < ndim; i++)
-        n *= (Py_ssize_t)shape[i];
-    if (n < 0)
+    Py_ssize_t n;
+    if (!contiguous_count(shape, strides, (int64_t)ndim, &n) || n < 0)
         return -2;
-    if (n > 1) { /* torch's is_contiguous, as the DLPack reader checks it */
-        int64_t expected = 1;
-        for (int64_t i = (int64_t)ndim - 1; i >= 0; i--) {
-            if (shape[i] != 1) {
-                if (strides[i] != expected)
-                    return -2;
-                expected *= shape[i];
-            }
-        }
-    }
     out->n = n;
     out->itemsize = itemsize;
     if (n == 0)
@@ -667,14 +668,14 @@ typedef struct {
 
 /* The one offset in [lo, hi) (step `step`) where `fits` holds for every sample; -1: none, or more
  * than one (a place two fields could be is no place). */
-typedef int (*Fits)(const Sample *s, int n, Py_ssize_t off, void *ctx);
+typedef int (*Fits)(const Sample *s, int n, Py_ssize_t off);
 
 static Py_ssize_t
-only_offset(const Sample *s, int n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step, Fits fits, void *ctx)
+only_offset(const Sample *s, int n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step, Fits fits)
 {
     Py_ssize_t found = -1;
     for (Py_ssize_t off = lo; off < hi; off += step) {
-        if (fits(s, n, off, ctx)) {
+        if (fits(s, n, off)) {
             if (found >= 0)
                 return -1;
             found = off;
@@ -690,7 +691,7 @@ is_index_dtype(const DlTensor *d, int bits)
 }
 
 static int
-fits_storage_offset(const Sample *s, int n, Py_ssize_t off, void *ctx)
+fits_storage_offset(const Sample *s, int n, Py_ssize_t off)
 {
     int varied = 0;
     for (int i = 0; i < n; i++) {
@@ -705,7 +706,7 @@ fits_storage_offset(const Sample *s, int n, Py_ssize_t off, void *ctx)
 
 /* the dtype: one value per DLPack dtype, different dtypes different values */
 static int
-fits_dtype(const Sample *s, int n, Py_ssize_t off, void *ctx)
+fits_dtype(const Sample *s, int n, Py_ssize_t off)
 {
     for (int i = 0; i < n; i++) {
         if (s[i].meta || !s[i].dl_ok)
@@ -726,7 +727,7 @@ fits_dtype(const Sample *s, int n, Py_ssize_t off, void *ctx)
 /* the device: c10's Device {type, index} and its optional's flag: CPU (0), index -1, set; the meta
  * sample's type is not CPU */
 static int
-fits_device(const Sample *s, int n, Py_ssize_t off, void *ctx)
+fits_device(const Sample *s, int n, Py_ssize_t off)
 {
     int saw_meta = 0;
     for (int i = 0; i < n; i++) {
@@ -748,7 +749,7 @@ fits_device(const Sample *s, int n, Py_ssize_t off, void *ctx)
 static int
 learn_direct(PyObject *samples)
 {
-    DirectLayout L = {.check_every = DIRECT_CHECK_EVERY};
+    DirectLayout L = {.check_every = DIRECT_CHECK_EVERY, .until_check = DIRECT_CHECK_EVERY};
     int n = (int)PyList_GET_SIZE(samples);
     if (n < 4 || n > 64 || H.dl_read == NULL)
         return 0;
@@ -833,11 +834,11 @@ learn_direct(PyObject *samples)
         return 0;
     /* past the sizes and strides: storage offset, then dtype, device and dispatch keys */
     Py_ssize_t past = L.strides + 8 * L.inline_dims;
-    L.storage_offset = only_offset(s, n, past, past + 32, 8, fits_storage_offset, NULL);
+    L.storage_offset = only_offset(s, n, past, past + 32, 8, fits_storage_offset);
     if (L.storage_offset < 0)
         return 0;
-    L.dtype = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 2, fits_dtype, NULL);
-    L.device = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 1, fits_device, NULL);
+    L.dtype = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 2, fits_dtype);
+    L.device = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 1, fits_device);
     if (L.dtype < 0 || L.device < 0)
         return 0;
     L.keys = (L.device + 3 + 7) / 8 * 8;
@@ -876,9 +877,8 @@ learn_direct(PyObject *samples)
                 if (s[i].meta)
                     continue;
                 Py_ssize_t item = s[i].d.dtype.bits / 8;
-                Py_ssize_t numel = 1;
-                for (int k = 0; k < s[i].d.ndim; k++)
-                    numel *= s[i].d.shape[k];
+                Py_ssize_t numel;
+                contiguous_count(s[i].d.shape, s[i].d.strides, s[i].d.ndim, &numel);
                 if (numel == 0 || item == 0)
                     continue;
                 uintptr_t storage = AT(s[i].impl, st, uintptr_t);
@@ -930,7 +930,8 @@ read_ints(PyObject *t, Ints *out)
     int rc = -1;
     if (DIRECT.on) {
         rc = read_ints_direct(t, out);
-        if (rc == 1 && ++DIRECT.reads % DIRECT.check_every == 0) {
+        if (rc == 1 && (DIRECT.reads++, --DIRECT.until_check == 0)) {
+            DIRECT.until_check = DIRECT.check_every;
             Ints check;
             ints_clear(&check);
             DIRECT.checked++;
@@ -3151,6 +3152,7 @@ m_direct_check_every(PyObject *m, PyObject *every)
     if (n == -1 && PyErr_Occurred())
         return NULL;
     DIRECT.check_every = n >= 1 ? (unsigned long)n : DIRECT_CHECK_EVERY;
+    DIRECT.until_check = DIRECT.check_every;
     Py_RETURN_NONE;
 }
 
