@@ -150,34 +150,48 @@ def run_command(
         start_trace(trace_path, command, {"fixes": fixes}, force=force)
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {trace_path}: {exc.strerror}", "pass --trace to a writable place") from None
-    try:
-        child = subprocess.Popen(
-            command, env=probe_environment(trace_path, fixes, attribution=attribution), start_new_session=True, preexec_fn=_die_with_parent
-        )
-    except OSError as exc:
-        raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
-    sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
+    started: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         # To the command's first process only: a server shuts its workers down in its own order
         # (SGLang's scheduler ends badly on a SIGINT of its own). The rest of the group is ended
-        # once that process is gone.
+        # once that process is gone. A signal before the command exists is passed on once it does.
+        if not started:
+            pending.append(signum)
+            return
         try:
-            child.send_signal(signum)
+            started[0].send_signal(signum)
         except OSError:
             pass
 
+    # in place before the command starts: a signal meeting Python's own handler (a KeyboardInterrupt
+    # between the start and here) would leave the command's group and the sampler running
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    sampling = None
     try:
-        code = child.wait()
-    finally:
         try:
-            end_group(child.pid)
+            child = subprocess.Popen(
+                command,
+                env=probe_environment(trace_path, fixes, attribution=attribution),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
+        started.append(child)
+        for signum in pending:
+            forward(signum, None)
+        sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
+        try:
+            code = child.wait()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if sampling is not None:
-                sampling[0].set()
-                sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
+            end_group(child.pid)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if sampling is not None:
+            sampling[0].set()
+            sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
     finish_trace(trace_path, os.getpid())
     return (code if code >= 0 else 128 - code), trace_path
