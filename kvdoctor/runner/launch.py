@@ -6,10 +6,11 @@ process appends to one trace, and a sampler thread adds the memory of the comman
 from outside; when the command ends the trace is closed.
 
 The command runs in a process group of its own, which `run` answers for: the signals `run` gets
-(SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) are passed to the command's first process,
-and when it ends, what is left of its group is ended (SIGTERM, then SIGKILL after a grace period).
-If `run` itself is killed with SIGKILL, the command's first process gets SIGKILL from the kernel
-(PR_SET_PDEATHSIG); its own children are then its to end.
+(SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) are passed to the command's first process
+(one that `run` was started ignoring, as under nohup, stays ignored for both), and when it ends,
+what is left of its group is ended (SIGTERM, then SIGKILL after a grace period). If `run` itself
+is killed with SIGKILL, the command's first process gets SIGKILL from the kernel (PR_SET_PDEATHSIG);
+its own children are then its to end.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def start_trace(trace_path: str, command: list[str], extra: dict[str, Any] | Non
     header.name = schema.RUN_HEADER
     writer.write_batch([header])
     writer.close()
+
+
+def forwarded_signals() -> list[signal.Signals]:
+    """The signals `run` passes on: those of FORWARDED_SIGNALS that `run` was not started ignoring.
+    One ignored on entry stays ignored, and the command inherits that (`nohup kvdoctor run -- ...`
+    keeps its server through a hang-up, as a shell's `trap` leaves such a signal alone)."""
+    return [sig for sig in FORWARDED_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
 
 
 def _die_with_parent() -> None:
@@ -167,7 +175,7 @@ def run_command(
 
     # in place before the command starts: a signal meeting Python's own handler (a KeyboardInterrupt
     # between the start and here) would leave the command's group and the sampler running
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded_signals()}
     sampling = None
     try:
         try:

@@ -277,9 +277,15 @@ def _session_pids(sid: int) -> list[int]:
     return out
 
 
-def _run_started(tmp_path, script: str) -> subprocess.Popen:
-    """`kvdoctor run -- sh -c SCRIPT`, returned once the script has touched `{marker}`."""
+def _run_started(tmp_path, script: str, ignoring: tuple[int, ...] = ()) -> subprocess.Popen:
+    """`kvdoctor run -- sh -c SCRIPT`, returned once the script has touched `{marker}`; `run`
+    starts with the signals `ignoring` ignored, as `nohup` starts it."""
     marker = tmp_path / "started"
+
+    def ignore() -> None:
+        for sig in ignoring:
+            signal.signal(sig, signal.SIG_IGN)
+
     run = subprocess.Popen(
         [
             sys.executable,
@@ -296,6 +302,7 @@ def _run_started(tmp_path, script: str) -> subprocess.Popen:
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=ignore,
     )
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline:
@@ -314,6 +321,21 @@ def test_run_ends_the_whole_group_it_started(tmp_path, sig):
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in children if _alive(p)] == []
+
+
+def test_a_signal_run_was_started_ignoring_stays_ignored_for_its_command(tmp_path):
+    # nohup: the hang-up that ends the terminal must not reach the server through `run`
+    run = _run_started(tmp_path, "touch {marker}; exec sleep 300", ignoring=(signal.SIGHUP,))
+    (child,) = [p for p in _session_pids(_child_sid(run.pid)) if p != run.pid]
+    assert _ignored_signals(child) & (1 << (signal.SIGHUP - 1))  # the command inherits the ignore
+    run.send_signal(signal.SIGHUP)  # ignored by run: nothing is forwarded
+    run.send_signal(signal.SIGTERM)  # forwarded: the command ends of this one, not of the hang-up
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+
+
+def _ignored_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1], 16) for line in fh if line.startswith("SigIgn:"))
 
 
 def test_killing_run_itself_takes_its_command_down(tmp_path):
