@@ -286,24 +286,25 @@ def _run_started(tmp_path, script: str, ignoring: tuple[int, ...] = ()) -> subpr
         for sig in ignoring:
             signal.signal(sig, signal.SIG_IGN)
 
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvdoctor.cli",
-            "run",
-            "--trace",
-            str(tmp_path / "t.kvtrace.json"),
-            "--",
-            "sh",
-            "-c",
-            script.format(marker=marker),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=ignore,
-    )
+    with open(tmp_path / "run.stderr", "wb") as stderr:  # the child keeps its own copy; _wait_or_explain reads it
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvdoctor.cli",
+                "run",
+                "--trace",
+                str(tmp_path / "t.kvtrace.json"),
+                "--",
+                "sh",
+                "-c",
+                script.format(marker=marker),
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            preexec_fn=ignore,
+        )
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -316,7 +317,7 @@ def test_run_ends_the_whole_group_it_started(tmp_path, sig):
     children = [p for p in _session_pids(_child_sid(run.pid)) if p != run.pid]
     assert len(children) >= 3  # the shell and its two sleeps
     run.send_signal(sig)
-    run.wait(timeout=60)
+    _wait_or_explain(run, children, tmp_path)
     deadline = time.monotonic() + 10  # the group's ending is signalled, not waited for: a busy machine takes a moment
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -330,7 +331,35 @@ def test_a_signal_run_was_started_ignoring_stays_ignored_for_its_command(tmp_pat
     assert _ignored_signals(child) & (1 << (signal.SIGHUP - 1))  # the command inherits the ignore
     run.send_signal(signal.SIGHUP)  # ignored by run: nothing is forwarded
     run.send_signal(signal.SIGTERM)  # forwarded: the command ends of this one, not of the hang-up
-    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    assert _wait_or_explain(run, [child], tmp_path) == 128 + signal.SIGTERM
+
+
+def _wait_or_explain(run: subprocess.Popen, children: list[int], tmp_path) -> int:
+    """run's exit code; if it does not end, a failure that says where run and its command stand
+    (state, kernel wait channel, signal masks, what run printed), and then they are killed."""
+    try:
+        return run.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        seen = "\n".join(_where(pid) for pid in [run.pid, *children])
+        printed = (tmp_path / "run.stderr").read_bytes()[-2000:].decode(errors="replace")
+        for pid in [run.pid, *children]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        run.wait()
+        pytest.fail(f"run did not end within 60 s of its signal\n{seen}\nrun printed:\n{printed}")
+
+
+def _where(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = [line.strip() for line in fh if line.startswith(("Name", "State", "SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd"))]
+        with open(f"/proc/{pid}/wchan") as fh:
+            fields.append("wchan: " + fh.read())
+        return f"pid {pid}: " + ", ".join(fields)
+    except OSError:
+        return f"pid {pid}: gone"
 
 
 def _ignored_signals(pid: int) -> int:
