@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,6 +37,18 @@ def trace_events(path: str, name: str) -> list:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~20 s")
+    as_a_terminals_foreground_job()
+
+
+def as_a_terminals_foreground_job() -> None:
+    """SIGINT and SIGQUIT as a command typed at a terminal has them. A suite started in the
+    background by a script (`cmd &` in a non-interactive shell) has both ignored, and every process
+    it starts would inherit that: the servers the tests stop as Ctrl-C does (SIGINT) would not stop,
+    and `kvdoctor run` rightly leaves a signal it was started ignoring alone."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def sglang_env(version: str) -> dict:

@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from conftest import REPO
 
+from kvdoctor.runner.launch import FORWARDED_SIGNALS
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace
 
@@ -282,9 +283,9 @@ def _run_started(tmp_path, script: str, ignoring: tuple[int, ...] = ()) -> subpr
     starts with the signals `ignoring` ignored, as `nohup` starts it."""
     marker = tmp_path / "started"
 
-    def ignore() -> None:
-        for sig in ignoring:
-            signal.signal(sig, signal.SIG_IGN)
+    def ignore() -> None:  # whatever the suite was started with: only `ignoring` is ignored
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig in ignoring else signal.SIG_DFL)
 
     with open(tmp_path / "run.stderr", "wb") as stderr:  # the child keeps its own copy; _wait_or_explain reads it
         run = subprocess.Popen(
