@@ -460,8 +460,6 @@ ints_found(Ints *out, const void *ptr)
     return 1;
 }
 
-/* read_ints through DLPack: the same answers as torch's getters below (the tests compare them),
- * -1 with an error set where torch declines the tensor. */
 /* The element count of a tensor of this shape, and whether its strides are torch's is_contiguous
  * (size-1 dimensions' strides do not count; NULL strides: compact). Both readers ask it. */
 static inline int
@@ -484,6 +482,8 @@ contiguous_count(const int64_t *shape, const int64_t *strides, int64_t ndim, Py_
     return 1;
 }
 
+/* read_ints through DLPack: the same answers as torch's getters below (the tests compare them),
+ * -1 with an error set where torch declines the tensor. */
 static int
 read_ints_dlpack(PyObject *t, Ints *out)
 {
@@ -930,7 +930,9 @@ read_ints(PyObject *t, Ints *out)
     int rc = -1;
     if (DIRECT.on) {
         rc = read_ints_direct(t, out);
-        if (rc == 1 && (DIRECT.reads++, --DIRECT.until_check == 0)) {
+        if (rc == 1)
+            DIRECT.reads++;
+        if (rc == 1 && --DIRECT.until_check == 0) {
             DIRECT.until_check = DIRECT.check_every;
             Ints check;
             ints_clear(&check);

@@ -158,18 +158,18 @@ def run_command(
         start_trace(trace_path, command, {"fixes": fixes}, force=force)
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {trace_path}: {exc.strerror}", "pass --trace to a writable place") from None
-    started: list[subprocess.Popen[bytes]] = []
+    child: subprocess.Popen[bytes] | None = None
     pending: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         # To the command's first process only: a server shuts its workers down in its own order
         # (SGLang's scheduler ends badly on a SIGINT of its own). The rest of the group is ended
         # once that process is gone. A signal before the command exists is passed on once it does.
-        if not started:
+        if child is None:
             pending.append(signum)
             return
         try:
-            started[0].send_signal(signum)
+            child.send_signal(signum)
         except OSError:
             pass
 
@@ -187,7 +187,6 @@ def run_command(
             )
         except OSError as exc:
             raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
-        started.append(child)
         for signum in pending:
             forward(signum, None)
         sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
