@@ -59,6 +59,8 @@ class Analysis:
     source: str = ""
     series: dict[str, Any] = dataclasses.field(default_factory=dict)
     censuses: int = 0  # how many times a ledger was counted whole: 0 means no orphan verdict exists
+    last_censuses: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # pid -> its last census (ts, reason, age_s)
+    end_ts_us: float | None = None  # when the run ended (the trace's end event), if it says
 
     @property
     def errors(self) -> list[Finding]:
@@ -72,6 +74,7 @@ class Analysis:
             "findings": [f.to_dict() for f in self.findings],
             "processes": {str(pid): info for pid, info in self.processes.items()},
             "censuses": self.censuses,
+            "last_censuses": {str(pid): info for pid, info in self.last_censuses.items()},
             "notes": self.notes,
         }
 
@@ -142,6 +145,8 @@ class Analyzer:
         self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
         self._pids: set[int] = set()
         self.censuses = 0
+        self.last_censuses: dict[int, dict[str, Any]] = {}
+        self.end_ts_us: float | None = None
         self.ignored_events = 0  # from processes beyond MAX_PROCESSES
 
     def feed(self, event: schema.Event) -> None:
@@ -164,11 +169,15 @@ class Analyzer:
                 feeds = routes[name] = [s.feed for s in sinks if _reads(s, name)]
             if name in _HEADERS:
                 info = processes.setdefault(event.pid, {})
-                info.update({k: str(event.args[k]) for k in ("engine", "engine_version", "process_title") if event.args.get(k)})
+                info.update({k: str(event.args[k]) for k in ("engine", "engine_version", "process_title", "probe") if event.args.get(k)})
             elif name == schema.PROCESS_NAME and event.args.get("name"):
                 processes.setdefault(event.pid, {})["process_title"] = str(event.args["name"])
             elif name == schema.CENSUS:
                 self.censuses += 1
+                args = event.args
+                self.last_censuses[event.pid] = {"ts_us": event.ts, "reason": str(args.get("reason", "")), "age_s": args.get("age_s")}
+            elif name == schema.TRACE_END:
+                self.end_ts_us = float(event.args.get("ended_at_us") or event.ts or 0) or None
             for feed in feeds:
                 feed(event)
         self.events += count
@@ -246,6 +255,8 @@ class Analyzer:
             source=self.source,
             series=self._series.series,
             censuses=self.censuses,
+            last_censuses=self.last_censuses,
+            end_ts_us=self.end_ts_us,
         )
 
 

@@ -141,11 +141,11 @@ def judgeable(analysis: Analysis) -> tuple[bool, str]:
 
 
 def _probed(analysis: Analysis) -> dict[str, list[int]]:
-    """engine -> the pids whose probe reported from it."""
+    """engine -> the pids whose probe reported from it (not those the sampler only guessed from a title)."""
     out: dict[str, list[int]] = {}
     for pid, info in sorted(analysis.processes.items()):
         engine = str((info or {}).get("engine") or "")
-        if engine:
+        if engine and (info or {}).get("probe"):
             out.setdefault(engine, []).append(pid)
     return out
 
@@ -164,18 +164,64 @@ def _probe_check(analysis: Analysis, engine: str, required: bool) -> Check:
     return Check("probe-reported", False, detail)
 
 
+def _census_basis(analysis: Analysis) -> str:
+    """Which census the orphan verdict stands on, per probed process, and how old it was when the
+    run ended: a rolling one misses a leak made after it."""
+    parts = []
+    for pid, last in sorted(analysis.last_censuses.items())[:8]:
+        reason = last.get("reason") or "a"
+        age_s = last.get("age_s")
+        if age_s is None and analysis.end_ts_us and last.get("ts_us"):
+            age_s = max(0.0, (analysis.end_ts_us - float(last["ts_us"])) / 1e6)
+        text = f"pid {pid}: the {reason} census"
+        if age_s is not None:
+            text += f", {float(age_s):.1f} s before the end"
+        if reason == "rolling":
+            text += " (a leak made after it is not seen)"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
     if not _probed(analysis):
         return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
     if not analysis.censuses:
-        detail = "no census ran (the engine never went idle and did not exit cleanly): no slot was counted"
+        detail = (
+            "no census ran: no slot was counted (the engine was never idle and was killed before its exit census); "
+            "run the server under `kvdoctor run`/`gate` and stop it with SIGINT or SIGTERM to its launcher, "
+            "or leave it idle for a second before stopping it"
+        )
         return Check("max-orphan-slots", False, detail, judged=False)
     orphans = _orphans(analysis)
+    basis = _census_basis(analysis)
+    passed = orphans <= budgets.max_orphan_slots
+    named = "" if passed else _named_orphans(analysis)
     return Check(
         "max-orphan-slots",
-        orphans <= budgets.max_orphan_slots,
-        f"{orphans} orphaned KV slot(s) at the census, budget {budgets.max_orphan_slots}",
+        passed,
+        f"{orphans} orphaned KV slot(s) at the census, budget {budgets.max_orphan_slots}"
+        + (f": {named}" if named else "")
+        + (f"; judged on {basis}" if basis else ""),
     )
+
+
+def _named_orphans(analysis: Analysis, most: int = 3) -> str:
+    """The largest orphan findings by their evidence: slots, where they were allocated, for whom."""
+    parts = []
+    for finding in sorted((f for f in analysis.findings if f.kind == schema.ORPHAN_SLOTS), key=lambda f: -as_int(f.count or 0))[:most]:
+        ev = finding.evidence
+        slots = [str(s) for s in (ev.get("slot_ids") or [])[:8]]
+        text = f"{finding.count} in pid {ev.get('pid', finding.pid)} {ev.get('allocator', '')}".rstrip()
+        if slots:
+            text += f" (slots {', '.join(slots)}{', ...' if as_int(finding.count or 0) > len(slots) else ''})"
+        site = next(iter(ev.get("allocated_at") or {}), "")
+        request = next(iter(ev.get("requests") or {}), "")
+        if site:
+            text += f", allocated by {str(site).split(' < ')[0]}"
+        if request:
+            text += f" for {request}"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def _other_errors_check(analysis: Analysis, budgets: Budgets) -> Check:

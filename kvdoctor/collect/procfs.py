@@ -70,8 +70,20 @@ def guess_role(title: str) -> str:
 
 
 def guess_engine(title: str) -> str:
-    lower = title.lower()
-    return next((engine for engine in ENGINES if engine in lower), "")
+    """The engine a process runs, from its title: the engine's own title (`sglang::scheduler`,
+    `VLLM::EngineCore`), a `-m` module of its package, or its console script. Not any mention: a
+    benchmark given `--tokenizer /models/sglang-tiny` is no SGLang process."""
+    words = title.lower().split()
+    for index, word in enumerate(words):
+        if index == 0 and "::" in word:
+            name = word.split("::", 1)[0]
+        elif index and words[index - 1] == "-m":
+            name = word.split(".", 1)[0]
+        else:
+            name = os.path.basename(word)
+        if name in ENGINES:
+            return name
+    return ""
 
 
 def read_text(path: str) -> str | None:

@@ -96,6 +96,7 @@ class Role:
     """
 
     fast_kind: ClassVar[str] = ""
+    runs_first: ClassVar[bool] = False  # a function role whose work is `before` the call (rare calls: never compiled)
     composite: ClassVar[bool] = False
     wants_site: ClassVar[bool] = False
     ledger: ClassVar[str] = ""  # the ledger it feeds: off unless all its hooks resolve
@@ -270,14 +271,21 @@ def python_wrapper(original: Callable[..., Any], role: Role, hook: Hook) -> Call
 
 
 def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
-    """A module-level function with `role.after` run on its result (obj is None): compiled where
-    the extension is available."""
-    if hotpath.active():
+    """A module-level function with `role.after` run on its result (obj is None), or `role.before`
+    ahead of the call for a `runs_first` role: compiled where the extension is available."""
+    if hotpath.active() and not role.runs_first:
         return hotpath.wrap_function(original, role, hook)
     current = CURRENT
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if role.runs_first:
+            probe = current.probe
+            if probe is not None and probe.ledger_on and hook.ledger not in probe.ledgers_off:
+                try:
+                    role.before(probe, hook, None, args, kwargs, 0)
+                except Exception as exc:
+                    probe.fail(hook.role, exc)
         result = original(*args, **kwargs)
         probe = current.probe
         if probe is not None and probe.ledger_on and hook.ledger not in probe.ledgers_off:

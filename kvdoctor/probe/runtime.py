@@ -23,6 +23,7 @@ from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, REGISTRY, Hook, ImportHook, rebind_imported, wrap_function, wrap_method
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, available_maps, installed_version, known_versions, map_for
 from kvdoctor.probe.releases import ci_sentence
+from kvdoctor.probe.shutdown import Rendezvous
 from kvdoctor.probe.verify import check_signature, describe_choice, nearest_resolving_map
 from kvdoctor.trace import schema
 
@@ -38,7 +39,8 @@ ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
 class EngineState(Protocol):
     """Per-process bookkeeping of one engine (ledgers, live requests): `periodic` runs on the
-    writer thread every flush interval, `close` once at exit."""
+    writer thread every flush interval, `close` once at exit. A state whose process the engine
+    kills outright also has `census_at_shutdown(probe, waited_s)` (see `shutdown.py`)."""
 
     def periodic(self, probe: Probe) -> None: ...
 
@@ -79,6 +81,7 @@ class Probe:
         # An idle census reads a whole ledger back: at most one per interval (and one at exit).
         self.idle_census_interval_s = float(os.environ.get(ENV_IDLE_CENSUS_INTERVAL_S, "2.0"))
         self._closed = False
+        self.rendezvous = Rendezvous.from_env()  # under `kvdoctor run`: the census asked for at shutdown
         self.emitter.periodic.append(self._periodic)
 
     # ----- the switches every wrapper reads -----
@@ -186,7 +189,34 @@ class Probe:
                 state.periodic(self)
             except Exception as exc:
                 self.fail(f"{key} periodic", exc)
+        self._answer_shutdown_request()
         self.emitter.counter(schema.PROBE_STATS, self.stats())
+
+    def _answer_shutdown_request(self) -> None:
+        """The launcher is about to kill this process: each engine state takes its census when it
+        can (None: not yet, ask again next round), and the launcher is told."""
+        rendezvous = self.rendezvous
+        if rendezvous is None or not rendezvous.asked():
+            return
+        if not self.ledger_on:
+            rendezvous.answer("none", reason=f"the probe is off: {self.off_reason}")
+            return
+        answers: dict[str, Any] = {}
+        for key, state in list(self.states.items()):
+            take = getattr(state, "census_at_shutdown", None)
+            if take is None:
+                continue
+            try:
+                answer = take(self, rendezvous.waited_s())
+            except Exception as exc:
+                self.fail(f"{key} shutdown census", exc)
+                answer = {"census": "none"}
+            if answer is None:
+                return
+            answers[key] = answer
+        census = ",".join(sorted({str(a.get("census")) for a in answers.values()})) or "none"
+        self.emitter.flush()  # in the trace before the answer: the kill follows it at once
+        rendezvous.answer(census, waited_s=round(rendezvous.waited_s(), 3), engines=answers)
 
     def shutdown(self, reason: str = "exit") -> None:
         if self._closed:
@@ -204,6 +234,8 @@ class Probe:
             self.emitter.counter(schema.PROBE_STATS, self.stats())
         finally:
             self.emitter.close()
+            if self.rendezvous is not None:
+                self.rendezvous.answer(reason)  # written: a process that exits by itself needs no wait
 
     # ----- maps and patching -----
 

@@ -24,11 +24,13 @@ def render_text(analysis: Analysis) -> str:
     for note in analysis.notes:
         lines.append(f"  note: {note}")
     if not analysis.findings:
-        probed = any(info.get("engine") for info in analysis.processes.values())
+        probed = any(info.get("engine") and info.get("probe") for info in analysis.processes.values())
         if analysis.censuses:
             lines.append("no findings: every slot is accounted for")
         elif probed:
-            lines.append("no findings, but no census ran: no slot was counted (the engine never went idle and did not exit cleanly)")
+            lines.append(
+                "no findings, but no census ran: no slot was counted (the engine was never idle and was killed before its exit census)"
+            )
         else:
             lines.append("no findings")
     for finding in analysis.findings:

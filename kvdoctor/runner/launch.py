@@ -10,7 +10,9 @@ The command runs in a process group of its own, which `run` answers for: the sig
 (one that `run` was started ignoring, as under nohup, stays ignored for both), and when it ends,
 what is left of its group is ended (SIGTERM, then SIGKILL after a grace period). If `run` itself
 is killed with SIGKILL, the command's first process gets SIGKILL from the kernel (PR_SET_PDEATHSIG);
-its own children are then its to end.
+its own children are then its to end. The probes share a private directory for the run, where
+the one in the server's launcher asks the others for a census before it kills them (SGLang ends its
+schedulers with SIGKILL: `probe/shutdown.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from types import FrameType
@@ -29,6 +32,7 @@ import kvdoctor
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output
+from kvdoctor.probe.shutdown import ENV_RENDEZVOUS
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace, redact, redact_args
@@ -40,10 +44,15 @@ GROUP_GRACE_S = 10.0  # what is left of the command's group gets this long after
 PR_SET_PDEATHSIG = 1
 
 
-def probe_environment(trace_path: str, fixes: list[str], base: dict[str, str] | None = None, attribution: str = "") -> dict[str, str]:
+def probe_environment(
+    trace_path: str, fixes: list[str], base: dict[str, str] | None = None, attribution: str = "", rendezvous: str = ""
+) -> dict[str, str]:
     """The environment that turns the probe on in every Python process started with it (and host
-    growth attribution with the engine named, `auto`, `memray` or `tracemalloc`)."""
+    growth attribution with the engine named, `auto`, `memray` or `tracemalloc`); `rendezvous`,
+    the run's private directory where the probes answer a census asked for at shutdown."""
     env = dict(os.environ if base is None else base)
+    if rendezvous:
+        env[ENV_RENDEZVOUS] = rendezvous
     existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = INJECT_DIR + (os.pathsep + existing if existing else "")
     env["KVDOCTOR_TRACE"] = trace_path
@@ -177,11 +186,12 @@ def run_command(
     # between the start and here) would leave the command's group and the sampler running
     previous = {sig: signal.signal(sig, forward) for sig in forwarded_signals()}
     sampling = None
+    rendezvous = tempfile.mkdtemp(prefix="kvdoctor-run-")  # 0700: only this user's processes answer there
     try:
         try:
             child = subprocess.Popen(
                 command,
-                env=probe_environment(trace_path, fixes, attribution=attribution),
+                env=probe_environment(trace_path, fixes, attribution=attribution, rendezvous=rendezvous),
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -200,5 +210,6 @@ def run_command(
         if sampling is not None:
             sampling[0].set()
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
+        shutil.rmtree(rendezvous, ignore_errors=True)
     finish_trace(trace_path, os.getpid())
     return (code if code >= 0 else 128 - code), trace_path

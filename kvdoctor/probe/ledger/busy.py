@@ -11,6 +11,9 @@ leaks. Two checks need no idle moment:
   pages owned by a row that is no longer live, or allocated and never written to any row. Only
   pages that stay so, unchanged, across two censuses are named: a request caught between its
   allocation and its row write, or between its frees and its release, is not a leak.
+  A census is emitted when its verdict changes, and a clean one at least every
+  ROLLING_REPORT_S: a process killed outright (SIGKILL, the OOM killer) leaves a verdict at most
+  that old (plus one interval) in the trace.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvdoctor.probe.ledger.states import OWNED
 from kvdoctor.trace import schema
 
 ROLLING_CENSUS_INTERVAL_S = 5.0
+ROLLING_REPORT_S = 30.0  # an unchanged verdict is still emitted this often
 
 
 def leaked_at_release(ledger: SlotLedger, slots: Any, row: int, rid: str) -> dict[str, Any] | None:
@@ -60,8 +64,12 @@ class RollingCensus:
         self.next_s = time.monotonic() + interval_s
         self._pending: Any = None
         self._pending_live: list[int] = []
+        self._pending_s = 0.0
         self._previous: dict[int, tuple[int, int]] = {}
-        self._reported: tuple[int, ...] = (0,)  # nothing reported: the first clean census says nothing
+        self._reported: tuple[int, ...] | None = None
+        self._reported_s = -1e9
+        self.last: dict[str, Any] | None = None  # the last census evaluated, emitted or not
+        self.last_s = 0.0  # when its snapshot was taken (monotonic)
 
     def tick(self, live_rows: list[int]) -> dict[str, Any] | None:
         """Called from the writer thread; returns the census to emit when its verdict changed."""
@@ -73,6 +81,7 @@ class RollingCensus:
             with ledger.lock:
                 self._pending = ledger.xp.snapshot([ledger.state, ledger.owner, ledger.alloc_site])
                 self._pending_live = live_rows
+                self._pending_s = time.monotonic()
             if not self._pending.ready():
                 return None
         elif not self._pending.ready():
@@ -88,12 +97,10 @@ class RollingCensus:
         persisted = np.array(sorted(p for p, sign in current.items() if self._previous.get(p) == sign), dtype=np.int64)
         self._previous = current
         key = tuple(int(p) for p in persisted[:64]) + (int(persisted.size),)
-        if key == self._reported:
-            return None
-        self._reported = key
         counts = ledger.counts(state)
         counts.pop("tree_freed_slots")  # judged at idle and exit only: a rolling census is not a tree audit
-        return {
+        self.last_s = self._pending_s
+        self.last = {
             "allocator": ledger.name,
             "reason": "rolling",
             "idle": False,
@@ -106,3 +113,8 @@ class RollingCensus:
             "orphan_requests": ledger._requests(owner, persisted),
             "persisted_s": self.interval_s,
         }
+        now = time.monotonic()
+        if key == self._reported and now - self._reported_s < ROLLING_REPORT_S:
+            return None
+        self._reported, self._reported_s = key, now
+        return self.last

@@ -2,8 +2,9 @@
 rows, the radix tree last seen, and when to take a census.
 
 A census reads a whole ledger back, so it runs when the engine is idle (the last request row was
-freed; at most one per `Probe.idle_census_interval_s`, taken before the next allocation) and at
-exit. The allocator's own free list and the tree's evictable/protected sizes go into it, so a
+freed; at most one per `Probe.idle_census_interval_s`, taken before the next allocation, or from
+the writer thread once the engine has been quiet for QUIET_S), at exit, and when the launcher is
+about to kill the process (`census_at_shutdown`, see `probe/shutdown.py`). The allocator's own free list and the tree's evictable/protected sizes go into it, so a
 disagreement between the ledger and SGLang is visible in the same event.
 """
 
@@ -30,7 +31,8 @@ MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the 
 # each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
 # (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
-QUIET_S = 1.0  # an idle engine this long without a release gets its census from the writer thread
+QUIET_S = 0.5  # an idle engine this long without a release gets its census from the writer thread
+SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet, then the rolling one stands
 
 
 class SglangState:
@@ -50,6 +52,8 @@ class SglangState:
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
+        self._calls_last_round = -1
+        self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
         hotpath.sglang_context(self, self.last_loc_sources, self.requests)
 
     @property
@@ -97,6 +101,8 @@ class SglangState:
                 f"{found['live_requests']} live request(s), {found['held_by_no_one_slots']} held by no one (leaked before attach)"
             )
         probe.emitter.emit(schema.PROBE_STATUS, status)
+        if probe.rendezvous is not None:
+            probe.rendezvous.register()
         if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
             hotpath.set_primary(allocator)
         return ledger
@@ -255,7 +261,38 @@ class SglangState:
 
     # ----- EngineState -----
 
+    def census_at_shutdown(self, probe: Probe, waited_s: float) -> dict[str, Any] | None:
+        """From the writer thread, the launcher waiting: a census once the engine is quiet (no live
+        request, no hooked call for a whole round), so it never races the scheduler; None while
+        it is not, for up to SHUTDOWN_BUSY_WAIT_S; then the last rolling census, with its age."""
+        if not self.ledgers or not probe.ledger_is_on("slots"):
+            return {"census": "none", "reason": "no slot ledger"}
+        if self.quiet_rounds >= 1:
+            started = time.monotonic()
+            self.census_pending = False
+            self.last_idle_census = started
+            self.census_all("shutdown")
+            return {"census": "shutdown", "census_s": round(time.monotonic() - started, 3)}
+        if waited_s < SHUTDOWN_BUSY_WAIT_S:
+            return None
+        ages = []
+        for ledger in list(self.ledgers.values()):
+            rolling = self.rolling.get(id(ledger))
+            if rolling is None or rolling.last is None:
+                continue
+            age_s = round(time.monotonic() - rolling.last_s, 3)
+            ages.append(age_s)
+            probe.emitter.emit(schema.CENSUS, {**rolling.last, "at_shutdown": True, "age_s": age_s})
+        live = len(self.requests.live_rows())
+        if not ages:
+            return {"census": "none", "reason": f"busy at shutdown ({live} live request(s)) and no rolling census yet"}
+        return {"census": "rolling", "age_s": max(ages), "live_requests": live}
+
     def periodic(self, probe: Probe) -> None:
+        calls = probe.calls
+        quiet = self.requests.idle and calls == self._calls_last_round
+        self.quiet_rounds = self.quiet_rounds + 1 if quiet else 0
+        self._calls_last_round = calls
         if probe.ledger_is_on("slots"):
             self.quiet_census_if_due()
         for ledger in list(self.ledgers.values()):
