@@ -21,8 +21,8 @@ import time
 
 from conftest import REPO, trace_events
 
-from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, Rendezvous
 from kvdoctor.probe.sglang.state import SHUTDOWN_BUSY_WAIT_S
+from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, Rendezvous
 
 ENGINE = textwrap.dedent(
     """
