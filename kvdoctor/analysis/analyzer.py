@@ -61,6 +61,7 @@ class Analysis:
     censuses: int = 0  # how many times a ledger was counted whole: 0 means no orphan verdict exists
     last_censuses: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # pid -> its last census (ts, reason, age_s)
     end_ts_us: float | None = None  # when the run ended (the trace's end event), if it says
+    not_judged: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> why its censuses give no verdict
 
     @property
     def errors(self) -> list[Finding]:
@@ -75,6 +76,7 @@ class Analysis:
             "processes": {str(pid): info for pid, info in self.processes.items()},
             "censuses": self.censuses,
             "last_censuses": {str(pid): info for pid, info in self.last_censuses.items()},
+            "not_judged": self.not_judged,
             "notes": self.notes,
         }
 
@@ -146,6 +148,7 @@ class Analyzer:
         self._pids: set[int] = set()
         self.censuses = 0
         self.last_censuses: dict[int, dict[str, Any]] = {}
+        self.not_judged: dict[str, str] = {}
         self.end_ts_us: float | None = None
         self.ignored_events = 0  # from processes beyond MAX_PROCESSES
 
@@ -173,9 +176,12 @@ class Analyzer:
             elif name == schema.PROCESS_NAME and event.args.get("name"):
                 processes.setdefault(event.pid, {})["process_title"] = str(event.args["name"])
             elif name == schema.CENSUS:
-                self.censuses += 1
                 args = event.args
-                self.last_censuses[event.pid] = {"ts_us": event.ts, "reason": str(args.get("reason", "")), "age_s": args.get("age_s")}
+                if args.get("judged") is False:
+                    self.not_judged[f"pid {event.pid} {args.get('allocator', '')}".rstrip()] = str(args.get("not_judged", ""))
+                else:
+                    self.censuses += 1
+                    self.last_censuses[event.pid] = {"ts_us": event.ts, "reason": str(args.get("reason", "")), "age_s": args.get("age_s")}
             elif name == schema.TRACE_END:
                 self.end_ts_us = float(event.args.get("ended_at_us") or event.ts or 0) or None
             for feed in feeds:
@@ -257,6 +263,7 @@ class Analyzer:
             censuses=self.censuses,
             last_censuses=self.last_censuses,
             end_ts_us=self.end_ts_us,
+            not_judged=self.not_judged,
         )
 
 

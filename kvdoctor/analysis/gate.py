@@ -186,6 +186,10 @@ def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
     if not _probed(analysis):
         return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
     if not analysis.censuses:
+        if analysis.not_judged:
+            why = "; ".join(f"{ledger}: {reason}" for ledger, reason in list(analysis.not_judged.items())[:4])
+            detail = f"no census the probe could judge: it cannot prove it sees every holder of these pools ({why})"
+            return Check("max-orphan-slots", False, detail, judged=False)
         detail = (
             "no census ran: no slot was counted (the engine was never idle and was killed before its exit census); "
             "run the server under `kvdoctor run`/`gate` and stop it with SIGINT or SIGTERM to its launcher, "
@@ -194,6 +198,8 @@ def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
         return Check("max-orphan-slots", False, detail, judged=False)
     orphans = _orphans(analysis)
     basis = _census_basis(analysis)
+    if analysis.not_judged:
+        basis += "; not judged: " + "; ".join(f"{ledger} ({reason})" for ledger, reason in list(analysis.not_judged.items())[:4])
     passed = orphans <= budgets.max_orphan_slots
     named = "" if passed else _named_orphans(analysis)
     return Check(

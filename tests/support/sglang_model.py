@@ -2,7 +2,10 @@
 on a few sentences and a random bf16 Llama (hidden 256, 2 layers, 4 heads / 2 KV heads), saved
 locally. No download.
 
-    python tests/support/sglang_model.py OUT_DIR
+    python tests/support/sglang_model.py OUT_DIR [llama|swa]
+
+`swa`: a sliding-window model instead (a tiny Mellum: 4 layers, 64-token sliding layers alternating
+with full ones, dense MLPs), for which SGLang builds its SWA pool (`SWATokenToKVPoolAllocator`).
 """
 
 import os
@@ -13,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
-def make(out: str) -> None:
+def make(out: str, kind: str = "llama") -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -29,6 +32,30 @@ def make(out: str) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     fast.save_pretrained(out)
+    if kind == "swa":
+        from transformers import MellumConfig, MellumForCausalLM
+
+        swa = MellumConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=len(fast),
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense"] * 4,
+            max_position_embeddings=2048,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            torch_dtype="bfloat16",
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        MellumForCausalLM(swa).to(torch.bfloat16).save_pretrained(out)
+        return
     config = LlamaConfig(
         hidden_size=256,
         intermediate_size=512,
@@ -50,5 +77,5 @@ def make(out: str) -> None:
 if __name__ == "__main__":
     target = sys.argv[1]
     if not os.path.exists(os.path.join(target, "config.json")):
-        make(target)
+        make(target, sys.argv[2] if len(sys.argv) > 2 else "llama")
     print(target)

@@ -30,6 +30,7 @@ SUPPORT = os.path.join(REPO, "tests", "support")
 FAULT_DIR = os.path.join(SUPPORT, "sglang_fault")
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-model")
+SWA_MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-swa-model")  # made on first use (a sliding-window Mellum)
 BASE_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--mem-fraction-static", "0.05", "--sleep-on-idle", "--log-level", "warning"]
 
 
@@ -43,6 +44,14 @@ def available() -> str:
     if probe.returncode != 0:
         return "the SGLang server's packages do not import: run .ci/setup (" + probe.stderr.decode()[-300:] + ")"
     return ""
+
+
+def ensure_swa_model() -> str:
+    if not os.path.exists(os.path.join(SWA_MODEL_DIR, "config.json")):
+        subprocess.run(
+            [PYTHON, os.path.join(SUPPORT, "sglang_model.py"), SWA_MODEL_DIR, "swa"], check=True, capture_output=True, timeout=600
+        )
+    return SWA_MODEL_DIR
 
 
 def vocab_size() -> int:
@@ -83,8 +92,10 @@ class Server(servers.ServerRun):
         fault_at: int = 0,
         attach_on_signal: bool = False,
         max_total_tokens: int = 16384,
+        model: str = MODEL_DIR,
     ) -> None:
         self.workdir = workdir
+        self.model = model
         self.flags = list(flags or [])
         self.probe = probe
         self.port = free_port()
@@ -111,7 +122,7 @@ class Server(servers.ServerRun):
             "-m",
             "sglang.launch_server",
             "--model-path",
-            MODEL_DIR,
+            self.model,
             "--port",
             str(self.port),
             "--max-total-tokens",

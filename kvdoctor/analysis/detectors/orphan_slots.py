@@ -5,7 +5,8 @@ busy. The latest census of each allocator is the verdict (a later census sees le
 saw, unless the pool was cleared in between); the largest count seen is kept in the evidence.
 Slots a request still owned when it gave back its row are reported by the probe at once; they are
 the finding when no census came after them (a server killed while busy), and the evidence of the
-census's finding otherwise.
+census's finding otherwise. A census the probe marked `judged: false` (a pool whose holders it
+cannot all see) gives no verdict; the probe said why in a `probe_status`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class OrphanSlotsDetector:
             return
         if event.name != schema.CENSUS:
             return
+        if args.get("judged") is False:
+            return  # the probe said it cannot prove it sees every holder of this pool: no verdict
         self.censuses += 1
         self.latest[key] = args
         self.latest_ts[key] = event.ts

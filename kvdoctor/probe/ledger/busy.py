@@ -33,7 +33,10 @@ ROLLING_REPORT_S = 30.0  # an unchanged verdict is still emitted this often
 
 
 def leaked_at_release(ledger: SlotLedger, slots: Any, row: int, rid: str) -> dict[str, Any] | None:
-    """The violation for the slots a released row still owns (host ledgers), or None."""
+    """The violation for the slots a released row still owns (host ledgers), or None (also for a
+    ledger that is not judged: its rows may not be the only holders the probe cannot see)."""
+    if ledger.not_judged:
+        return None
     pages = np.unique(ledger.xp.index(slots) // ledger.page_size)
     pages = pages[(pages > 0) & (pages <= ledger.num_pages)]
     with ledger.lock:
@@ -113,6 +116,8 @@ class RollingCensus:
             "orphan_requests": ledger._requests(owner, persisted),
             "persisted_s": self.interval_s,
         }
+        if ledger.not_judged:
+            self.last.update(judged=False, not_judged=ledger.not_judged)
         now = time.monotonic()
         if key == self._reported and now - self._reported_s < ROLLING_REPORT_S:
             return None

@@ -40,6 +40,7 @@ class SlotReadback:
     oor_value: Any
     lock: Any  # hotpath.new_lock(): reentrant, used as `with lock:`
     census_count: int
+    not_judged: str
     _reported: np.ndarray
     _pending: Any
     _pending_kind: str
@@ -206,6 +207,8 @@ class SlotReadback:
                 args.update(tree_sizes)
             if host_free_pages is not None:
                 args.update(self._compare_with_host(body, host_free_pages))
+            if self.not_judged:
+                args.update(judged=False, not_judged=self.not_judged)
             self.emit(schema.CENSUS, args)
             return args
 

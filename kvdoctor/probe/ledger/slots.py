@@ -33,6 +33,9 @@ class SlotLedger(SlotReadback):
         """`xp` overrides where the ledger lives (arrays_for(device) by default): a torch ledger on
         CPU tensors exercises the GPU path without a GPU."""
         self.name = name
+        # Whether its orphan verdicts stand: only where the probe proved it sees every holder of the
+        # pool's slots (set by the engine's state; a ledger not judged still counts, and says why not).
+        self.not_judged = ""
         self.size = int(size)
         self.page_size = max(1, int(page_size))
         self.num_pages = self.size // self.page_size

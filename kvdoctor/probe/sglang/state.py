@@ -21,6 +21,7 @@ from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.adopt import adopt, needs_adoption
 from kvdoctor.trace import schema
 
@@ -52,6 +53,9 @@ class SglangState:
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
+        self.engine_allocator: Any = None  # what the engine's scheduler, batch or tree names as its allocator
+        self.engine_requests: Any = None  # ... and as its request pool
+        self.engine_pools: dict[str, str] = {}
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
         hotpath.sglang_context(self, self.last_loc_sources, self.requests)
@@ -101,11 +105,73 @@ class SglangState:
                 f"{found['live_requests']} live request(s), {found['held_by_no_one_slots']} held by no one (leaked before attach)"
             )
         probe.emitter.emit(schema.PROBE_STATUS, status)
+        view = coverage.engine_view(allocator)
+        if view is not None:
+            self.note_engine(view)
+        else:
+            self.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
         if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
             hotpath.set_primary(allocator)
         return ledger
+
+    # ----- which ledgers may judge orphans (see coverage.py) -----
+
+    def note_engine(self, holder: Any) -> None:
+        """A scheduler, batch or tree: it names the engine's allocator and request pool."""
+        allocator = coverage.own(holder, "token_to_kv_pool_allocator")
+        requests = coverage.own(holder, "req_to_token_pool")
+        if allocator is None or (allocator is self.engine_allocator and requests in (None, self.engine_requests)):
+            return
+        self.engine_allocator = allocator
+        if requests is not None:
+            self.engine_requests = requests
+        self.engine_pools = coverage.describe(holder)
+        self.judge_ledgers(force_report=True)
+
+    def judge_ledgers(self, force_report: bool = False) -> None:
+        """Marks each ledger that cannot prove it sees every holder of its slots (once each, said
+        with the reason); a coverage line lists the engine's pools and each ledger's standing."""
+        classes = {"allocator": self._map_classes("allocator")}
+        changed = force_report
+        hosts = list(self.hosts.values())
+        for ledger in list(self.ledgers.values()):
+            if ledger.not_judged:
+                continue
+            allocator = self.hosts.get(id(ledger))
+            reason = coverage.why_not_judged(
+                allocator, hosts, self.engine_allocator, self.engine_requests, classes, self._request_methods()
+            )
+            if reason:
+                ledger.not_judged = reason
+                changed = True
+                from kvdoctor.probe.runtime import say
+
+                say(f"{ledger.name}: orphans not judged: {reason}")
+        if not changed:
+            return
+        standing = {ledger.name: ledger.not_judged or "judged" for ledger in self.ledgers.values()}
+        judged = [name for name, text in standing.items() if text == "judged"]
+        reason = f"coverage: {len(judged)} of {len(standing)} slot ledger(s) judge orphans" + (
+            "; not judged: " + "; ".join(f"{name}: {text}" for name, text in standing.items() if text != "judged")
+            if len(judged) < len(standing)
+            else ""
+        )
+        self.probe.emitter.emit(
+            schema.PROBE_STATUS,
+            {
+                "component": "coverage",
+                "state": "on" if len(judged) == len(standing) else "partial",
+                "reason": reason,
+                "ledgers": standing,
+                "engine_pools": self.engine_pools,
+            },
+        )
+
+    def _request_methods(self) -> dict[str, list[str]]:
+        probe_map = self.probe.maps.get("sglang")
+        return {c.cls: list(c.methods) for c in probe_map.classes if c.kind == "requests"} if probe_map is not None else {}
 
     def _map_classes(self, kind: str) -> set[str]:
         probe_map = self.probe.maps.get("sglang")
@@ -123,6 +189,8 @@ class SglangState:
         allocator = getattr(tree, "token_to_kv_pool_allocator", None)
         if allocator is None:
             return None
+        if tree is not self.tree:
+            self.note_engine(tree)
         self.tree = tree
         return self.ledger_for(allocator)
 
@@ -241,6 +309,7 @@ class SglangState:
         probe = self.probe
         if not probe.ledger_is_on("slots"):
             return out
+        self.judge_ledgers()
         for ledger in list(self.ledgers.values()):
             try:
                 out.append(
@@ -289,6 +358,8 @@ class SglangState:
         return {"census": "rolling", "age_s": max(ages), "live_requests": live}
 
     def periodic(self, probe: Probe) -> None:
+        if self.ledgers and probe.ledger_is_on("slots"):
+            self.judge_ledgers()
         calls = probe.calls
         quiet = self.requests.idle and calls == self._calls_last_round
         self.quiet_rounds = self.quiet_rounds + 1 if quiet else 0

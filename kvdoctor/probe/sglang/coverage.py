@@ -1,0 +1,127 @@
+"""Which of the engine's pools a slot ledger can judge, proven from the objects the engine built.
+
+A ledger names orphans only when every holder of its pool's slots is seen: the free list (the
+allocator's hooked methods), the radix tree, and the requests' rows. That holds for the engine's
+own `token_to_kv_pool_allocator` when its exact class is one the probe map describes and the
+engine's `req_to_token_pool` is a hooked request pool. It does not hold for:
+
+- an allocator of a class the map does not name (SWA, Mamba, hybrid and unified composites): its
+  methods are hooked only where it inherits them from a mapped base;
+- an allocator inside such a composite (the full and SWA token allocators of an SWA pool): its slots
+  are also held through the composite's own mappings, which the probe does not follow;
+- a request pool that is not a hooked class (PD decode's `DecodeReqToTokenPool`), or one whose row
+  writer is its own (a subclass overriding `write`, as a kernel that fills rows would be): which
+  request owns a slot is not seen, so slots in use would look orphaned.
+
+Such a ledger keeps counting (double frees and out-of-range indices are still its own), says why
+it is not judged, and names no orphan. The engine's objects are found from the call that made the
+ledger: the nearest caller whose `self` names a `token_to_kv_pool_allocator` (the scheduler, a
+batch, the tree). Without one (a workload driving the pools directly) the ledger is judged as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+MAX_FRAMES = 64
+ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
+
+
+def own(obj: Any, name: str) -> Any:
+    """An instance attribute, never a property or a class attribute (no host code runs)."""
+    try:
+        return vars(obj).get(name)
+    except TypeError:
+        return None
+
+
+def engine_view(target: Any) -> Any:
+    """The nearest caller's `self` that names the engine's allocator, or None."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if obj is not None and obj is not target and own(obj, "token_to_kv_pool_allocator") is not None:
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def class_names(obj: Any) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
+def why_not_judged(
+    allocator: Any,
+    others: list[Any],
+    engine_allocator: Any,
+    engine_requests: Any,
+    classes: dict[str, set[str]],
+    request_methods: dict[str, list[str]],
+) -> str:
+    """'' when the ledger of `allocator` can judge orphans, else the reason, in one sentence.
+    `others`: the other allocators the probe keeps ledgers of; `engine_*`: what the engine's
+    scheduler, batch or tree names as its allocator and request pool (None until seen);
+    `request_methods`: the map's request pool classes and their hooked methods."""
+    name = type(allocator).__name__
+    if name not in classes["allocator"]:
+        return f"{name} is a pool the probe map does not describe (only the methods it inherits are hooked)"
+    for other in [engine_allocator, *others]:
+        if other is not None and other is not allocator and any(value is allocator for value in _values(other)):
+            return f"it is a part of {type(other).__name__}, whose slots are also held through mappings the probe does not follow"
+    if engine_allocator is not None and engine_allocator is not allocator:
+        return f"it is not the engine's token_to_kv_pool_allocator ({type(engine_allocator).__name__})"
+    unhooked = unhooked_methods(engine_requests, request_methods) if engine_requests is not None else []
+    if unhooked:
+        return (
+            f"the request pool {type(engine_requests).__name__} is not hooked ({', '.join(unhooked[:4])}): "
+            "which request holds a slot is not seen"
+        )
+    return ""
+
+
+def is_hook(function: Any) -> bool:
+    """Our wrapper, or a wrapper around it (functools.wraps keeps `__wrapped__`)."""
+    for _ in range(8):
+        if function is None:
+            return False
+        if getattr(function, "__kvdoctor_role__", None):
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def unhooked_methods(pool: Any, request_methods: dict[str, list[str]]) -> list[str]:
+    """The methods of a request pool that write or give back rows without passing through a hook:
+    all of them when its class derives from no mapped request pool."""
+    names = class_names(pool)
+    methods = sorted({m for cls, ms in request_methods.items() if cls in names for m in ms})
+    if not methods:
+        return [f"{type(pool).__name__} derives from no request pool the probe map names"]
+    return [f"{type(pool).__name__}.{m}" for m in methods if not is_hook(getattr(type(pool), m, None))]
+
+
+def _values(obj: Any) -> list[Any]:
+    try:
+        return list(vars(obj).values())
+    except TypeError:
+        return []
+
+
+def describe(view: Any) -> dict[str, str]:
+    """The engine's pools by role, as the engine holds them: the class of each, and of each part of
+    its allocator (an SWA pool's full and SWA allocators)."""
+    out: dict[str, str] = {}
+    for attr in ENGINE_ATTRS:
+        obj = own(view, attr)
+        if obj is None:
+            continue
+        out[attr] = type(obj).__name__
+        if attr == "token_to_kv_pool_allocator":
+            for key, value in vars(obj).items():
+                if value is not obj and "Allocator" in type(value).__name__:
+                    out[f"{attr}.{key}"] = type(value).__name__
+    return out

@@ -1,0 +1,98 @@
+"""Real SGLang 0.5.23 servers of the kinds people run in 2026, clean, under `kvdoctor run`: no error
+finding, and the probe says which pools it judges and why not the others.
+
+- A sliding-window model (a tiny Mellum made locally): SGLang builds `SWATokenToKVPoolAllocator`
+  over a full and an SWA token allocator. Before the coverage check kvdoctor named thousands of
+  slots of this clean server as leaked.
+- The decode side of prefill/decode disaggregation (the fake transfer backend): the request pool is
+  `DecodeReqToTokenPool`, which the probe does not hook. Before, 16 requests of 150 tokens gave
+  a false `orphan_slots` of over a thousand slots.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import urllib.request
+
+import pytest
+from conftest import SUPPORT, trace_events
+
+sys.path.insert(0, SUPPORT)
+
+import sglang_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(sglang_server.available()), reason=sglang_server.available() or "ok")]
+
+
+def _errors(report: dict) -> list[str]:
+    return [f"{f['kind']} x{f['count']}: {f['message'][:200]}" for f in report["findings"] if f["severity"] == "error"]
+
+
+def _coverage(trace: str) -> dict:
+    statuses = [e["args"] for e in trace_events(trace, "probe_status") if e["args"].get("component") == "coverage"]
+    assert statuses, "no coverage line in the trace"
+    return statuses[-1]
+
+
+def test_a_clean_sliding_window_server_is_not_accused_and_says_why(tmp_path):
+    model = sglang_server.ensure_swa_model()
+    server = sglang_server.Server(str(tmp_path), model=model, max_total_tokens=32768).start()
+    try:
+        chats = server.conversations(turns=2, users=4)
+        bench = server.bench_serving(prompts=24)
+    finally:
+        code = server.stop()
+    assert code in (0, 130), server.log_tail()
+    assert chats["errors"] == 0 and bench.returncode == 0, (chats, bench.stderr[-1500:])
+    rc, report = sglang_server.replay(server.trace)
+    assert rc == 0 and _errors(report) == [], _errors(report)[:3]
+    coverage = _coverage(server.trace)
+    assert coverage["state"] == "partial" and coverage["engine_pools"]["token_to_kv_pool_allocator"] == "SWATokenToKVPoolAllocator"
+    parts = {k: v for k, v in coverage["engine_pools"].items() if k.startswith("token_to_kv_pool_allocator.")}
+    assert sorted(parts.values()) == ["TokenToKVPoolAllocator", "TokenToKVPoolAllocator"], coverage["engine_pools"]
+    assert all(text != "judged" for text in coverage["ledgers"].values()), coverage["ledgers"]
+    assert any("a part of SWATokenToKVPoolAllocator" in text for text in coverage["ledgers"].values())
+    assert "orphans not judged" in server.log_tail(20000)  # said on the server's stderr too
+
+
+def _generate_with_bootstrap(base_url: str, number: int) -> int:
+    body = {
+        "input_ids": [5 + (number * 7 + k) % 300 for k in range(40)],
+        "sampling_params": {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True},
+        "bootstrap_host": "2.2.2.2",  # the fake transfer backend needs the fields, never the address
+        "bootstrap_port": 8998,
+        "bootstrap_room": 1000 + number,
+    }
+    request = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return len(json.loads(resp.read()).get("output_ids", []))
+
+
+def test_a_clean_pd_decode_server_is_not_accused_and_says_why(tmp_path):
+    flags = [
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-transfer-backend",
+        "fake",
+        "--disaggregation-decode-retraction-backup",
+        "cpu_tensor",
+    ]
+    server = sglang_server.Server(str(tmp_path), flags=flags).start()
+    produced: list[int] = []
+    try:
+        threads = [threading.Thread(target=lambda n=n: produced.append(_generate_with_bootstrap(server.base_url, n))) for n in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        code = server.stop()
+    assert code in (0, 130), server.log_tail()
+    assert produced == [150] * 16, produced
+    rc, report = sglang_server.replay(server.trace)
+    assert rc == 0 and _errors(report) == [], _errors(report)[:3]
+    coverage = _coverage(server.trace)
+    assert coverage["state"] == "partial" and coverage["engine_pools"]["req_to_token_pool"] == "DecodeReqToTokenPool", coverage
+    assert any("DecodeReqToTokenPool is not hooked" in text for text in coverage["ledgers"].values()), coverage["ledgers"]

@@ -1,0 +1,97 @@
+"""A ledger judges only what it proves it sees, on SGLang 0.5.23's real allocator, radix tree and
+request pool, with the probe in a fresh process.
+
+Speculative decoding writes request rows with a kernel (`assign_req_to_token_pool_func`), not with
+`ReqToTokenPool.write`: a request pool whose row writer is its own leaves every slot of a live
+request looking orphaned. The probe must say so (a `coverage` probe_status, partial, with the
+reason) and name no orphan; with the real, hooked pool the same workload is judged and a real drop
+is named, so the check is not a blanket silence. The process ends while its requests are live (a
+server stopped under load), so the rolling census is the verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from conftest import REPO, run_for_result
+
+from kvdoctor.analysis.analyzer import analyze
+from kvdoctor.trace import schema
+from kvdoctor.trace.reader import iter_events
+
+WORKLOAD = r"""
+import json, sys, time, warnings
+warnings.filterwarnings("ignore")
+import torch
+from kvdoctor.probe import runtime
+probe = runtime.activate(sys.argv[1])
+from kvdoctor.demo.engine import Engine, Request
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+class KernelRowsPool(ReqToTokenPool):
+    def write(self, indices, values):  # rows filled the way a kernel fills them: no hooked call
+        self.req_to_token[indices] = values
+
+engine = Engine(pool_tokens=512, page_size=1)
+if sys.argv[2] == "kernel-rows":
+    engine.req_pool = KernelRowsPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    engine.tree = engine._make_tree("radix", 1)  # the tree names the engine's request pool
+
+def finish(rid, tokens):
+    req = Request(rid)
+    engine.take_row(req)
+    slots = engine.allocator.alloc(len(tokens))
+    engine.req_pool.write((req.req_pool_idx, slice(0, len(tokens))), slots.to(torch.int32))
+    prefix = engine.insert(tokens, slots, 0)
+    if prefix:
+        engine.allocator.free(slots[:prefix])
+    engine.release_row(req)
+
+finish("warm-0", list(range(10, 26)))
+live = []
+for n in range(3):  # requests still decoding: their rows hold their slots
+    req = Request(f"live-{n}")
+    engine.take_row(req)
+    slots = engine.allocator.alloc(16)
+    engine.req_pool.write((req.req_pool_idx, slice(0, 16)), slots.to(torch.int32))
+    live.append(req)
+dropped = [int(s) for s in engine.allocator.alloc(4)]  # a real drop: never written to any row, never freed
+time.sleep(1.5)  # rolling censuses every 0.3 s
+print("RESULT " + json.dumps({"dropped": dropped}), flush=True)
+probe.emitter.flush()
+import os
+os._exit(0)  # killed while busy, as a server stopped under load: the rolling census is the verdict
+"""
+
+
+def _run(tmp_path, mode: str) -> tuple[list, dict]:
+    trace = str(tmp_path / f"{mode}.kvtrace.json")
+    env = {**os.environ, "KVDOCTOR_ROLLING_CENSUS_S": "0.3"}
+    result = run_for_result([sys.executable, "-c", WORKLOAD, trace, mode], env=env, cwd=REPO, timeout=300)
+    return list(iter_events(trace)), result
+
+
+def test_a_request_pool_with_its_own_row_writer_is_said_and_not_judged(tmp_path):
+    events, _ = _run(tmp_path, "kernel-rows")
+    coverage = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
+    assert coverage and coverage[-1]["state"] == "partial", coverage
+    assert "KernelRowsPool.write" in coverage[-1]["reason"] and "not hooked" in coverage[-1]["reason"], coverage[-1]
+    assert coverage[-1]["engine_pools"]["req_to_token_pool"] == "KernelRowsPool"
+    censuses = [e.args for e in events if e.name == schema.CENSUS]
+    assert censuses and all(c.get("judged") is False for c in censuses)
+    # what the ledger would have said: every slot of the live requests looks orphaned
+    assert censuses[-1]["reason"] == "rolling" and censuses[-1]["orphan_slots"] >= 3 * 16, censuses[-1]
+    analysis = analyze(iter(events))
+    assert not [f for f in analysis.findings if f.severity == "error"], [f.message for f in analysis.findings][:3]
+    partial = [f for f in analysis.findings if f.kind == schema.PROBE_PARTIAL]
+    assert any("KernelRowsPool" in f.message for f in partial)
+
+
+def test_the_same_workload_on_the_hooked_pool_is_judged_and_names_the_real_drop(tmp_path):
+    events, result = _run(tmp_path, "hooked")
+    coverage = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
+    assert coverage and coverage[-1]["state"] == "on", coverage
+    analysis = analyze(iter(events))
+    (orphans,) = [f for f in analysis.findings if f.kind == schema.ORPHAN_SLOTS]
+    assert orphans.count == 4 and sorted(orphans.evidence["slot_ids"]) == sorted(result["dropped"])
