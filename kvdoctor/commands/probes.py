@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
-from kvdoctor.runner.support import ENGINES, installed_line, map_rows, markdown_table, uncovered
+from kvdoctor.runner.support import ENGINES, installed_line, installed_pools, map_rows, markdown_table, uncovered
 
 
 def probes(table: bool = False) -> int:
@@ -13,7 +13,9 @@ def probes(table: bool = False) -> int:
         to_stdout("\n\n".join(markdown_table(engine) for engine in ENGINES))
         return EXIT_OK
     lines = ["installed here:"]
-    lines += [f"  {installed_line(engine)}" for engine in ENGINES]
+    for engine in ENGINES:
+        lines.append(f"  {installed_line(engine)}")
+        lines += [f"    pools {line}" for line in installed_pools(engine)]
     for engine in ENGINES:
         lines.append(f"{engine} maps:")
         for row in map_rows(engine):

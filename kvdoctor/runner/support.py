@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
+from kvdoctor.probe.pools import pool_classes, summary
 from kvdoctor.probe.releases import Release, ci_sentence, release, releases
 from kvdoctor.probe.runtime import ENGINE_LABELS
 from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
@@ -56,6 +57,19 @@ def installed_line(engine: str) -> str:
         line += "; " + ", ".join(f"{ledger} ledger off" for ledger in sorted(off))
     ci = ci_sentence(engine, version) or ("not in the release list" if tested is None else "")
     return f"{line}, {ci}" if ci else line
+
+
+def installed_pools(engine: str) -> list[str]:
+    """The installed engine's pool classes by what the probe makes of them (SGLang only: vLLM's
+    block pool is one class the map names)."""
+    version = installed_version(engine)
+    if engine != "sglang" or not version:
+        return []
+    probe_map = map_for(engine, version)
+    if probe_map is None:
+        check = nearest_resolving_map(engine, version)
+        probe_map = check.probe_map if check is not None else None
+    return summary(pool_classes(probe_map)) if probe_map is not None else []
 
 
 def _status_text(entry: Release) -> str:

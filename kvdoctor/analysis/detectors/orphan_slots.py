@@ -108,13 +108,13 @@ class OrphanSlotsDetector:
                     message = (
                         f"{count} KV slot(s) leaked before kvdoctor attached: when it adopted the allocator's state no live "
                         f"request and no tree node held them, and none did at the {args.get('reason', '')} census (slots "
-                        f"{shown}). This is SGLang's 'memory leak detected ... diff={count}', with names"
+                        f"{shown})" + _sglang_says(args, count)
                     )
                 else:
                     message = (
                         f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
                         f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
-                        f"and never freed or inserted. This is SGLang's 'memory leak detected ... diff={count}', with names"
+                        f"and never freed or inserted" + _sglang_says(args, count)
                     )
                 out.append(Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid))
             dangling = as_list(args.get("tree_holds_free_slot_ids"))
@@ -155,3 +155,15 @@ class OrphanSlotsDetector:
             "pid": pid,
         }
         return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)
+
+
+def _sglang_says(args: dict[str, Any], count: int) -> str:
+    """SGLang's own idle check is named only where its numbers, read in the same census, give the
+    same count: an idle census whose ledger agrees with SGLang's free list, and the tree's sizes."""
+    needed = ("total_slots", "host_free_slots", "tree_evictable_slots", "tree_protected_slots")
+    if not args.get("idle") or any(not isinstance(args.get(k), int) for k in needed) or as_count(args.get("ledger_disagrees_slots")):
+        return ""
+    diff = args["total_slots"] - args["host_free_slots"] - args["tree_evictable_slots"] - args["tree_protected_slots"]
+    if diff != count:
+        return ""
+    return f". This is SGLang's 'memory leak detected ... diff={count}', with names"

@@ -14,9 +14,10 @@ engine's `req_to_token_pool` is a hooked request pool. It does not hold for:
   request owns a slot is not seen, so slots in use would look orphaned.
 
 Such a ledger keeps counting (double frees and out-of-range indices are still its own), says why
-it is not judged, and names no orphan. The engine's objects are found from the call that made the
-ledger: the nearest caller whose `self` names a `token_to_kv_pool_allocator` (the scheduler, a
-batch, the tree). Without one (a workload driving the pools directly) the ledger is judged as before.
+it is not judged, and names no orphan. The engine's objects are found from the calls the probe sees:
+the nearest caller whose `self` names a `token_to_kv_pool_allocator` (the scheduler, a batch), and
+every radix tree, which names its allocator and request pool. A process may hold several engines
+(each allocator is paired with the request pool named beside it).
 """
 
 from __future__ import annotations
@@ -55,32 +56,31 @@ def class_names(obj: Any) -> set[str]:
 
 
 def why_not_judged(
-    allocator: Any,
-    others: list[Any],
-    engine_allocator: Any,
-    engine_requests: Any,
-    classes: dict[str, set[str]],
-    request_methods: dict[str, list[str]],
+    allocator: Any, others: list[Any], requests: Any, classes: dict[str, set[str]], request_methods: dict[str, list[str]]
 ) -> str:
     """'' when the ledger of `allocator` can judge orphans, else the reason, in one sentence.
-    `others`: the other allocators the probe keeps ledgers of; `engine_*`: what the engine's
-    scheduler, batch or tree names as its allocator and request pool (None until seen);
+    `others`: every other allocator the probe knows (its ledgers' and those the engine's scheduler,
+    batches or trees name); `requests`: the request pool named beside `allocator` (None until seen);
     `request_methods`: the map's request pool classes and their hooked methods."""
     name = type(allocator).__name__
     if name not in classes["allocator"]:
         return f"{name} is a pool the probe map does not describe (only the methods it inherits are hooked)"
-    for other in [engine_allocator, *others]:
-        if other is not None and other is not allocator and any(value is allocator for value in _values(other)):
+    for other in others:
+        if other is not allocator and any(value is allocator for value in _values(other)):
             return f"it is a part of {type(other).__name__}, whose slots are also held through mappings the probe does not follow"
-    if engine_allocator is not None and engine_allocator is not allocator:
-        return f"it is not the engine's token_to_kv_pool_allocator ({type(engine_allocator).__name__})"
-    unhooked = unhooked_methods(engine_requests, request_methods) if engine_requests is not None else []
+    unhooked = unhooked_methods(requests, request_methods) if requests is not None else []
     if unhooked:
         return (
-            f"the request pool {type(engine_requests).__name__} is not hooked ({', '.join(unhooked[:4])}): "
-            "which request holds a slot is not seen"
+            f"the request pool {type(requests).__name__} is not hooked ({', '.join(unhooked[:4])}): which request holds a slot is not seen"
         )
     return ""
+
+
+def _values(obj: Any) -> list[Any]:
+    try:
+        return list(vars(obj).values())
+    except TypeError:
+        return []
 
 
 def is_hook(function: Any) -> bool:
@@ -102,13 +102,6 @@ def unhooked_methods(pool: Any, request_methods: dict[str, list[str]]) -> list[s
     if not methods:
         return [f"{type(pool).__name__} derives from no request pool the probe map names"]
     return [f"{type(pool).__name__}.{m}" for m in methods if not is_hook(getattr(type(pool), m, None))]
-
-
-def _values(obj: Any) -> list[Any]:
-    try:
-        return list(vars(obj).values())
-    except TypeError:
-        return []
 
 
 def describe(view: Any) -> dict[str, str]:

@@ -32,6 +32,7 @@ MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the 
 # each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
 # (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
+MAX_ENGINE_POOLS = 16  # allocators learned from the engine's objects (one per scheduler; a few engines in a test)
 QUIET_S = 0.5  # an idle engine this long without a release gets its census from the writer thread
 SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet, then the rolling one stands
 
@@ -53,9 +54,9 @@ class SglangState:
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
-        self.engine_allocator: Any = None  # what the engine's scheduler, batch or tree names as its allocator
-        self.engine_requests: Any = None  # ... and as its request pool
-        self.engine_pools: dict[str, str] = {}
+        # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
+        self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
+        self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
         hotpath.sglang_context(self, self.last_loc_sources, self.requests)
@@ -119,14 +120,19 @@ class SglangState:
     # ----- which ledgers may judge orphans (see coverage.py) -----
 
     def note_engine(self, holder: Any) -> None:
-        """A scheduler, batch or tree: it names the engine's allocator and request pool."""
+        """A scheduler, batch or tree: it names an allocator of the engine and the request pool beside it."""
         allocator = coverage.own(holder, "token_to_kv_pool_allocator")
-        requests = coverage.own(holder, "req_to_token_pool")
-        if allocator is None or (allocator is self.engine_allocator and requests in (None, self.engine_requests)):
+        if allocator is None:
             return
-        self.engine_allocator = allocator
-        if requests is not None:
-            self.engine_requests = requests
+        requests = coverage.own(holder, "req_to_token_pool")
+        known = self.engine_pools_by_allocator.get(id(allocator))
+        if known is not None and (requests is None or known[1] is requests):
+            return
+        if known is None and len(self.engine_pools_by_allocator) >= MAX_ENGINE_POOLS:
+            return
+        if requests is None and known is not None:
+            requests = known[1]
+        self.engine_pools_by_allocator[id(allocator)] = (allocator, requests)
         self.engine_pools = coverage.describe(holder)
         self.judge_ledgers(force_report=True)
 
@@ -135,14 +141,13 @@ class SglangState:
         with the reason); a coverage line lists the engine's pools and each ledger's standing."""
         classes = {"allocator": self._map_classes("allocator")}
         changed = force_report
-        hosts = list(self.hosts.values())
+        known = list(self.hosts.values()) + [pair[0] for pair in self.engine_pools_by_allocator.values()]
         for ledger in list(self.ledgers.values()):
             if ledger.not_judged:
                 continue
             allocator = self.hosts.get(id(ledger))
-            reason = coverage.why_not_judged(
-                allocator, hosts, self.engine_allocator, self.engine_requests, classes, self._request_methods()
-            )
+            requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
+            reason = coverage.why_not_judged(allocator, known, requests, classes, self._request_methods())
             if reason:
                 ledger.not_judged = reason
                 changed = True

@@ -1,0 +1,41 @@
+"""`kvdoctor probes` lists the installed SGLang's pool classes (read from its sources) as the running
+probe would treat them: judged, hooked but not judged, or not covered. Checked on SGLang 0.5.23 as
+installed, against the classes issue reports name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvdoctor.probe.maps import installed_version, map_for
+from kvdoctor.probe.pools import pool_classes
+
+pytestmark = pytest.mark.skipif(installed_version("sglang") != "0.5.23", reason="needs SGLang 0.5.23 installed (.ci/setup)")
+
+
+def test_the_installed_pools_are_sorted_as_the_probe_treats_them():
+    probe_map = map_for("sglang", "0.5.23")
+    assert probe_map is not None
+    standing = {c.name: c.standing for c in pool_classes(probe_map)}
+    for name in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator", "ReqToTokenPool"):
+        assert standing[name] == "judged", name
+    for name in (
+        "SWATokenToKVPoolAllocator",
+        "PureSWATokenToKVPoolAllocator",
+        "UnifiedMambaTokenToKVPoolAllocator",
+        "HybridReqToTokenPool",
+    ):
+        assert standing[name] == "hooked, not judged", name
+    for name in ("MambaSlotAllocator", "DecodeReqToTokenPool"):
+        assert standing[name] == "not covered", name
+
+
+def test_kvdoctor_probes_prints_them():
+    out = subprocess.run([sys.executable, "-m", "kvdoctor.cli", "probes"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("pools ")]
+    assert any(line.startswith("pools judged (") and "TokenToKVPoolAllocator" in line for line in lines), lines
+    assert any(line.startswith("pools hooked, not judged (") and "SWATokenToKVPoolAllocator" in line for line in lines), lines
+    assert any(line.startswith("pools not covered (") and "DecodeReqToTokenPool" in line for line in lines), lines
