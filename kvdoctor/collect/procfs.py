@@ -75,7 +75,7 @@ def guess_engine(title: str) -> str:
     benchmark given `--tokenizer /models/sglang-tiny` is no SGLang process."""
     words = title.lower().split()
     for index, word in enumerate(words):
-        if index == 0 and "::" in word:
+        if "::" in word:  # the title an engine gives its process (setproctitle: usually the only word)
             name = word.split("::", 1)[0]
         elif index and words[index - 1] == "-m":
             name = word.split(".", 1)[0]

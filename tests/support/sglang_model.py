@@ -32,46 +32,31 @@ def make(out: str, kind: str = "llama") -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     fast.save_pretrained(out)
+    shape = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": len(fast),
+        "max_position_embeddings": 2048,
+        "bos_token_id": fast.bos_token_id,
+        "eos_token_id": fast.eos_token_id,
+        "pad_token_id": fast.pad_token_id,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
     if kind == "swa":
         from transformers import MellumConfig, MellumForCausalLM
 
-        swa = MellumConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            vocab_size=len(fast),
-            sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            mlp_layer_types=["dense"] * 4,
-            max_position_embeddings=2048,
-            bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id,
-            torch_dtype="bfloat16",
-            tie_word_embeddings=False,
+        sliding = ["sliding_attention", "full_attention"] * 2
+        config, model_cls = (
+            MellumConfig(num_hidden_layers=4, head_dim=64, sliding_window=64, layer_types=sliding, mlp_layer_types=["dense"] * 4, **shape),
+            MellumForCausalLM,
         )
-        torch.manual_seed(0)
-        MellumForCausalLM(swa).to(torch.bfloat16).save_pretrained(out)
-        return
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(fast),
-        max_position_embeddings=2048,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-    )
+    else:
+        config, model_cls = LlamaConfig(num_hidden_layers=2, **shape), LlamaForCausalLM
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    model_cls(config).to(torch.bfloat16).save_pretrained(out)
 
 
 if __name__ == "__main__":

@@ -55,19 +55,16 @@ def class_names(obj: Any) -> set[str]:
     return {c.__name__ for c in type(obj).__mro__}
 
 
-def why_not_judged(
-    allocator: Any, others: list[Any], requests: Any, classes: dict[str, set[str]], request_methods: dict[str, list[str]]
-) -> str:
+def why_not_judged(allocator: Any, holder: Any, requests: Any, classes: dict[str, set[str]], request_methods: dict[str, list[str]]) -> str:
     """'' when the ledger of `allocator` can judge orphans, else the reason, in one sentence.
-    `others`: every other allocator the probe knows (its ledgers' and those the engine's scheduler,
-    batches or trees name); `requests`: the request pool named beside `allocator` (None until seen);
-    `request_methods`: the map's request pool classes and their hooked methods."""
+    `holder`: another allocator that holds it as a part (None if none is known); `requests`: the
+    request pool named beside it (None until seen); `request_methods`: the map's request pool
+    classes and their hooked methods."""
     name = type(allocator).__name__
     if name not in classes["allocator"]:
         return f"{name} is a pool the probe map does not describe (only the methods it inherits are hooked)"
-    for other in others:
-        if other is not allocator and any(value is allocator for value in _values(other)):
-            return f"it is a part of {type(other).__name__}, whose slots are also held through mappings the probe does not follow"
+    if holder is not None:
+        return f"it is a part of {type(holder).__name__}, whose slots are also held through mappings the probe does not follow"
     unhooked = unhooked_methods(requests, request_methods) if requests is not None else []
     if unhooked:
         return (
@@ -76,7 +73,8 @@ def why_not_judged(
     return ""
 
 
-def _values(obj: Any) -> list[Any]:
+def values(obj: Any) -> list[Any]:
+    """An object's instance attributes (no property runs)."""
     try:
         return list(vars(obj).values())
     except TypeError:

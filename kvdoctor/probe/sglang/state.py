@@ -32,6 +32,7 @@ MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the 
 # each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
 # (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
+MAX_LEDGERS_LISTED = 16  # in a coverage line (a bench builds a pool a loop)
 MAX_ENGINE_POOLS = 16  # allocators learned from the engine's objects (one per scheduler; a few engines in a test)
 QUIET_S = 0.5  # an idle engine this long without a release gets its census from the writer thread
 SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet, then the rolling one stands
@@ -57,6 +58,7 @@ class SglangState:
         # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
         self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
         self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
+        self._judging_dirty = False  # a ledger or an engine's pools came since the last judgement
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
         hotpath.sglang_context(self, self.last_loc_sources, self.requests)
@@ -106,11 +108,11 @@ class SglangState:
                 f"{found['live_requests']} live request(s), {found['held_by_no_one_slots']} held by no one (leaked before attach)"
             )
         probe.emitter.emit(schema.PROBE_STATUS, status)
+        self._judging_dirty = True
         view = coverage.engine_view(allocator)
         if view is not None:
             self.note_engine(view)
-        else:
-            self.judge_ledgers()
+        self.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
         if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
@@ -134,20 +136,30 @@ class SglangState:
             requests = known[1]
         self.engine_pools_by_allocator[id(allocator)] = (allocator, requests)
         self.engine_pools = coverage.describe(holder)
+        self._judging_dirty = True
         self.judge_ledgers(force_report=True)
 
     def judge_ledgers(self, force_report: bool = False) -> None:
         """Marks each ledger that cannot prove it sees every holder of its slots (once each, said
-        with the reason); a coverage line lists the engine's pools and each ledger's standing."""
+        with the reason); a coverage line lists the engine's pools and the ledgers' standing. Runs
+        only when a ledger or an engine's pools were added since (a bench builds a pool a loop)."""
+        if not (self._judging_dirty or force_report):
+            return
+        self._judging_dirty = False
         classes = {"allocator": self._map_classes("allocator")}
+        methods = self._request_methods()
         changed = force_report
-        known = list(self.hosts.values()) + [pair[0] for pair in self.engine_pools_by_allocator.values()]
-        for ledger in list(self.ledgers.values()):
-            if ledger.not_judged:
-                continue
+        open_ledgers = [ledger for ledger in self.ledgers.values() if not ledger.not_judged]
+        pending = {id(self.hosts.get(id(ledger))) for ledger in open_ledgers}
+        composites: dict[int, Any] = {}  # id(allocator) -> the allocator that holds it as a part
+        for other in [*self.hosts.values(), *(pair[0] for pair in self.engine_pools_by_allocator.values())]:
+            for value in coverage.values(other):
+                if id(value) in pending and value is not other:
+                    composites.setdefault(id(value), other)
+        for ledger in open_ledgers:
             allocator = self.hosts.get(id(ledger))
             requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
-            reason = coverage.why_not_judged(allocator, known, requests, classes, self._request_methods())
+            reason = coverage.why_not_judged(allocator, composites.get(id(allocator)), requests, classes, methods)
             if reason:
                 ledger.not_judged = reason
                 changed = True
@@ -156,20 +168,22 @@ class SglangState:
                 say(f"{ledger.name}: orphans not judged: {reason}")
         if not changed:
             return
-        standing = {ledger.name: ledger.not_judged or "judged" for ledger in self.ledgers.values()}
-        judged = [name for name, text in standing.items() if text == "judged"]
-        reason = f"coverage: {len(judged)} of {len(standing)} slot ledger(s) judge orphans" + (
-            "; not judged: " + "; ".join(f"{name}: {text}" for name, text in standing.items() if text != "judged")
-            if len(judged) < len(standing)
+        not_judged = {ledger.name: ledger.not_judged for ledger in self.ledgers.values() if ledger.not_judged}
+        total = len(self.ledgers)
+        reason = f"coverage: {total - len(not_judged)} of {total} slot ledger(s) judge orphans" + (
+            "; not judged: " + "; ".join(f"{name}: {text}" for name, text in list(not_judged.items())[:MAX_LEDGERS_LISTED])
+            if not_judged
             else ""
         )
+        listed = list(self.ledgers.values())[-MAX_LEDGERS_LISTED:]
         self.probe.emitter.emit(
             schema.PROBE_STATUS,
             {
                 "component": "coverage",
-                "state": "on" if len(judged) == len(standing) else "partial",
+                "state": "partial" if not_judged else "on",
                 "reason": reason,
-                "ledgers": standing,
+                "ledgers": {ledger.name: ledger.not_judged or "judged" for ledger in listed},
+                "not_judged_ledgers": len(not_judged),
                 "engine_pools": self.engine_pools,
             },
         )
