@@ -41,7 +41,9 @@ def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
 def trace_with(path, events, *, engine="sglang", census=True) -> str:
     """A trace as the probe writes one: its header, then `events`, then (optionally) a clean census."""
     writer = TraceWriter(str(path))
-    batch = [schema.header_event(pid=7, engine=engine, engine_version="0.5.23", process_title="sglang::scheduler", extra={"probe": "kvdoctor"})]
+    batch = [
+        schema.header_event(pid=7, engine=engine, engine_version="0.5.23", process_title="sglang::scheduler", extra={"probe": "kvdoctor"})
+    ]
     batch += events
     if census:
         batch.append(
