@@ -4,8 +4,9 @@ rows, the radix tree last seen, and when to take a census.
 A census reads a whole ledger back, so it runs when the engine is idle (the last request row was
 freed; at most one per `Probe.idle_census_interval_s`, taken before the next allocation, or from
 the writer thread once the engine has been quiet for QUIET_S), at exit, and when the launcher is
-about to kill the process (`census_at_shutdown`, see `probe/shutdown.py`). The allocator's own free list and the tree's evictable/protected sizes go into it, so a
-disagreement between the ledger and SGLang is visible in the same event.
+about to kill the process (`census_at_shutdown`, see `probe/shutdown.py`). The allocator's own
+free list and the tree's evictable/protected sizes go into it, so a disagreement between the
+ledger and SGLang is visible in the same event. Which ledgers may name orphans: `coverage.py`.
 """
 
 from __future__ import annotations
@@ -129,11 +130,9 @@ class SglangState:
         requests = coverage.own(holder, "req_to_token_pool")
         known = self.engine_pools_by_allocator.get(id(allocator))
         if known is not None and (requests is None or known[1] is requests):
-            return
+            return  # nothing new
         if known is None and len(self.engine_pools_by_allocator) >= MAX_ENGINE_POOLS:
             return
-        if requests is None and known is not None:
-            requests = known[1]
         self.engine_pools_by_allocator[id(allocator)] = (allocator, requests)
         self.engine_pools = coverage.describe(holder)
         self._judging_dirty = True
@@ -145,6 +144,8 @@ class SglangState:
         only when a ledger or an engine's pools were added since (a bench builds a pool a loop)."""
         if not (self._judging_dirty or force_report):
             return
+        from kvdoctor.probe.runtime import say  # the probe's one line on stderr (local, as the roles import the runtime only for typing)
+
         self._judging_dirty = False
         classes = {"allocator": self._map_classes("allocator")}
         methods = self._request_methods()
@@ -163,8 +164,6 @@ class SglangState:
             if reason:
                 ledger.not_judged = reason
                 changed = True
-                from kvdoctor.probe.runtime import say
-
                 say(f"{ledger.name}: orphans not judged: {reason}")
         if not changed:
             return
