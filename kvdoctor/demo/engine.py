@@ -92,6 +92,8 @@ class Engine:
         self._last_loc_module: Any = None
         self.tree_kind = tree
         self.tree = self._make_tree(tree, page_size)
+        # the names SGLang's scheduler holds its pools by: the probe finds an engine's own pools so
+        self.token_to_kv_pool_allocator, self.req_to_token_pool, self.tree_cache = self.allocator, self.req_pool, self.tree
 
     def _make_tree(self, tree: str, page_size: int) -> Any:
         from sglang.srt.mem_cache.radix_cache import RadixCache

@@ -50,6 +50,9 @@ COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, MEMORY_CLASSES, HICAC
 # The call site given to slots that were in use, held by no request or tree node, when the probe
 # adopted an allocator's state late (attach): they leaked before it arrived.
 SITE_BEFORE_ATTACH = "before kvdoctor attached"
+OWNER_BEFORE_ATTACH = "no request or tree node when kvdoctor attached (leaked before attach)"  # ... and their owner
+# ... and of slots held then whose holder the adoption could not prove (its books did not add up)
+SITE_HELD_AT_ATTACH = "held when kvdoctor attached (not proven)"
 
 CAT_PROBE = "kvdoctor.probe"
 CAT_SAMPLER = "kvdoctor.sampler"

@@ -5,7 +5,8 @@ shared prefixes, abandoned requests and long prompts, stopped with SIGINT, its t
 Clean runs in several configurations give no error finding (SGLang's own strict idle check stays
 on there: it would end the scheduler at a real leak). Faults planted in the scheduler
 (`tests/support/sglang_fault`) are counted exactly, a leak is named within seconds while the load
-goes on, and a probe put into a server that already leaked names exactly what it lost.
+goes on. A probe put into a server that has served a while (its tree full, evicting) proves what
+it adopted before it judges, and names leaks from before and after it came apart, exactly.
 """
 
 from __future__ import annotations
@@ -129,26 +130,78 @@ def test_planted_double_free_stale_last_loc_and_index_out_of_range_are_counted_e
     assert {s // page for s in double["evidence"]["slot_ids"]} <= {s // page for s in planted["double-free"]["slot_ids"]}
 
 
-def test_a_probe_put_into_a_server_that_already_leaked_names_exactly_what_it_lost(tmp_path):
-    """Started without kvdoctor; a leak; then the probe goes in with the code `kvdoctor attach`
-    injects (gdb itself cannot call into processes on this machine: see test_attach)."""
+def _serve_then_attach(tmp_path, flags: list[str], fault: str = "", fault_at: str = "0") -> tuple[sglang_server.Server, str]:
+    """A server started without kvdoctor serves until its radix tree holds most of the pool (and
+    evicts), the probe goes in with the code `kvdoctor attach` injects (gdb itself cannot call into
+    processes on this machine: see test_attach), a second load must evict what the tree holds,
+    and the server stops once the probe took its idle census."""
     server = sglang_server.Server(
-        str(tmp_path), probe=False, flags=["--disable-radix-cache"], fault="leak", fault_at=10, attach_on_signal=True
+        str(tmp_path), probe=False, flags=flags, fault=fault, fault_at=fault_at, attach_on_signal=True, max_total_tokens=4096
     ).start()
     trace = str(tmp_path / "attached.kvtrace.json")
     try:
-        _drive(server)
-        planted = (server.fault() or {}).get("leak")
-        assert planted, "the leak was not planted"
+        before = server.bench_serving(prompts=60)  # 60 prompts of 120 tokens: more than the pool holds
+        assert before.returncode == 0, before.stderr[-2000:]
         status = server.attach_now(trace)
         assert status.get("ok"), status
-        server.conversations(turns=2, users=2)  # hooked calls after the attach: the ledger adopts the pool then
+        after = server.bench_serving(prompts=30)
+        assert after.returncode == 0, after.stderr[-2000:]
+        since_us = time.time() * 1e6  # one last request: the idle census after it counts every request before
+        server.generate(list(range(5, 21)), 4)
+        _wait_for_idle_census(trace, since_us)
     finally:
         server.stop()
-    adopted = [e["args"] for e in _events(trace) if e["name"] == "probe_status" and e["args"].get("adopted")]
-    assert adopted and adopted[0]["held_by_no_one_slots"] == planted["count"]
+    return server, trace
+
+
+def _wait_for_idle_census(trace: str, since_us: float, timeout_s: float = 60.0) -> None:
+    """The probe counts the pool once the engine has been quiet a moment: a server attached by
+    hand is stopped with no word to the probe, so the test waits for that census."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(e["name"] == "census" and e["args"].get("idle") and e["ts"] >= since_us for e in _events(trace)):
+            return
+        time.sleep(0.5)
+    raise AssertionError("no idle census after the load")
+
+
+def _adoption(trace: str) -> dict:
+    (adopted,) = [e["args"] for e in _events(trace) if e["name"] == "probe_status" and e["args"].get("adopted")]
+    return adopted
+
+
+def test_a_clean_server_attached_once_its_tree_filled_has_no_error_finding(tmp_path):
+    """Radix cache on, chunked prefill, page size 1: the adoption reads a tree holding most of the
+    pool, its books agree with SGLang's own counters, and nothing is named."""
+    server, trace = _serve_then_attach(tmp_path, ["--chunked-prefill-size", "64"])
+    adopted = _adoption(trace)
+    assert adopted["verified"], adopted["books"]
+    assert adopted["tree_slots"] > 4096 // 2 and adopted["held_by_no_one_slots"] == 0, adopted
     rc, report = sglang_server.replay(trace)
-    assert _errors(report) == {"orphan_slots": planted["count"]}, report["findings"][:3]
-    leak = next(f for f in report["findings"] if f["kind"] == "orphan_slots")
-    assert "leaked before kvdoctor attached" in leak["message"]
-    assert set(leak["evidence"]["slot_ids"]) <= set(planted["slot_ids"])
+    assert _errors(report) == {} and rc == 0, report["findings"][:3]
+
+
+def test_leaks_before_and_after_an_attach_are_each_named_exactly(tmp_path):
+    """Page size 16, radix cache on, chunked prefill: one request's slots lost before the attach,
+    another's after it. The first are named "leaked before attach", the second with their request
+    and call site; each count exact, nothing else named."""
+    server, trace = _serve_then_attach(tmp_path, ["--page-size", "16", "--chunked-prefill-size", "64"], fault="leak", fault_at="10,+2")
+    plants = (server.fault() or {}).get("leak", {}).get("plants", [])
+    assert [p["after_attach"] for p in plants] == [False, True], plants
+    early, late = plants
+    adopted = _adoption(trace)
+    assert adopted["verified"] and adopted["held_by_no_one_slots"] == early["count"], adopted
+    rc, report = sglang_server.replay(trace)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert rc == 1 and sorted(f["kind"] for f in errors) == ["orphan_slots", "orphan_slots"], errors
+    named_early, named_late = sorted(errors, key=lambda f: "before kvdoctor attached" not in f["message"])
+    assert "leaked before kvdoctor attached" in named_early["message"] and named_early["count"] == early["count"]
+    page = early["page_size"]  # a lost page is named by all its slots, a request may have filled it partly
+
+    def pages(slots: list[int]) -> set[int]:
+        return {s // page for s in slots}
+
+    assert pages(named_early["evidence"]["slot_ids"]) == pages(early["slot_ids"])
+    assert named_late["count"] == late["count"] and pages(named_late["evidence"]["slot_ids"]) == pages(late["slot_ids"])
+    assert "before kvdoctor attached" not in named_late["message"] and "rid " in named_late["message"]
+    assert any("allocation.py" in site for site in named_late["evidence"]["allocated_at"])

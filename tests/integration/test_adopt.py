@@ -43,6 +43,10 @@ def test_a_late_probe_names_exactly_what_leaked_before_it(tmp_path, fault, tree)
     adopted = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("adopted")]
     assert len(adopted) == 1 and adopted[0]["live_requests"] == 1 and adopted[0]["rows_read_whole"] == 0
     assert adopted[0]["held_by_no_one_slots"] == result.planted.get("orphan_slots", 0)
+    assert adopted[0]["verified"], adopted[0]["books"]  # the books agree with SGLang's own counters
+    books = adopted[0]["books"]
+    assert books["sglang_available_slots"] == books["free_read_slots"] == adopted[0]["free_slots"]
+    assert books["sglang_tree_slots"] == books["tree_read_slots"] == engine.tree.evictable_size() + engine.tree.protected_size() > 0
 
     analysis = analyze(iter(events))
     errors = [f for f in analysis.findings if f.severity == "error"]
@@ -108,3 +112,56 @@ def test_the_fresh_pool_check_counts_distinct_pages_as_unique_does(page_size):
     answers = [needs_adoption(ledger, pages) for pages in cases]
     assert answers == [by_unique(ledger, pages) for pages in cases]
     assert answers[:3] == [False, True, False]  # the cases the probe meets: fresh, in use, all returned
+
+
+def _hide_tree(engine: Engine) -> None:
+    """The engine's tree, of a class no probe map names: the adoption cannot find what it holds."""
+    engine.tree.__class__ = type("VendorRadixCache", (type(engine.tree),), {})
+
+
+def _duplicate_a_free_page(engine: Engine) -> None:
+    """A free list that names one page twice (what a double free before the attach leaves)."""
+    allocator = engine.allocator
+    allocator.free_pages = torch.cat([allocator.free_pages, allocator.free_pages[:1]])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("spoil", [_hide_tree, _duplicate_a_free_page], ids=["tree-hidden", "free-page-twice"])
+def test_an_adoption_whose_books_do_not_add_up_judges_nothing_from_before(tmp_path, spoil, page_size):
+    """A late probe that cannot prove what it read (a tree it cannot find, a free list SGLang's own
+    count disagrees with) names nothing as leaked before it came: a partial probe with the numbers,
+    no error; what happens after it came is still judged."""
+    engine = Engine(pool_tokens=4096, page_size=page_size)
+    result = run_workload(
+        WorkloadConfig(fault="leak", page_size=page_size), engine=engine
+    )  # no probe yet: one real leak, in the tree's midst
+    assert result.planted["orphan_slots"] > 0 and engine.tree.evictable_size() > 0
+    spoil(engine)
+
+    trace = tmp_path / "late.kvtrace.json"
+    probe = runtime.activate(str(trace))
+    try:
+        assert probe is not None
+        lost = engine.allocator.alloc(4 * page_size)  # the first hooked call adopts the pool; never freed: a leak after
+    finally:
+        runtime.deactivate()
+    events = list(iter_events(str(trace)))
+    adopted = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("adopted")]
+    assert len(adopted) == 1 and not adopted[0]["verified"]
+    assert adopted[0]["held_by_no_one_slots"] == 0 and adopted[0]["unproven_slots"] >= result.planted["orphan_slots"]
+    analysis = analyze(iter(events))
+    (leak,) = [f for f in analysis.findings if f.severity == "error"]  # only what the probe saw happen
+    assert leak.kind == schema.ORPHAN_SLOTS and leak.count == lost.numel() and "before kvdoctor attached" not in leak.message
+    assert set(leak.evidence["slot_ids"]) == {int(s) for s in lost}
+    (partial,) = [f for f in analysis.findings if f.kind == schema.PROBE_PARTIAL and f.evidence.get("component") == "adoption"]
+    books = adopted[0]["books"]
+    if spoil is _hide_tree:
+        held = engine.tree.evictable_size() + engine.tree.protected_size()
+        assert books["tree_read_slots"] == 0 and books["sglang_tree_slots"] == held
+        assert f"holds {held} slots" in partial.message and "VendorRadixCache" in partial.message
+    else:
+        assert books["sglang_available_slots"] == books["free_read_slots"] + page_size
+        assert f"says {books['sglang_available_slots']} slots are free" in partial.message
+    assert "not judged" in partial.message
+    census = [e.args for e in events if e.name == schema.CENSUS][-1]
+    assert census["orphan_slots"] == lost.numel() and census["unproven_slots"] == adopted[0]["unproven_slots"]

@@ -70,9 +70,9 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join([FAULT_DIR, SUPPORT]),
+            "PYTHONPATH": os.pathsep.join([FAULT_DIR, SUPPORT, REPO]),
         }
-    )  # the fault sitecustomize; the sgl_kernel stand-in
+    )  # the fault sitecustomize; the sgl_kernel stand-in; this checkout's kvdoctor (whatever is installed)
     env.update(extra)
     return env
 
@@ -89,7 +89,7 @@ class Server(servers.ServerRun):
         flags: list[str] | None = None,
         probe: bool = True,
         fault: str = "",
-        fault_at: int = 0,
+        fault_at: int | str = 0,
         attach_on_signal: bool = False,
         max_total_tokens: int = 16384,
         model: str = MODEL_DIR,

@@ -67,56 +67,7 @@ class OrphanSlotsDetector:
         for (pid, allocator), args in self.latest.items():
             count = as_count(args.get("orphan_slots"))
             if count:
-                sites = args.get("orphan_allocated_at") if isinstance(args.get("orphan_allocated_at"), dict) else {}
-                top_site = max(sites, key=lambda k: as_count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
-                reqs: dict[str, Any] = args["orphan_requests"] if isinstance(args.get("orphan_requests"), dict) else {}
-                top_req = max(reqs, key=lambda k: as_count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
-                ids = as_list(args.get("orphan_slot_ids"))
-                evidence = {
-                    "allocator": allocator,
-                    "census": args.get("reason"),
-                    "idle": args.get("idle"),
-                    "slot_ids": ids,
-                    "allocated_at": sites,
-                    "requests": reqs,
-                    "max_orphan_slots_seen": self.max_seen.get((pid, allocator), count),
-                    "free_slots": args.get("free_slots"),
-                    "tree_slots": args.get("tree_slots"),
-                    "total_slots": args.get("total_slots"),
-                    "pid": pid,
-                }
-                released = args.get("leaked_at_release")
-                if isinstance(released, dict):
-                    # The release named the request that held the slots; a census can name only the
-                    # row, whose last user may be a later request.
-                    evidence["first_seen"] = f"at the release of {', '.join(list(released['requests'])[:4])}"
-                    evidence["requests"] = (
-                        released["requests"] if as_count(released["count"]) >= count else {**reqs, **released["requests"]}
-                    )
-                    top_req = max(released["requests"], key=lambda k: released["requests"][k]) if released["requests"] else top_req
-                shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
-                if args.get("engine") == "vllm":
-                    blocks = as_count(args.get("orphan_blocks"))
-                    evidence["orphan_blocks"] = blocks
-                    evidence["block_size"] = args.get("block_size")
-                    message = (
-                        f"{count} KV slot(s) leaked ({blocks} block(s) of {args.get('block_size')}): still referenced "
-                        f"but held by no live request at the {args.get('reason', '')} census (slots {shown}); allocated "
-                        f"by {top_site} for {top_req}, and their reference count never went back to 0"
-                    )
-                elif top_site == schema.SITE_BEFORE_ATTACH:
-                    message = (
-                        f"{count} KV slot(s) leaked before kvdoctor attached: when it adopted the allocator's state no live "
-                        f"request and no tree node held them, and none did at the {args.get('reason', '')} census (slots "
-                        f"{shown})" + _sglang_says(args, count)
-                    )
-                else:
-                    message = (
-                        f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
-                        f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
-                        f"and never freed or inserted" + _sglang_says(args, count)
-                    )
-                out.append(Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid))
+                out.extend(self._census_findings(pid, allocator, args, count))
             dangling = as_list(args.get("tree_holds_free_slot_ids"))
             freed = as_count(args.get("tree_freed_slots"))
             if freed:
@@ -132,6 +83,91 @@ class OrphanSlotsDetector:
                     )
                 )
         return out
+
+    def _census_findings(self, pid: int, allocator: str, args: dict[str, Any], count: int) -> list[Finding]:
+        """A census's orphans: those leaked before the probe attached and those after, apart (the
+        first have no request or call site to name; the second have both)."""
+        sites: dict[str, Any] = args["orphan_allocated_at"] if isinstance(args.get("orphan_allocated_at"), dict) else {}
+        reqs: dict[str, Any] = args["orphan_requests"] if isinstance(args.get("orphan_requests"), dict) else {}
+        ids = as_list(args.get("orphan_slot_ids"))
+        before = min(as_count(args.get("orphan_before_attach_slots")), count)
+        if not before or before == count:
+            return [self._orphan_finding(pid, allocator, args, count, ids, sites, reqs, whole=True)]
+        before_ids = as_list(args.get("orphan_before_attach_slot_ids"))
+        early = set(before_ids)
+        return [
+            self._orphan_finding(
+                pid,
+                allocator,
+                args,
+                before,
+                before_ids,
+                {schema.SITE_BEFORE_ATTACH: before},
+                {k: v for k, v in reqs.items() if k == schema.OWNER_BEFORE_ATTACH},
+                whole=False,
+            ),
+            self._orphan_finding(
+                pid,
+                allocator,
+                args,
+                count - before,
+                [i for i in ids if i not in early],
+                {k: v for k, v in sites.items() if k != schema.SITE_BEFORE_ATTACH},
+                {k: v for k, v in reqs.items() if k != schema.OWNER_BEFORE_ATTACH},
+                whole=False,
+            ),
+        ]
+
+    def _orphan_finding(
+        self, pid: int, allocator: str, args: dict[str, Any], count: int, ids: list[Any], sites: Any, reqs: dict[str, Any], *, whole: bool
+    ) -> Finding:
+        """One orphan finding; `whole`: it is all the census's orphans (SGLang's own count may be named)."""
+        top_site = max(sites, key=lambda k: as_count(sites[k])) if isinstance(sites, dict) and sites else "unknown"
+        top_req = max(reqs, key=lambda k: as_count(reqs[k])) if isinstance(reqs, dict) and reqs else "unknown request"
+        sglang_says = _sglang_says(args, count) if whole else ""
+        evidence = {
+            "allocator": allocator,
+            "census": args.get("reason"),
+            "idle": args.get("idle"),
+            "slot_ids": ids,
+            "allocated_at": sites,
+            "requests": reqs,
+            "max_orphan_slots_seen": self.max_seen.get((pid, allocator), count),
+            "free_slots": args.get("free_slots"),
+            "tree_slots": args.get("tree_slots"),
+            "total_slots": args.get("total_slots"),
+            "pid": pid,
+        }
+        released = args.get("leaked_at_release")
+        if isinstance(released, dict) and top_site != schema.SITE_BEFORE_ATTACH:
+            # The release named the request that held the slots; a census can name only the
+            # row, whose last user may be a later request.
+            evidence["first_seen"] = f"at the release of {', '.join(list(released['requests'])[:4])}"
+            evidence["requests"] = released["requests"] if as_count(released["count"]) >= count else {**reqs, **released["requests"]}
+            top_req = max(released["requests"], key=lambda k: released["requests"][k]) if released["requests"] else top_req
+        shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+        if args.get("engine") == "vllm":
+            blocks = as_count(args.get("orphan_blocks"))
+            evidence["orphan_blocks"] = blocks
+            evidence["block_size"] = args.get("block_size")
+            message = (
+                f"{count} KV slot(s) leaked ({blocks} block(s) of {args.get('block_size')}): still referenced "
+                f"but held by no live request at the {args.get('reason', '')} census (slots {shown}); allocated "
+                f"by {top_site} for {top_req}, and their reference count never went back to 0"
+            )
+        elif top_site == schema.SITE_BEFORE_ATTACH:
+            message = (
+                f"{count} KV slot(s) leaked before kvdoctor attached: when it adopted the allocator's state no live "
+                f"request and no tree node held them, and none did at the {args.get('reason', '')} census (slots "
+                f"{shown})" + sglang_says
+            )
+        else:
+            message = (
+                f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
+                f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
+                f"and never freed or inserted" + sglang_says
+            )
+        return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)
 
     @staticmethod
     def _release_finding(key: tuple[int, str], found: dict[str, Any]) -> Finding:

@@ -27,6 +27,7 @@ class ProbeHealthDetector:
     def __init__(self) -> None:
         self.off: dict[int, str] = {}  # pid: why the probe turned itself off
         self.partial: dict[int, str] = {}  # pid: what it could not hook
+        self.unproven: dict[tuple[int, str], str] = {}  # (pid, allocator): why an adopted state is not judged
         self.parts_off: dict[tuple[int, str], tuple[str, bool]] = {}  # (pid, component): why that part alone stopped, for cost
         self.dropped: dict[int, int] = {}  # pid: most events dropped so far
         self.write_error: dict[int, str] = {}
@@ -48,6 +49,8 @@ class ProbeHealthDetector:
                     )
             elif state == "off":
                 self.off.setdefault(event.pid, str(args.get("reason", "")))
+            elif state == "partial" and component == "adoption":
+                self.unproven[(event.pid, str(args.get("allocator", "")))] = str(args.get("reason", ""))
             elif state == "partial":
                 self.partial[event.pid] = str(args.get("reason", ""))
         elif event.name == schema.PROBE_STATS:
@@ -102,6 +105,17 @@ class ProbeHealthDetector:
                     f"the probe hooked only part of the engine in pid {pid}: {reason}",
                     0,
                     {"reason": reason, "pid": pid},
+                    pid,
+                )
+            )
+        for (pid, allocator), reason in self.unproven.items():
+            out.append(
+                Finding(
+                    schema.PROBE_PARTIAL,
+                    WARNING,
+                    f"pid {pid}: {reason}",
+                    0,
+                    {"reason": reason, "component": "adoption", "allocator": allocator, "pid": pid},
                     pid,
                 )
             )

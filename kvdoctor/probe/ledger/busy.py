@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdoctor.probe.ledger.requests import RELEASED
+from kvdoctor.probe.ledger.requests import RELEASED, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.ledger.states import OWNED
 from kvdoctor.trace import schema
@@ -93,7 +93,8 @@ class RollingCensus:
         live = np.array(self._pending_live, dtype=np.int64)
         self._pending = None
         body = slice(1, ledger.num_pages + 1)
-        owned = state[body] == OWNED
+        unproven = (state[body] == OWNED) & (owner[body] == UNPROVEN)  # adopted, holder not proven: never judged
+        owned = (state[body] == OWNED) & ~unproven
         unowned_or_dead = (owner[body] < 0) | ~np.isin(owner[body], live)
         pages = np.nonzero(owned & unowned_or_dead)[0] + 1
         current = {int(p): (int(owner[p]), int(alloc_site[p])) for p in pages}
@@ -114,7 +115,9 @@ class RollingCensus:
             "orphan_slot_ids": ledger._slot_ids(persisted),
             "orphan_allocated_at": ledger._alloc_sites(alloc_site, persisted),
             "orphan_requests": ledger._requests(owner, persisted),
+            "unproven_slots": int(np.count_nonzero(unproven)) * ledger.page_size,
             "persisted_s": self.interval_s,
+            **ledger.before_attach(persisted, owner),
         }
         if ledger.not_judged:
             self.last.update(judged=False, not_judged=ledger.not_judged)

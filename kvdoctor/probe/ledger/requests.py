@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import threading
 
+from kvdoctor.trace import schema
+
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
 BEFORE_ATTACH = -2  # the owner of slots held by no one when the probe adopted the allocator
 RELEASED = -3  # the owner of slots a request still held when it gave back its row (its row may serve another now)
 # the rid of a row taken by count (SGLang before 0.5.9): the pool never sees the request
 RID_NOT_PASSED = "not passed to the pool before SGLang 0.5.9"
+# the owner of slots held when the probe adopted the allocator whose books did not add up against the
+# engine's own counters (a holder it could not see): never judged, as nothing proves them lost
+UNPROVEN = -4
 ORPHANED_OWNERS = (BEFORE_ATTACH, RELEASED)  # owners that make an owned slot an orphan at any census
 
 
@@ -52,7 +57,9 @@ class RequestTable:
 
     def describe(self, index: int) -> str:
         if index == BEFORE_ATTACH:
-            return "no request or tree node when kvdoctor attached (leaked before attach)"
+            return schema.OWNER_BEFORE_ATTACH
+        if index == UNPROVEN:
+            return "held when kvdoctor attached, by a holder it could not prove (not judged)"
         if index == RELEASED:
             return "a request that released its row without freeing them (leaked at release)"
         if index < 0:

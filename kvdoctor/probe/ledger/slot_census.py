@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvdoctor.probe.callsites import CallSites
-from kvdoctor.probe.ledger.requests import ORPHANED_OWNERS, RequestTable
+from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, ORPHANED_OWNERS, UNPROVEN, RequestTable
 from kvdoctor.probe.ledger.states import FREE, KIND_BITS, KIND_SLOT, MAX_IDS_IN_EVIDENCE, MAX_NAMED_PAGES, OWNED, TREE
 from kvdoctor.trace import schema
 
@@ -179,7 +179,8 @@ class SlotReadback:
             self.census_count += 1
             body = state[: self.num_pages + 1]
             idle = self.requests.idle
-            owned = body == OWNED
+            unproven = (body == OWNED) & (owner[: self.num_pages + 1] == UNPROVEN)  # adopted, never judged
+            owned = (body == OWNED) & ~unproven
             if idle:
                 orphan_mask = owned | (body == 0)
             else:
@@ -198,6 +199,7 @@ class SlotReadback:
                 "live_requests": len(self.requests.live_rows()),
                 **self.counts(state),
                 "orphan_slots": int(orphan_pages.size) * self.page_size,
+                "unproven_slots": int(np.count_nonzero(unproven)) * self.page_size,
                 "orphan_slot_ids": self._slot_ids(orphan_pages),
                 "orphan_allocated_at": self._alloc_sites(alloc_site, orphan_pages),
                 "orphan_requests": self._requests(owner, orphan_pages),
@@ -207,10 +209,18 @@ class SlotReadback:
                 args.update(tree_sizes)
             if host_free_pages is not None:
                 args.update(self._compare_with_host(body, host_free_pages))
+            args.update(self.before_attach(orphan_pages, owner))
             if self.not_judged:
                 args.update(judged=False, not_judged=self.not_judged)
             self.emit(schema.CENSUS, args)
             return args
+
+    def before_attach(self, orphan_pages: np.ndarray, owner: np.ndarray) -> dict[str, Any]:
+        """Of the orphans, those an adoption found held by no one (leaked before the probe came)."""
+        early = orphan_pages[owner[orphan_pages] == BEFORE_ATTACH]
+        if not early.size:
+            return {}
+        return {"orphan_before_attach_slots": int(early.size) * self.page_size, "orphan_before_attach_slot_ids": self._slot_ids(early)}
 
     def _compare_with_host(self, body: np.ndarray, host_free_pages: Any) -> dict[str, Any]:
         """The allocator's own free list against the ledger: a disagreement the ledger cannot

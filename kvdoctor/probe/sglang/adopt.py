@@ -5,11 +5,23 @@ first call, and blind to what leaked before: the reason a user attaches. So when
 call finds an allocator with slots already handed out, its state is read once, under the GIL, on
 the scheduler's own thread (nothing moves meanwhile):
 
-- free: the allocator's own free list;
-- tree: every value the radix tree holds (`all_values_flatten`);
-- owned: for each live request (the request objects found in the heap, by their row and
-  allocated length), the slots its row points at;
-- everything else was leaked before the probe arrived: named as orphans at the next census.
+- free: the allocator's own free list (and the pages of a free group not yet given back);
+- tree: every value each radix tree of the allocator holds (`all_values_flatten`);
+- owned: for each live request (the request objects found, by their row and allocated length),
+  the slots its row points at;
+- everything else is held by no one.
+
+The holders are found in the heap and from the engine's own objects (the callers' `self`, walked a
+few references deep): SGLang freezes its heap after start-up (`gc.freeze`), and frozen objects, its
+scheduler and radix tree among them, are not in `gc.get_objects()`.
+
+Before anything is named "leaked before attach" the books are checked against SGLang's own
+counters, the numbers its idle check uses: the free slots read must be `available_size()`, and the
+slots read from the trees must be what the engine's `tree_cache` counts (`evictable_size()` +
+`protected_size()`). Where they do not agree, or no engine object names its tree, the adoption is
+unproven: the slots held by no one get an owner that is never judged, the status says why with the
+numbers, and from then on only what the probe sees happen is judged. A false accusation costs more
+than a missed leak.
 
 Live rows whose request object cannot be found are read whole (their row's entries count as
 theirs), which can only hide a leak, never invent one; the status event says when that happened.
@@ -17,13 +29,16 @@ theirs), which can only hide a leak, never invent one; the status event says whe
 
 from __future__ import annotations
 
+import collections
 import gc
+import sys
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvdoctor.probe.hooks import resolve
-from kvdoctor.probe.ledger.requests import BEFORE_ATTACH
+from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.ledger.states import FREE, OWNED, RESERVED, TREE
 from kvdoctor.trace import schema
@@ -32,6 +47,13 @@ if TYPE_CHECKING:
     from kvdoctor.probe.sglang.state import SglangState
 
 REQUEST_CLASS_SUFFIXES = ("Req", "Request")
+ALLOCATOR_ATTR = "token_to_kv_pool_allocator"
+MAX_FRAMES = 64
+WALK_DEPTH = 4  # scheduler -> running_batch -> reqs -> Req; scheduler -> a disaggregation queue -> queue -> Req
+MAX_WALKED = 50_000  # objects looked at from the engine's own objects (one pass, at adoption only)
+# whose objects the walk does not enter: tensors, arrays, models, sockets, threads, loggers
+SKIPPED_MODULE_PREFIXES = ("torch", "numpy", "transformers", "zmq", "threading", "asyncio", "logging", "multiprocessing", "kvdoctor")
+ATOMIC_TYPES = (str, bytes, bytearray, int, float, complex, bool, type(None), type, memoryview, range)
 
 
 def needs_adoption(ledger: SlotLedger, free_pages: Any) -> bool:
@@ -54,30 +76,37 @@ def needs_adoption(ledger: SlotLedger, free_pages: Any) -> bool:
 def adopt(
     state: SglangState, ledger: SlotLedger, allocator: Any, free_pages: Any, tree_classes: set[str], index_attr: str
 ) -> dict[str, Any]:
-    """Builds `ledger` from the allocator, tree and request pool as they are; returns what it found."""
-    trees, pools, requests = _find_holders(allocator, tree_classes, index_attr)
+    """Builds `ledger` from the allocator, trees and request pools as they are; returns what it
+    found, the books and whether they add up (`verified`)."""
+    found = find_holders(allocator, tree_classes, index_attr)
     ps = ledger.page_size
     st = np.full(ledger.num_pages + 2, OWNED, dtype=np.int8)
     owner = np.full(ledger.num_pages + 2, BEFORE_ATTACH, dtype=np.int32)
     free = _pages(free_pages, ps, ledger, as_pages=True)
     st[free] = FREE
-    tree_pages = np.unique(np.concatenate([_pages(_tree_values(t), ps, ledger) for t in trees] or [np.zeros(0, np.int64)]))
-    st[tree_pages] = TREE
+    pending = _pages(_free_group(allocator), ps, ledger)  # freed inside an open free group: given back at its end
+    pending = pending[st[pending] == OWNED]
+    owner[pending] = UNPROVEN
+    tree_values = [_tree_values(t) for t in found.trees]
+    tree_tokens = sum(_length(v) for v in tree_values)
+    tree_pages = np.unique(np.concatenate([_pages(v, ps, ledger) for v in tree_values] or [np.zeros(0, np.int64)]))
+    free_in_tree = int(np.count_nonzero(st[tree_pages] == FREE))
+    st[tree_pages] = np.where(st[tree_pages] == FREE, st[tree_pages], TREE)
     owner[tree_pages] = -1
     live_rows: set[int] = set()
     read_whole = 0
-    for pool in pools:
+    for pool in found.pools:
         table = pool.req_to_token
         rows = set(range(1, int(table.shape[0]))) - {int(r) for r in getattr(pool, "free_slots", [])}
         live_rows |= rows
         for row in sorted(rows):
-            found = _request_of(requests.get(row, []), table[row], ps, ledger, st)
-            if found is None:
+            request = _request_of(found.requests.get(row, []), table[row], ps, ledger, st)
+            if request is None:
                 read_whole += 1
-                found = ("?", int(table.shape[1]))
-            rid, length = found
+                request = ("?", int(table.shape[1]))
+            rid, length = request
             pages = _pages(table[row, :length], ps, ledger)
-            pages = pages[st[pages] == OWNED]
+            pages = pages[(st[pages] == OWNED) & (owner[pages] != UNPROVEN)]
             owner[pages] = row
             state.requests.allocated(row, rid)
     st[0] = RESERVED
@@ -85,21 +114,222 @@ def adopt(
     owner[0] = owner[ledger.sink] = -1
     unheld = (st == OWNED) & (owner == BEFORE_ATTACH)
     unheld[0] = unheld[ledger.sink] = False
-    site = state.probe.sites.intern(("before-attach",), lambda: schema.SITE_BEFORE_ATTACH)
+    books = check_books(allocator, ledger, found, free=int(free.size), tree_tokens=tree_tokens, free_in_tree=free_in_tree)
+    verified = not books["unproven_because"]
+    if verified:
+        site = state.probe.sites.intern(("before-attach",), lambda: schema.SITE_BEFORE_ATTACH)
+    else:
+        owner[unheld] = UNPROVEN
+        site = state.probe.sites.intern(("held-at-attach",), lambda: schema.SITE_HELD_AT_ATTACH)
     with ledger.lock:
         ledger.state[:] = ledger.xp.cast(st, ledger.state)
         ledger.owner[:] = ledger.xp.cast(owner, ledger.owner)
         ledger.alloc_site[:] = ledger.xp.cast(np.where(unheld, site, 0).astype(np.int32), ledger.alloc_site)
-    before = int(np.count_nonzero(unheld))
+    held_by_no_one = int(np.count_nonzero(unheld)) * ps
     return {
         "adopted": True,
+        "verified": verified,
         "free_slots": int(free.size) * ps,
         "tree_slots": int(tree_pages.size) * ps,
         "live_requests": len(live_rows),
         "rows_read_whole": read_whole,
-        "held_by_no_one_slots": int(before) * ps,
-        "trees": [type(t).__name__ for t in trees],
+        "pending_free_slots": int(pending.size) * ps,
+        "held_by_no_one_slots": held_by_no_one if verified else 0,
+        "unproven_slots": 0 if verified else held_by_no_one + int(pending.size) * ps,
+        "trees": [type(t).__name__ for t in found.trees],
+        "engine_objects": sorted({type(h).__name__ for h in found.holders}),
+        "books": books,
     }
+
+
+class Holders:
+    """What holds an allocator's slots, as found: its trees, request pools, live request objects
+    (row -> [(rid, allocated length)]) and the engine objects that name it (scheduler, batch)."""
+
+    def __init__(self) -> None:
+        self.trees: list[Any] = []
+        self.pools: list[Any] = []
+        self.requests: dict[int, list[tuple[str, int]]] = {}
+        self.holders: list[Any] = []
+        self._seen_requests: set[int] = set()
+
+    def add_tree(self, tree: Any) -> None:
+        if all(t is not tree for t in self.trees):
+            self.trees.append(tree)
+
+    def add_holder(self, obj: Any) -> None:
+        if all(h is not obj for h in self.holders):
+            self.holders.append(obj)
+
+    def add_request(self, obj: Any, index_attr: str, length_attr: str) -> None:
+        if id(obj) in self._seen_requests:
+            return
+        self._seen_requests.add(id(obj))
+        row = resolve(obj, index_attr)
+        length = resolve(obj, length_attr)
+        if isinstance(row, int) and isinstance(length, int):
+            self.requests.setdefault(row, []).append((str(getattr(obj, "rid", "?")), length))
+
+
+def find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> Holders:
+    """The trees (of the map's tree classes) and request pools that use `allocator`, the request
+    objects, and the engine objects naming it: from the heap the collector tracks, then from the
+    callers' `self` and the engine objects found, a few references deep. Attributes are read only
+    as instance attributes (no property runs), and requests only of classes named like requests."""
+    length_attr = index_attr.rsplit(".", 1)[0] + ".kv_allocated_len" if "." in index_attr else "kv_allocated_len"
+    out = Holders()
+
+    def look_at(obj: Any) -> None:
+        name = type(obj).__name__
+        attrs = _instance_dict(obj)
+        if attrs is not None and attrs.get(ALLOCATOR_ATTR) is allocator:
+            if name in tree_classes:
+                out.add_tree(obj)
+            else:
+                out.add_holder(obj)
+        elif name.endswith(REQUEST_CLASS_SUFFIXES) and attrs is not None:
+            out.add_request(obj, index_attr, length_attr)
+
+    for obj in gc.get_objects():
+        try:
+            look_at(obj)
+        except Exception:
+            continue
+    for obj in _callers(allocator):
+        out.add_holder(obj)
+    for obj in _walk([*out.holders, *out.trees]):
+        try:
+            look_at(obj)
+        except Exception:
+            continue
+    pools = (_own(t, "req_to_token_pool") for t in [*out.trees, *out.holders])
+    out.pools = list({id(p): p for p in pools if p is not None and hasattr(p, "req_to_token")}.values())
+    return out
+
+
+def check_books(allocator: Any, ledger: SlotLedger, found: Holders, *, free: int, tree_tokens: int, free_in_tree: int) -> dict[str, Any]:
+    """What was read against SGLang's own counters; `unproven_because` is '' when they agree."""
+    ps = ledger.page_size
+    books: dict[str, Any] = {"pool_slots": ledger.num_pages * ps, "free_read_slots": free * ps, "tree_read_slots": tree_tokens}
+    reasons: list[str] = []
+    available = _call_int(allocator, "available_size")
+    books["sglang_available_slots"] = available
+    if available is None:
+        reasons.append("the allocator's available_size() could not be read")
+    elif available != free * ps:
+        reasons.append(f"the allocator says {available} slots are free, its free list holds {free * ps} distinct ones")
+    engine_trees = list({id(t): t for t in (_own(h, "tree_cache") for h in found.holders) if t is not None}.values())
+    books["engine_trees"] = [type(t).__name__ for t in engine_trees]
+    if not found.holders:
+        reasons.append("no engine object (scheduler, batch) naming the allocator was found, so no tree can be ruled out")
+    elif not engine_trees and found.trees:
+        reasons.append("no engine object names its tree_cache")
+    counted = 0
+    for tree in [*engine_trees, *(t for t in found.trees if all(t is not e for e in engine_trees))]:
+        evictable, protected = _call_int(tree, "evictable_size"), _call_int(tree, "protected_size")
+        if evictable is None or protected is None:
+            reasons.append(f"the {type(tree).__name__}'s evictable_size()/protected_size() could not be read")
+            continue
+        counted += evictable + protected
+        if all(tree is not t for t in found.trees) and evictable + protected:
+            reasons.append(
+                f"the engine's tree_cache ({type(tree).__name__}, not a tree class the probe map names) holds {evictable + protected} slots"
+            )
+    books["sglang_tree_slots"] = counted
+    if counted != tree_tokens:
+        reasons.append(
+            f"the engine's trees count {counted} slots (evictable + protected), kvdoctor read {tree_tokens} from the trees it found"
+        )
+    if free_in_tree:
+        reasons.append(f"{free_in_tree * ps} slots are both in a tree and on the free list")
+    books["unproven_because"] = "; ".join(dict.fromkeys(reasons))
+    return books
+
+
+def _callers(allocator: Any) -> list[Any]:
+    """The `self` of each caller that names `allocator` as its engine's allocator."""
+    out = []
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            break
+        if "self" in frame.f_code.co_varnames:
+            obj = frame.f_locals.get("self")
+            attrs = _instance_dict(obj)
+            if attrs is not None and attrs.get(ALLOCATOR_ATTR) is allocator:
+                out.append(obj)
+        frame = frame.f_back
+    return out
+
+
+def _walk(roots: list[Any]) -> list[Any]:
+    """Objects reachable from `roots` through instance attributes and plain containers, breadth
+    first, at most WALK_DEPTH references and MAX_WALKED objects; nothing of SKIPPED_MODULE_PREFIXES."""
+    seen = {id(r) for r in roots}
+    out: list[Any] = []
+    queue = collections.deque((r, 0) for r in roots)
+    while queue and len(seen) < MAX_WALKED:
+        obj, depth = queue.popleft()
+        if depth >= WALK_DEPTH:
+            continue
+        for child in _children(obj):
+            if id(child) in seen or isinstance(child, ATOMIC_TYPES):
+                continue
+            if type(child).__module__.startswith(SKIPPED_MODULE_PREFIXES):
+                continue
+            seen.add(id(child))
+            out.append(child)
+            queue.append((child, depth + 1))
+    return out
+
+
+def _children(obj: Any) -> list[Any]:
+    try:
+        if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            return list(obj)
+        if isinstance(obj, dict):
+            return list(obj.values())
+        attrs = _instance_dict(obj)
+        return list(attrs.values()) if attrs is not None else []
+    except Exception:  # a container changed while read (another thread): skip it
+        return []
+
+
+def _instance_dict(obj: Any) -> dict[str, Any] | None:
+    """`obj.__dict__` for a plain object (no custom attribute lookup runs), else None."""
+    lookup: Any = type(obj).__getattribute__
+    if lookup is not object.__getattribute__ or isinstance(obj, type):
+        return None
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    return attrs if type(attrs) is dict else None
+
+
+def _own(obj: Any, name: str) -> Any:
+    attrs = _instance_dict(obj)
+    return attrs.get(name) if attrs is not None else None
+
+
+def _call_int(obj: Any, method: str) -> int | None:
+    try:
+        value = getattr(obj, method)()
+        return int(value)
+    except Exception:
+        return None
+
+
+def _free_group(allocator: Any) -> Any:
+    group = _own(allocator, "free_group")
+    if not isinstance(group, list) or not group:
+        return None
+    try:
+        import torch
+
+        return torch.cat([g.reshape(-1) for g in group])
+    except Exception:
+        return None
 
 
 def _request_of(
@@ -109,7 +339,9 @@ def _request_of(
     process may have one too), the longest whose slots are all in use in this allocator."""
     best: tuple[str, int] | None = None
     for rid, length in candidates:
-        if 0 < length <= row_slots.shape[0] and (best is None or length > best[1]):
+        if length == 0 and best is None:  # given its row, no slot yet
+            best = (rid, 0)
+        elif 0 < length <= row_slots.shape[0] and (best is None or length > best[1]):
             pages = _pages(row_slots[:length], page_size, ledger)
             if pages.size and not np.any(st[pages] == FREE):
                 best = (rid, length)
@@ -124,31 +356,17 @@ def _pages(values: Any, page_size: int, ledger: SlotLedger, *, as_pages: bool = 
     return np.unique(pages[(pages > 0) & (pages <= ledger.num_pages)])
 
 
+def _length(values: Any) -> int:
+    if values is None:
+        return 0
+    try:
+        return int(values.numel()) if hasattr(values, "numel") else len(values)
+    except Exception:
+        return 0
+
+
 def _tree_values(tree: Any) -> Any:
     try:
         return tree.all_values_flatten()
     except (RuntimeError, ValueError):  # an empty RadixCache: torch.cat of nothing
         return None
-
-
-def _find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> tuple[list[Any], list[Any], dict[int, list[tuple[str, int]]]]:
-    """The trees (of the map's tree classes) and request pools that use `allocator`, and row ->
-    [(rid, allocated length)] of the request objects in the heap. Attributes are read only from
-    objects of those classes (by name), so no other object's properties run."""
-    length_attr = index_attr.rsplit(".", 1)[0] + ".kv_allocated_len" if "." in index_attr else "kv_allocated_len"
-    trees: list[Any] = []
-    requests: dict[int, list[tuple[str, int]]] = {}
-    for obj in gc.get_objects():
-        name = type(obj).__name__
-        try:
-            if name in tree_classes and getattr(obj, "token_to_kv_pool_allocator", None) is allocator:
-                trees.append(obj)
-            elif name.endswith(REQUEST_CLASS_SUFFIXES):
-                row = resolve(obj, index_attr)
-                length = resolve(obj, length_attr)
-                if isinstance(row, int) and isinstance(length, int):
-                    requests.setdefault(row, []).append((str(getattr(obj, "rid", "?")), length))
-        except Exception:
-            continue
-    pools = list({id(p): p for p in (getattr(t, "req_to_token_pool", None) for t in trees) if p is not None}.values())
-    return trees, pools, requests

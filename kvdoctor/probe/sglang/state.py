@@ -101,14 +101,21 @@ class SglangState:
             "device": str(device),
         }
         free_pages = host_free_pages(allocator)
+        found: dict[str, Any] | None = None
         if needs_adoption(ledger, free_pages):
             found = adopt(self, ledger, allocator, free_pages, self._map_classes("tree"), self._request_index_attr())
             status.update(found)
-            status["reason"] = (
-                f"ledger for {name}, adopted in use: {found['free_slots']} slots free, {found['tree_slots']} in the tree, "
-                f"{found['live_requests']} live request(s), {found['held_by_no_one_slots']} held by no one (leaked before attach)"
-            )
+            read = f"{found['free_slots']} slots free, {found['tree_slots']} in the tree, {found['live_requests']} live request(s)"
+            if found["verified"]:
+                status["reason"] = (
+                    f"ledger for {name}, adopted in use: {read}, {found['held_by_no_one_slots']} held by no one (leaked before "
+                    "attach); the books agree with SGLang's own counters"
+                )
+            else:
+                status["reason"] = f"ledger for {name}, adopted in use: {read}; {found['unproven_slots']} held then are not judged"
         probe.emitter.emit(schema.PROBE_STATUS, status)
+        if found is not None and not found["verified"]:
+            self._say_unproven(name, found)
         self._judging_dirty = True
         view = coverage.engine_view(allocator)
         if view is not None:
@@ -119,6 +126,20 @@ class SglangState:
         if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
             hotpath.set_primary(allocator)
         return ledger
+
+    def _say_unproven(self, name: str, found: dict[str, Any]) -> None:
+        """An adoption whose books did not add up: said once, with the numbers, as a partial probe."""
+        from kvdoctor.probe.runtime import say  # the probe's one line on stderr (local: the runtime imports this module)
+
+        books = found["books"]
+        reason = (
+            f"the state of {name} adopted at attach is unproven: {books['unproven_because']}; the {found['unproven_slots']} "
+            "slots held then by no holder kvdoctor found are not judged, and from now on only what the probe sees happen is"
+        )
+        self.probe.emitter.emit(
+            schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": name, "reason": reason, "books": books}
+        )
+        say(reason)
 
     # ----- which ledgers may judge orphans (see coverage.py) -----
 

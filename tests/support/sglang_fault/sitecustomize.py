@@ -4,7 +4,7 @@ Put this folder on the server's PYTHONPATH (after kvdoctor's inject folder, whos
 chains here). KVDOCTOR_TEST_FAULT picks the faults (comma-separated), KVDOCTOR_TEST_FAULT_AT the
 call they hit (the Nth call that has slots to work on; `index-out-of-range` with
 `stale-last-loc` hits the 2Nth); what was planted is written as JSON, by fault, to
-KVDOCTOR_TEST_FAULT_OUT:
+KVDOCTOR_TEST_FAULT_OUT (a leak may be planted twice: "N,+M" also skips the Mth after the attach):
 
 - `leak`: the Nth `free_segment` (part of a request's row given back: at its release, or the
   duplicates a tree insert exposed) is skipped;
@@ -33,12 +33,16 @@ import threading
 import time
 
 _FAULTS = {f for f in os.environ.get("KVDOCTOR_TEST_FAULT", "").split(",") if f}
-_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_AT", "0") or 0)
+# "N" or "N,+M": the Nth call, and (a leak only) also the Mth after the late probe went in
+_AT_SPEC = [a for a in os.environ.get("KVDOCTOR_TEST_FAULT_AT", "0").split(",") if a]
+_AT = int(_AT_SPEC[0] or 0) if _AT_SPEC else 0
+_AT_AFTER_ATTACH = int(_AT_SPEC[1].lstrip("+")) if len(_AT_SPEC) > 1 else 0
+_attached = threading.Event()
 _OUT = os.environ.get("KVDOCTOR_TEST_FAULT_OUT", "")
 _ATTACH_PARAMS = os.environ.get("KVDOCTOR_TEST_ATTACH_PARAMS", "")
 _MODULES = {
     "sglang.srt.mem_cache.allocator.base": ("leak", "double-free"),
-    "sglang.srt.mem_cache.allocator.paged": ("stale-last-loc", "index-out-of-range"),
+    "sglang.srt.mem_cache.allocator.paged": ("leak", "double-free", "stale-last-loc", "index-out-of-range"),
 }
 _lock = threading.Lock()
 _seen = {}
@@ -46,21 +50,32 @@ _planted = {}
 
 
 def _record(fault, payload):
-    payload.update({"pid": os.getpid(), "time_s": time.time()})
+    """One planted fault; a second of the same kind (a leak after the attach) adds to the first,
+    each kept in `plants` with whether the late probe was in by then."""
+    payload.update({"pid": os.getpid(), "time_s": time.time(), "after_attach": _attached.is_set()})
     with _lock:
-        _planted[fault] = payload
+        before = _planted.get(fault)
+        plants = [*before["plants"], dict(payload)] if before else [dict(payload)]
+        if before:
+            payload = {**payload, "slot_ids": sorted(before["slot_ids"] + payload["slot_ids"]), "count": before["count"] + payload["count"]}
+        _planted[fault] = {**payload, "plants": plants}
         if _OUT:
             with open(_OUT + ".tmp", "w") as fh:
                 json.dump(_planted, fh)
             os.replace(_OUT + ".tmp", _OUT)
 
 
-def _hit(counter, ready, at):
-    """True on the `at`th call of `counter` where `ready` holds."""
+def _hit(counter, ready, at, after_attach=0, ready_after=True):
+    """True on the `at`th call of `counter` where `ready` holds, and on the `after_attach`th such
+    call after the late probe went in where `ready_after` holds too."""
     if not ready:
         return False
     with _lock:
         _seen[counter] = _seen.get(counter, 0) + 1
+        if after_attach and _attached.is_set() and ready_after:
+            _seen[counter + "/attached"] = _seen.get(counter + "/attached", 0) + 1
+            if _seen[counter + "/attached"] == after_attach:
+                return True
         return _seen[counter] == at
 
 
@@ -77,15 +92,44 @@ def _dedup_free_list(allocator):
             setattr(allocator, attr, pages[keep])
 
 
+def _called_from_tree():
+    """A radix tree frees what it evicts and the duplicates an insert exposed; the leak after an
+    attach is planted in a request's own release instead (the part of its row no tree keeps)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if "radix_cache" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 _dedup_after_group = set()  # allocators whose open free group holds a planted double free
+
+
+_inner = threading.local()  # set while an outer fault wrapper runs: the inner one passes through
+_patched = []  # (class, patcher): wrapped again, outermost, once a late probe has hooked them
 
 
 def _patch_free_segment(cls):
     original = cls.free_segment
+    if not any(c is cls and p is _patch_free_segment for c, p in _patched):
+        _patched.append((cls, _patch_free_segment))
 
     def free_segment(self, free_index, *, start_pos):
+        if getattr(_inner, "on", False):
+            return original(self, free_index, start_pos=start_pos)
+        _inner.on = True
+        try:
+            return _free_segment(self, free_index, start_pos)
+        finally:
+            _inner.on = False
+
+    def _free_segment(self, free_index, start_pos):
         fault = "leak" if "leak" in _FAULTS else "double-free"
-        if not _hit("free_segment", free_index.numel() > 0, _AT):
+        after = _AT_AFTER_ATTACH if "leak" in _FAULTS else 0
+        if not _hit("free_segment", free_index.numel() > 0, _AT, after, after and not _called_from_tree()):
             return original(self, free_index, start_pos=start_pos)
         slots = [int(s) for s in free_index.reshape(-1)]
         pages = sorted({s // self.page_size for s in slots})
@@ -108,8 +152,12 @@ _group_end_depth = threading.local()
 
 def _patch_free_group_end(cls):
     original = cls.free_group_end
+    if not any(c is cls and p is _patch_free_group_end for c, p in _patched):
+        _patched.append((cls, _patch_free_group_end))
 
     def free_group_end(self):
+        if getattr(_inner, "on", False):
+            return original(self)
         depth = getattr(_group_end_depth, "n", 0)
         _group_end_depth.n = depth + 1
         try:
@@ -217,6 +265,18 @@ def _attach(_signum, _frame):
     with open(_ATTACH_PARAMS) as fh:
         params = fh.read()
     exec(compile(INJECTED, "<kvdoctor attach>", "exec"), {"__name__": "__kvdoctor_attach__", "_KVDOCTOR_ATTACH_PARAMS": params})
+    threading.Thread(target=_after_attach, args=(json.loads(params)["status_path"],), daemon=True).start()
+
+
+def _after_attach(status_path):
+    """Once the late probe is in (its thread reports), it has wrapped the faulty methods: wrap them
+    again, so that a fault after the attach is, as before it, what the host did and the probe saw."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(status_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for cls, patch in list(_patched):
+        patch(cls)
+    _attached.set()
 
 
 if _FAULTS and _AT > 0:
