@@ -53,6 +53,7 @@ SITE_BEFORE_ATTACH = "before kvdoctor attached"
 OWNER_BEFORE_ATTACH = "no request or tree node when kvdoctor attached (leaked before attach)"  # ... and their owner
 # ... and of slots held then whose holder the adoption could not prove (its books did not add up)
 SITE_HELD_AT_ATTACH = "held when kvdoctor attached (not proven)"
+HOLDER_AT_ATTACH = "a holder from before kvdoctor attached (not read)"  # a vLLM block's references then
 
 CAT_PROBE = "kvdoctor.probe"
 CAT_SAMPLER = "kvdoctor.sampler"

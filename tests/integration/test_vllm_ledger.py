@@ -27,9 +27,10 @@ ENGINE_RELEASES = [v for v, entry in matrix_releases("vllm").items() if entry.ge
 def release_env(release: str) -> dict:
     """The environment for .venv-vllm's Python with `release` first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = vllm_server.REPO  # this checkout's kvdoctor, whatever the environment has installed
     if release != INSTALLED["vllm"]:
         assert installed("vllm", release), f"vLLM {release} is not installed: run .ci/setup-vllm"
-        env["PYTHONPATH"] = folder("vllm", release)
+        env["PYTHONPATH"] = os.pathsep.join([folder("vllm", release), vllm_server.REPO])
     return env
 
 
@@ -112,6 +113,21 @@ def test_leak_is_orphan_slots(tmp_path, release):
     assert [f["kind"] for f in errors] == ["orphan_slots"], analysis["findings"]
     assert errors[0]["count"] == 3 * 16, errors[0]
     assert sorted(censuses[-1]["orphan_block_ids"]) == result["block_ids"], censuses[-1]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_pool_in_use_when_the_probe_came_is_adopted_not_accused(tmp_path, release):
+    """Attach to a pool that has served: the blocks referenced then are freed later without a false
+    double free, those lost before are not named (their holders are not read: said as a partial
+    probe), and a leak after the probe came is named exactly."""
+    result, analysis, censuses = run_case("late", tmp_path, release)
+    errors = [f for f in analysis["findings"] if f["severity"] == "error"]
+    assert [f["kind"] for f in errors] == ["orphan_slots"], analysis["findings"]
+    assert errors[0]["count"] == 2 * 16 and sorted(censuses[-1]["orphan_block_ids"]) == result["block_ids"], errors[0]
+    assert not set(censuses[-1]["orphan_block_ids"]) & set(result["lost_before"])
+    assert censuses[-1]["unproven_blocks"] == len(result["lost_before"]) and censuses[-1]["refcount_disagrees_blocks"] == 0
+    (partial,) = [f for f in analysis["findings"] if f["kind"] == "probe_partial" and f["evidence"].get("component") == "adoption"]
+    assert "7 block(s) referenced then" in partial["message"] and "not judged" in partial["message"]
 
 
 def test_unhooked_refcount_change_is_a_warning(tmp_path):

@@ -5,13 +5,22 @@ ends with the exit census; the test replays the trace. Run with .venv-vllm's Pyt
 
 Cases: clean (alloc, prefix-cache touch, frees through a one-shot iterator), double_free,
 double_alloc (a block put back on vLLM's free queue behind the pool's back), leak (blocks never
-freed), unhooked (vLLM's ref_cnt changed by a path kvdoctor does not hook).
+freed), unhooked (vLLM's ref_cnt changed by a path kvdoctor does not hook), late (a pool in use
+before the probe came: a request's blocks freed after it, blocks lost before it, a leak after it).
 """
 
 import json
 import sys
 
 case, trace = sys.argv[1], sys.argv[2]
+
+if case == "late":  # the probe comes after the pool has served (attach): adopted, not accused
+    from vllm.v1.core.block_pool import BlockPool
+
+    early = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
+    held = early.get_new_blocks(4)  # a request still running when the probe comes
+    early.touch(held[:1])  # ... one block shared with another
+    lost = early.get_new_blocks(3)  # blocks a path forgot before the probe came: never named
 
 from kvdoctor.probe import runtime  # noqa: E402
 
@@ -50,6 +59,13 @@ elif case == "unhooked":
     b[0].ref_cnt += 1  # vLLM's count moves, the ledger never hears of it
     pool.free_blocks(b)
     out["block_ids"] = [b[0].block_id]
+
+elif case == "late":
+    early.free_blocks(held[:1])  # the sharer finishes ...
+    early.free_blocks(reversed(held))  # ... then the request running at the attach: no double free
+    after = early.get_new_blocks(2)  # a leak after the probe came: named
+    out["block_ids"] = sorted(x.block_id for x in after)
+    out["lost_before"] = sorted(x.block_id for x in lost)
 
 vllm_roles.state(probe).exit_census()
 out["hooked_calls"] = probe.calls

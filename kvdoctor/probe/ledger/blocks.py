@@ -65,6 +65,29 @@ class BlockLedger:
             "double_alloc_blocks": 0,
         }
         self.census_count = 0
+        # references a pool already had when the probe came (attach): their holders are not read, so
+        # a block is judged only once they are all given back (None: the probe saw the pool fresh)
+        self.adopted: np.ndarray | None = None
+
+    def adopt(self, pool: Any, site: int) -> int:
+        """Takes vLLM's own `ref_cnt` of every block as the ledger's count when the pool is already
+        in use (so freeing what was held before is no double free); returns the blocks adopted."""
+        blocks = pool.blocks
+        host = np.fromiter((max(0, int(b.ref_cnt)) for b in blocks), dtype=np.int32, count=len(blocks))
+        if host.size != self.num_blocks:
+            return 0
+        if self.null_block_id is not None and 0 <= self.null_block_id < self.num_blocks:
+            host[self.null_block_id] = 0
+        held = np.nonzero(host > 0)[0]
+        if not held.size:
+            return 0
+        with self.lock:
+            self.ref[:] = host
+            self.adopted = host.copy()
+            self.alloc_site[held] = site
+            for bid in held:
+                self.holders[int(bid)] = [schema.HOLDER_AT_ATTACH]
+        return int(held.size)
 
     # ----- helpers -----
 
@@ -136,7 +159,10 @@ class BlockLedger:
                 schema.DOUBLE_ALLOC, bad, site, request, "get_new_blocks handed out block(s) the ledger counts as still referenced"
             )
         holder = request or "unattributed"
+        adopted = self.adopted
         for bid in ids:
+            if adopted is not None:
+                adopted[bid] = 0
             ref[bid] = 1
             self.alloc_site[bid] = site
             self.holders[bid] = [holder]
@@ -167,6 +193,8 @@ class BlockLedger:
                 bad.append(bid)
                 continue
             ref[bid] -= 1
+            if self.adopted is not None and self.adopted[bid] > ref[bid]:
+                self.adopted[bid] = ref[bid]  # a reference from before the probe came was given back
             if ref[bid] == 0:
                 self.holders.pop(bid, None)
             elif request is not None:
@@ -206,7 +234,8 @@ class BlockLedger:
             body = np.ones(self.num_blocks, dtype=bool)
             if self.null_block_id is not None and 0 <= self.null_block_id < self.num_blocks:
                 body[self.null_block_id] = False
-            held = (ref > 0) & body
+            unproven = (self.adopted > 0) & body if self.adopted is not None else np.zeros(self.num_blocks, dtype=bool)
+            held = (ref > 0) & body & ~unproven
             idle = not live_requests
             connector_held = 0
             if idle and not held_requests:
@@ -237,8 +266,8 @@ class BlockLedger:
                 "total_slots": int(np.count_nonzero(body)) * bs,
                 "free_blocks": free_blocks,
                 "free_slots": free_blocks * bs,
-                "held_blocks": int(np.count_nonzero(held)),
-                "owned_slots": int(np.count_nonzero(held)) * bs,
+                "held_blocks": int(np.count_nonzero((ref > 0) & body)),
+                "owned_slots": int(np.count_nonzero((ref > 0) & body)) * bs,
                 "shared_blocks": int(np.count_nonzero((ref > 1) & body)),
                 "orphan_blocks": int(orphan.size),
                 "orphan_slots": int(orphan.size) * bs,
@@ -247,6 +276,8 @@ class BlockLedger:
                 "orphan_allocated_at": sites,
                 "orphan_requests": reqs,
                 "connector_held_blocks": connector_held,
+                "unproven_blocks": int(np.count_nonzero(unproven)),
+                "unproven_slots": int(np.count_nonzero(unproven)) * bs,
                 **self.stats,
                 **(extra or {}),
             }

@@ -93,15 +93,31 @@ class VllmState:
         )
         self.ledgers[id(pool)] = ledger
         self.pools[id(pool)] = pool
+        site = probe.sites.intern(("held-at-attach",), lambda: schema.SITE_HELD_AT_ATTACH)
+        try:
+            adopted = ledger.adopt(pool, site)
+        except Exception as exc:  # a pool without the blocks we know: counted from now on, as before
+            adopted = 0
+            probe.fail("vllm_adopt", exc)
         probe.status(
             "on",
-            f"block ledger for {ledger.name}",
+            f"block ledger for {ledger.name}" + (f", adopted in use: {adopted} block(s) referenced" if adopted else ""),
             allocator=ledger.name,
             engine="vllm",
             blocks=num_blocks,
             block_size=block_size,
             caching=bool(getattr(pool, "enable_caching", False)),
+            adopted_blocks=adopted,
         )
+        if adopted:
+            reason = (
+                f"the block pool {ledger.name} was in use when kvdoctor came: {adopted} block(s) referenced then, whose "
+                "holders it does not read, are not judged until every reference from then is given back; everything "
+                "the probe sees happen from now on is"
+            )
+            probe.emitter.emit(
+                schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": ledger.name, "reason": reason}
+            )
         return ledger
 
     def set_block_size(self, manager: Any) -> None:
