@@ -157,3 +157,28 @@ def test_engine_core_serving_the_tiny_model_is_clean(tmp_path, release):
     assert result["ledger_on"] and result["hooked_calls"] > 0 and result["generated"] == [12] * 7, result
     analysis = analyze_with_refcount(trace)
     assert kinds(analysis, "error") == [], analysis["findings"]
+
+
+def test_an_engine_core_that_has_served_takes_a_late_probe_with_no_false_finding(tmp_path):
+    """vLLM 0.32's engine core, in process: the tiny model served chats (the prefix cache holds
+    them) and three requests are mid-decode when the probe comes, as an attach puts it in. Their
+    blocks are adopted from vLLM's own counts: freed later without a false double free, never
+    named as orphans, and vLLM's counts agree with the ledger's at the end."""
+    trace = str(tmp_path / "late.kvtrace.json")
+    proc = subprocess.run(
+        [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_engine_cases.py"), vllm_server.ensure_model(), trace, "late"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=vllm_server.REPO,
+        env=release_env(INSTALLED["vllm"]),
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    result = json.loads(line[-1][len("RESULT ") :])
+    assert result["ledger_on"] and result["hooked_calls"] > 0 and result["generated"] == [12] * 11, result
+    analysis = analyze_with_refcount(trace)
+    assert kinds(analysis, "error") == [] and "refcount_disagrees" not in kinds(analysis), analysis["findings"]
+    with open(trace) as fh:
+        statuses = [json.loads(raw.strip().rstrip(",")) for raw in fh if '"adopted_blocks"' in raw]
+    assert statuses and statuses[0]["args"]["adopted_blocks"] > 0, statuses  # the running requests' blocks

@@ -1,10 +1,11 @@
 """vLLM's engine core in this process (no server, no multiprocessing) serving the tiny model with
 prefix caching, under the probe, then the exit census. Run with .venv-vllm's Python:
 
-    python tests/support/vllm_engine_cases.py MODEL_DIR TRACE
+    python tests/support/vllm_engine_cases.py MODEL_DIR TRACE [late]
 
 Chats that share a system prompt (prefix-cache hits), one request aborted mid-decode, one long
-prompt; prints what vLLM's own pool says at the end.
+prompt; prints what vLLM's own pool says at the end. `late`: the probe comes after the engine has
+served, with three requests mid-decode (the attach case).
 """
 
 import json
@@ -12,16 +13,15 @@ import os
 import sys
 
 model, trace = sys.argv[1], sys.argv[2]
+late = sys.argv[3:] == ["late"]  # the probe comes while the engine serves (as `kvdoctor attach` puts it in)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from kvdoctor.probe import runtime  # noqa: E402
 
-probe = runtime.activate(trace)
+probe = None if late else runtime.activate(trace)
 
 from vllm import LLM, SamplingParams  # noqa: E402
-
-from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
 
 llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, enable_prefix_caching=True, enforce_eager=True)
 system = list(range(100, 164))
@@ -30,6 +30,19 @@ prompts.append({"prompt_token_ids": [(7 * i) % 500 for i in range(400)]})  # a l
 params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
 outputs = llm.generate(prompts, params, use_tqdm=False)
 out = {"generated": [len(o.outputs[0].token_ids) for o in outputs]}
+
+if late:  # requests mid-decode, the prefix cache full of the chats above: then the probe comes
+    for i in range(3):
+        llm.llm_engine.add_request(f"running-{i}", {"prompt_token_ids": system + [50 + i, 60 + i]}, params)
+    llm.llm_engine.step()
+    llm.llm_engine.step()
+    probe = runtime.activate(trace)
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    outputs = llm.generate(prompts[:4], params, use_tqdm=False)  # served again, under the probe
+    out["generated"] += [len(o.outputs[0].token_ids) for o in outputs]
+
+from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
 
 engine = llm.llm_engine
 engine.add_request("aborted", {"prompt_token_ids": system + [7, 8, 9]}, params)
