@@ -61,6 +61,7 @@ class Analysis:
     censuses: int = 0  # how many times a ledger was counted whole: 0 means no orphan verdict exists
     last_censuses: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # pid -> its last census (ts, reason, age_s)
     end_ts_us: float | None = None  # when the run ended (the trace's end event), if it says
+    command_exit: int | None = None  # the exit status of the command `run`/`gate` ran, if the trace says
     not_judged: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> why its censuses give no verdict
 
     @property
@@ -150,6 +151,7 @@ class Analyzer:
         self.last_censuses: dict[int, dict[str, Any]] = {}
         self.not_judged: dict[str, str] = {}
         self.end_ts_us: float | None = None
+        self.command_exit: int | None = None
         self.ignored_events = 0  # from processes beyond MAX_PROCESSES
 
     def feed(self, event: schema.Event) -> None:
@@ -184,6 +186,9 @@ class Analyzer:
                     self.last_censuses[event.pid] = {"ts_us": event.ts, "reason": str(args.get("reason", "")), "age_s": args.get("age_s")}
             elif name == schema.TRACE_END:
                 self.end_ts_us = float(event.args.get("ended_at_us") or event.ts or 0) or None
+                code = event.args.get("command_exit")
+                if isinstance(code, int) and not isinstance(code, bool):
+                    self.command_exit = code
             for feed in feeds:
                 feed(event)
         self.events += count
@@ -263,6 +268,7 @@ class Analyzer:
             censuses=self.censuses,
             last_censuses=self.last_censuses,
             end_ts_us=self.end_ts_us,
+            command_exit=self.command_exit,
             not_judged=self.not_judged,
         )
 

@@ -101,11 +101,14 @@ def gate(
     else:
         command_code, trace_path = run_command(args, trace, [], force=force)
     analysis = analyze_recorded(trace_path)
+    if command_code is None and analysis.command_exit is not None:
+        command_code = analysis.command_exit  # a saved trace of `run`: judged exactly as the live run
     if baseline_analysis is not None:
         check_baseline_engines(analysis, baseline_analysis)
     result = judge(analysis, budgets, baseline_analysis, command_code=command_code)
     if command_code is not None:
-        print(f"kvdoctor gate: command exited {command_code}; trace {trace_path}")
+        ran = "the command in the trace" if judging_a_trace else "command"
+        print(f"kvdoctor gate: {ran} exited {command_code}; trace {trace_path}")
     print(printable("\n".join(result.summary_lines())))
     for line in github_annotations(result) if in_github_actions() else []:
         print(line)

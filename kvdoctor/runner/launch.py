@@ -211,5 +211,6 @@ def run_command(
             sampling[0].set()
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
         shutil.rmtree(rendezvous, ignore_errors=True)
-    finish_trace(trace_path, os.getpid())
-    return (code if code >= 0 else 128 - code), trace_path
+    code = code if code >= 0 else 128 - code
+    finish_trace(trace_path, os.getpid(), {"command_exit": code})  # a saved trace is judged as the live run was
+    return code, trace_path

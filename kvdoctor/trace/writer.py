@@ -85,8 +85,9 @@ class TraceWriter:
             self._fd = None
 
 
-def finish_trace(path: str, pid: int) -> None:
-    """Closes the JSON array so the file is strict JSON too (only when every writer is done)."""
-    end = Event(ph="M", name=TRACE_END, pid=pid, args={"ended_at_us": now_us()}).to_json_dict()
+def finish_trace(path: str, pid: int, extra: dict[str, Any] | None = None) -> None:
+    """Closes the JSON array so the file is strict JSON too (only when every writer is done);
+    `extra` joins the end event (the command's exit status, for `run`)."""
+    end = Event(ph="M", name=TRACE_END, pid=pid, args={"ended_at_us": now_us(), **(extra or {})}).to_json_dict()
     with open(path, "ab") as fh:
         fh.write(dumps(end) + b"\n]\n")

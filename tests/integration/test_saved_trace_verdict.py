@@ -1,0 +1,48 @@
+"""A saved trace is judged exactly as the live run was (`kvdoctor run --trace T -- CMD`, then
+`kvdoctor gate T`, the README's "judge a trace later"): the trace carries the command's exit status,
+so a run that failed, or whose command no probe reported from, fails the gate later too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+CLEAN = "from kvdoctor.demo.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault='none', turns=2))"
+
+
+def kv(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvdoctor.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def run_then_gate(tmp_path, *command: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    trace = str(tmp_path / "saved.kvtrace.json")
+    ran = kv("run", "--trace", trace, "--", *command, cwd=tmp_path)
+    later = kv("gate", trace, cwd=tmp_path)
+    live = kv("gate", "--force", "--trace", str(tmp_path / "live.kvtrace.json"), "--", *command, cwd=tmp_path)
+    return ran, later, live
+
+
+def test_a_saved_trace_of_a_failed_command_fails_the_gate(tmp_path):
+    ran, later, live = run_then_gate(tmp_path, "false")
+    assert ran.returncode == 1
+    assert later.returncode == live.returncode == 1, later.stdout
+    assert "FAIL  command-exit: the command exited 1: a failed run is not a pass" in later.stdout
+    assert "kvdoctor gate: the command in the trace exited 1" in later.stdout
+
+
+def test_a_saved_trace_of_an_unprobed_command_fails_the_gate(tmp_path):
+    ran, later, live = run_then_gate(tmp_path, sys.executable, "-c", "pass")
+    assert ran.returncode == 0
+    assert later.returncode == live.returncode == 1, later.stdout
+    assert "FAIL  probe-reported: no probe reported from an engine" in later.stdout
+
+
+def test_a_saved_trace_of_a_clean_probed_run_passes_as_the_live_run_did(tmp_path):
+    ran, later, live = run_then_gate(tmp_path, sys.executable, "-c", CLEAN)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert later.returncode == live.returncode == 0, later.stdout + live.stdout
+    assert "PASS  command-exit: the command exited 0" in later.stdout
+    strip = lambda out: [line for line in out.splitlines() if "trace" not in line and "pid" not in line]  # noqa: E731
+    assert strip(later.stdout) == strip(live.stdout)
