@@ -7,8 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO
-
 CLEAN = "from kvdoctor.demo.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault='none', turns=2))"
 
 
@@ -44,5 +42,5 @@ def test_a_saved_trace_of_a_clean_probed_run_passes_as_the_live_run_did(tmp_path
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert later.returncode == live.returncode == 0, later.stdout + live.stdout
     assert "PASS  command-exit: the command exited 0" in later.stdout
-    strip = lambda out: [line for line in out.splitlines() if "trace" not in line and "pid" not in line]  # noqa: E731
+    strip = lambda out: [line for line in out.splitlines() if "trace" not in line and "pid" not in line]
     assert strip(later.stdout) == strip(live.stdout)
