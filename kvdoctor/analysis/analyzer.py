@@ -62,6 +62,7 @@ class Analysis:
     last_censuses: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # pid -> its last census (ts, reason, age_s)
     end_ts_us: float | None = None  # when the run ended (the trace's end event), if it says
     command_exit: int | None = None  # the exit status of the command `run`/`gate` ran, if the trace says
+    damaged_censuses: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> what is wrong with a census
     not_judged: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> why its censuses give no verdict
 
     @property
@@ -152,6 +153,7 @@ class Analyzer:
         self.not_judged: dict[str, str] = {}
         self.end_ts_us: float | None = None
         self.command_exit: int | None = None
+        self.damaged_censuses: dict[str, str] = {}
         self.ignored_events = 0  # from processes beyond MAX_PROCESSES
 
     def feed(self, event: schema.Event) -> None:
@@ -179,7 +181,10 @@ class Analyzer:
                 processes.setdefault(event.pid, {})["process_title"] = str(event.args["name"])
             elif name == schema.CENSUS:
                 args = event.args
-                if args.get("judged") is False:
+                if not schema.census_is_readable(args):
+                    where = f"pid {event.pid} {args.get('allocator', '')}".rstrip()
+                    self.damaged_censuses[where] = f"its orphan count is unreadable ({str(args.get('orphan_slots'))[:40]!r})"
+                elif args.get("judged") is False:
                     self.not_judged[f"pid {event.pid} {args.get('allocator', '')}".rstrip()] = str(args.get("not_judged", ""))
                 else:
                     self.censuses += 1
@@ -269,6 +274,7 @@ class Analyzer:
             last_censuses=self.last_censuses,
             end_ts_us=self.end_ts_us,
             command_exit=self.command_exit,
+            damaged_censuses=self.damaged_censuses,
             not_judged=self.not_judged,
         )
 

@@ -185,6 +185,9 @@ def _census_basis(analysis: Analysis) -> str:
 def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
     if not _probed(analysis):
         return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
+    if analysis.damaged_censuses:
+        what = "; ".join(f"{ledger}: {reason}" for ledger, reason in list(analysis.damaged_censuses.items())[:4])
+        return Check("max-orphan-slots", False, f"a census in the trace is damaged, so no verdict stands on it ({what})", judged=False)
     if not analysis.censuses:
         if analysis.not_judged:
             why = "; ".join(f"{ledger}: {reason}" for ledger, reason in list(analysis.not_judged.items())[:4])

@@ -185,3 +185,12 @@ def header_event(*, pid: int, engine: str, engine_version: str, process_title: s
     if extra:
         args.update(extra)
     return Event(ph="M", name=HEADER, pid=pid, cat=CAT_PROBE, args=args)
+
+
+def census_is_readable(args: dict[str, Any]) -> bool:
+    """A census's orphan count, where it has one, is a plain count (not NaN, infinite, a string or
+    negative): a damaged census must never read as a clean one."""
+    if "orphan_slots" not in args:
+        return True
+    value = args["orphan_slots"]
+    return type(value) is int and value >= 0

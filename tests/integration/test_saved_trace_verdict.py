@@ -7,6 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from kvdoctor.trace import schema
+from kvdoctor.trace.writer import TraceWriter, finish_trace
+
 CLEAN = "from kvdoctor.demo.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault='none', turns=2))"
 
 
@@ -44,3 +49,26 @@ def test_a_saved_trace_of_a_clean_probed_run_passes_as_the_live_run_did(tmp_path
     assert "PASS  command-exit: the command exited 0" in later.stdout
     strip = lambda out: [line for line in out.splitlines() if "trace" not in line and "pid" not in line]
     assert strip(later.stdout) == strip(live.stdout)
+
+
+@pytest.mark.parametrize("count", [float("nan"), float("inf"), "1e3", -5, True], ids=["nan", "inf", "string", "negative", "bool"])
+def test_a_census_whose_orphan_count_is_damaged_is_no_verdict(tmp_path, count):
+    """A census of a probed engine whose orphan count is not a count never reads as 0 orphans:
+    the gate cannot judge (2), whatever clean census came before it."""
+    path = str(tmp_path / "damaged.kvtrace.json")
+    writer = TraceWriter(path)
+    census = {"allocator": "A#0", "reason": "idle", "idle": True, "orphan_slots": 0}
+    writer.write_batch(
+        [
+            schema.header_event(
+                pid=7, engine="sglang", engine_version="0.5.23", process_title="sglang::scheduler", extra={"probe": "kvdoctor"}
+            ),
+            schema.Event(ph="i", name=schema.CENSUS, pid=7, ts=1e6, args=census),
+            schema.Event(ph="i", name=schema.CENSUS, pid=7, ts=2e6, args={**census, "reason": "exit", "orphan_slots": count}),
+        ]
+    )
+    writer.close()
+    finish_trace(path, 7)
+    proc = kv("gate", path, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert "a census in the trace is damaged" in proc.stdout and "orphan count is unreadable" in proc.stdout

@@ -40,6 +40,8 @@ class OrphanSlotsDetector:
             return
         if args.get("judged") is False:
             return  # the probe said it cannot prove it sees every holder of this pool: no verdict
+        if not schema.census_is_readable(args):
+            return  # a damaged count is no verdict, least of all a clean one
         self.censuses += 1
         self.latest[key] = args
         self.latest_ts[key] = event.ts
