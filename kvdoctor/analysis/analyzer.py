@@ -288,12 +288,14 @@ def analyze(
     return analyzer.finish()
 
 
-def analyze_trace(path: str, *, progress: bool = False, host_memory_limit_bytes: int | None = None) -> Analysis:
+def analyze_trace(
+    path: str, *, progress: bool = False, host_memory_limit_bytes: int | None = None, growth_params: GrowthParams | None = None
+) -> Analysis:
     """Streams a recorded trace (never loaded whole) through the detectors; the reader's notes
     (a cut tail, skipped lines) end up in the analysis. `progress` shows a bar on a TTY for
     large traces."""
     stats = ReadStats()
-    analyzer = Analyzer(source=path, host_memory_limit_bytes=host_memory_limit_bytes)
+    analyzer = Analyzer(source=path, host_memory_limit_bytes=host_memory_limit_bytes, growth_params=growth_params)
     size = os.path.getsize(path) if os.path.isfile(path) else 0
     if progress and size >= PROGRESS_BAR_MIN_BYTES and sys.stderr.isatty():
         from rich.progress import BarColumn, Progress, TransferSpeedColumn

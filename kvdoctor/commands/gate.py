@@ -8,6 +8,7 @@ cannot be written is said on stderr and never turns a failure into anything else
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -22,6 +23,7 @@ from kvdoctor.analysis.gate import (
     finding_kinds,
     judge,
 )
+from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import claim_output, printable, write_private
 from kvdoctor.reporters import render
@@ -48,6 +50,13 @@ def budgets_from(max_growth: str, max_orphan_slots: int, fail_on: str, allow: st
         allow=finding_kinds(allow, "--allow") if allow else set(),
         engine=engine,
     )
+
+
+def growth_params_for(budgets: Budgets) -> GrowthParams:
+    """The growth test with the user's budget as its floor where that is below the default one: a
+    budget the user sets is the budget (a steady 40 MiB/h fails a 10 MiB/h budget)."""
+    floor = min(DEFAULT_MIN_RATE_BYTES_PER_S, max(budgets.max_growth_bytes_per_s, 0.0))
+    return dataclasses.replace(GrowthParams(), min_rate_bytes_per_s=floor)
 
 
 def _write(path: str, text: str, force: bool, what: str) -> bool:
@@ -94,13 +103,13 @@ def gate(
     for path in (junit, html):  # refused before a long run, not after it
         if path:
             claim_output(path, force=force)
-    baseline_analysis = analyze_recorded(baseline) if baseline else None
+    baseline_analysis = analyze_recorded(baseline, growth_params=growth_params_for(budgets)) if baseline else None
     command_code = None
     if judging_a_trace:
         trace_path = args[0]
     else:
         command_code, trace_path = run_command(args, trace, [], force=force)
-    analysis = analyze_recorded(trace_path)
+    analysis = analyze_recorded(trace_path, growth_params=growth_params_for(budgets))
     if command_code is None and analysis.command_exit is not None:
         command_code = analysis.command_exit  # a saved trace of `run`: judged exactly as the live run
     if baseline_analysis is not None:

@@ -8,6 +8,7 @@ import os
 import time
 
 from kvdoctor.analysis.analyzer import Analysis, analyze_trace
+from kvdoctor.analysis.growth import GrowthParams
 from kvdoctor.collect.procfs import machine_memory_limit_bytes
 from kvdoctor.errors import KvdoctorError
 
@@ -19,10 +20,10 @@ def default_trace_path(command: str, pid: int | None = None) -> str:
     return os.path.abspath(f"kvdoctor-{command}-{pid}-{time.strftime('%Y%m%d-%H%M%S')}.kvtrace.json")
 
 
-def analyze_recorded(path: str, *, progress: bool = False) -> Analysis:
+def analyze_recorded(path: str, *, progress: bool = False, growth_params: GrowthParams | None = None) -> Analysis:
     """`analyze_trace` with this machine's memory limit standing in where the trace records none
     (the time to OOM of a growth finding needs one)."""
-    return analyze_trace(path, progress=progress, host_memory_limit_bytes=machine_memory_limit_bytes())
+    return analyze_trace(path, progress=progress, host_memory_limit_bytes=machine_memory_limit_bytes(), growth_params=growth_params)
 
 
 def check_fixes(names: list[str]) -> list[str]:

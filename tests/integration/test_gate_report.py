@@ -237,3 +237,13 @@ def test_html_report_and_screenshot(demo_traces, tmp_path):
     background = max(colours)[1]
     ink_rows = [y for y in range(0, height, 4) if sum(1 for x in range(0, width, 4) if image.getpixel((x, y)) != background) > 8]
     assert ink_rows and ink_rows[0] < 100 and ink_rows[-1] > height // 2, "the report is not laid out down the page"
+
+
+def test_a_growth_budget_below_the_detectors_own_floor_is_the_budget(tmp_path):
+    """A steady 40 MiB/h is below the growth test's default floor (50 MiB/h: not urgent on its
+    own), but a user who sets --max-growth 10MiB/h gets 10 MiB/h."""
+    rate = 40 * MIB / 3600.0
+    path = _memory_trace(str(tmp_path / "slow.kvtrace.json"), lambda t: 2 * GIB + rate * t)
+    assert not any(f.kind == "memory_growth" for f in analyze_trace(path).findings)  # the default floor
+    assert gate([path], max_growth="10MiB/h") == 1
+    assert gate([path], max_growth="60MiB/h") == 0
