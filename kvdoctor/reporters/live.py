@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from kvdoctor.analysis import growth
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.findings import Finding
+from kvdoctor.reporters.json_report import strict
 from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ def watch_report(result: WatchResult) -> dict[str, Any]:
 
 
 def write_watch_json(result: WatchResult, out: TextIO) -> None:
-    print(json.dumps(watch_report(result), default=str), file=out)
+    print(json.dumps(strict(watch_report(result)), default=str, allow_nan=False), file=out)
 
 
 def attribution_line(finding: Finding) -> str:

@@ -4,6 +4,7 @@ so a run that failed, or whose command no probe reported from, fails the gate la
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -72,3 +73,18 @@ def test_a_census_whose_orphan_count_is_damaged_is_no_verdict(tmp_path, count):
     proc = kv("gate", path, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert "a census in the trace is damaged" in proc.stdout and "orphan count is unreadable" in proc.stdout
+
+
+def test_the_json_report_is_strict_json_whatever_a_finding_carries():
+    """A finding whose evidence holds a NaN or an infinity (a detector reading a damaged number)
+    comes out as null: JavaScript's JSON.parse and jq reject `NaN`/`Infinity`."""
+    from kvdoctor.analysis.analyzer import analyze
+    from kvdoctor.analysis.findings import ERROR, Finding
+    from kvdoctor.reporters import render
+
+    analysis = analyze(iter([]))
+    odd = {"ratio": float("nan"), "per_s": [float("inf"), 1.5], "nested": {"low": float("-inf")}}
+    analysis.findings.append(Finding("double_free", ERROR, "a finding", 1, odd, 7))
+    text = render(analysis, "json")
+    report = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON report"))
+    assert report["findings"][-1]["evidence"] == {"ratio": None, "per_s": [None, 1.5], "nested": {"low": None}}
