@@ -5,10 +5,12 @@ does not exist (.ci/setup-vllm)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from conftest import SUPPORT
@@ -37,21 +39,39 @@ def release_env(release: str) -> dict:
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "vLLM available")]
 
 
-def run_case(case: str, tmp_path, release: str = INSTALLED["vllm"]) -> tuple[dict, dict, list[dict]]:
-    trace = str(tmp_path / f"{case}.kvtrace.json")
-    env = release_env(release)
+# The pool cases every release runs: one interpreter per release runs them all (vLLM imported once).
+SHARED_CASES = ("clean", "double_free", "leak")
+
+
+@functools.cache
+def _shared_run(release: str) -> dict[str, tuple[dict, str]]:
+    """case -> (its RESULT, its trace), for SHARED_CASES on `release`, run once per release."""
+    where = tempfile.mkdtemp(prefix=f"vllm-{release}-cases-")
+    results = _run_script(",".join(SHARED_CASES), where, release)
+    return {r["case"]: (r, os.path.join(where, f"{r['case']}.kvtrace.json")) for r in results}
+
+
+def _run_script(cases: str, trace: str, release: str) -> list[dict]:
     proc = subprocess.run(
-        [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_ledger_cases.py"), case, trace],
+        [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_ledger_cases.py"), cases, trace],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=vllm_server.REPO,
-        env=env,
+        env=release_env(release),
     )
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    result = json.loads(line[-1][len("RESULT ") :])
-    assert result["ledger_on"] and result["hooked_calls"] > 0, result
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(lines) == len(cases.split(",")), proc.stderr[-3000:]
+    return [json.loads(line[len("RESULT ") :]) for line in lines]
+
+
+def run_case(case: str, tmp_path, release: str = INSTALLED["vllm"]) -> tuple[dict, dict, list[dict]]:
+    if case in SHARED_CASES:
+        result, trace = _shared_run(release)[case]
+    else:
+        trace = str(tmp_path / f"{case}.kvtrace.json")
+        (result,) = _run_script(case, trace, release)
+    assert result["case"] == case and result["ledger_on"] and result["hooked_calls"] > 0, result
     analysis = analyze_with_refcount(trace)
     censuses = []
     with open(trace) as fh:
