@@ -323,8 +323,9 @@ def test_find_process_tree_and_roles(spawn):
     assert [p.pid for p in tree] == [child.pid]
     assert "sglang::detokenizer" in tree[0].title and tree[0].role == "detokenizer"
     assert find_process_tree(999_999_999) == []
-    mine = find_process_tree(os.getpid())
-    assert mine[0].pid == os.getpid() and mine[0].role == "python"
+    assert find_process_tree(os.getpid())[0].pid == os.getpid()
+    plain = spawn("import time; print('ready', flush=True); time.sleep(60)")  # a test runner may retitle itself
+    assert find_process_tree(plain.pid)[0].role == "python"
     assert guess_role("sglang::scheduler_TP0") == "scheduler"
     assert guess_role("sglang::tokenizer") == "tokenizer"
     assert guess_role("VLLM::EngineCore") == "engine"
