@@ -31,11 +31,25 @@ from kvdoctor.reporters.github import github_annotations, in_github_actions
 from kvdoctor.reporters.junit import render_junit
 from kvdoctor.runner import analyze_recorded
 from kvdoctor.runner.launch import run_command
+from kvdoctor.trace.schema import SCHEMA_NAME
 from kvdoctor.units import parse_rate
+
+TRACE_SNIFF_BYTES = 4096  # a trace's header line, where its schema name is, comes first
 
 
 def _is_trace_path(args: list[str]) -> bool:
-    return len(args) == 1 and args[0].endswith(".json") and os.path.isfile(args[0])
+    """One existing file named *.json, or one that opens as a kvdoctor trace does (a trace saved
+    as `.kvtrace`, or under a name with a typo, is judged, not run as a command)."""
+    if len(args) != 1 or not os.path.isfile(args[0]):
+        return False
+    if args[0].endswith(".json"):
+        return True
+    try:
+        with open(args[0], "rb") as fh:
+            start = fh.read(TRACE_SNIFF_BYTES)
+    except OSError:
+        return False
+    return start.lstrip().startswith((b"[", b"{")) and SCHEMA_NAME.encode() in start
 
 
 def budgets_from(max_growth: str, max_orphan_slots: int, fail_on: str, allow: str, engine: str) -> Budgets:

@@ -88,3 +88,21 @@ def test_the_json_report_is_strict_json_whatever_a_finding_carries():
     text = render(analysis, "json")
     report = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON report"))
     assert report["findings"][-1]["evidence"] == {"ratio": None, "per_s": [None, 1.5], "nested": {"low": None}}
+
+
+def test_a_trace_saved_under_another_name_is_judged_not_run(tmp_path):
+    """`gate run.kvtrace` (no .json) judges the trace; it used to be taken for a command ("command
+    not found"). A file that is not a trace is still taken as a command."""
+    path = str(tmp_path / "run.kvtrace")
+    writer = TraceWriter(path)
+    writer.write_batch(
+        [schema.header_event(pid=7, engine="sglang", engine_version="0.5.23", process_title="x", extra={"probe": "kvdoctor"})]
+    )
+    writer.close()
+    finish_trace(path, 7)
+    proc = kv("gate", path, cwd=tmp_path)
+    assert "command not found" not in proc.stderr and f"kvdoctor gate: {path}" in proc.stdout, proc.stdout + proc.stderr
+    other = tmp_path / "notes.txt"
+    other.write_text("not a trace\n")
+    proc = kv("gate", str(other), cwd=tmp_path)
+    assert proc.returncode == 2 and "command not found" in proc.stderr
