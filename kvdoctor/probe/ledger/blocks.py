@@ -187,14 +187,15 @@ class BlockLedger:
     def on_free(self, blocks: list[Any], pool: Any, site: int, request: str | None) -> None:
         ids = self._ids(blocks, pool)
         ref = self.ref
+        adopted = self.adopted
         bad = []
         for bid in ids:
             if ref[bid] <= 0:
                 bad.append(bid)
                 continue
             ref[bid] -= 1
-            if self.adopted is not None and self.adopted[bid] > ref[bid]:
-                self.adopted[bid] = ref[bid]  # a reference from before the probe came was given back
+            if adopted is not None and adopted[bid] > ref[bid]:
+                adopted[bid] = ref[bid]  # a reference from before the probe came was given back
             if ref[bid] == 0:
                 self.holders.pop(bid, None)
             elif request is not None:

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import sys
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,6 +39,7 @@ from kvdoctor.probe.hooks import resolve
 from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.ledger.states import FREE, OWNED, RESERVED, TREE
+from kvdoctor.probe.sglang import coverage
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
 
 REQUEST_CLASS_SUFFIXES = ("Req", "Request")
 ALLOCATOR_ATTR = "token_to_kv_pool_allocator"
-MAX_FRAMES = 64
 WALK_DEPTH = 4  # scheduler -> running_batch -> reqs -> Req; scheduler -> a disaggregation queue -> queue -> Req
 MAX_WALKED = 50_000  # objects looked at from the engine's own objects (one pass, at adoption only)
 # whose objects the walk does not enter: tensors, arrays, models, sockets, threads, loggers
@@ -181,7 +179,7 @@ def find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> Hol
 
     def look_at(obj: Any) -> None:
         name = type(obj).__name__
-        attrs = _instance_dict(obj)
+        attrs = coverage.instance_dict(obj)
         if attrs is not None and attrs.get(ALLOCATOR_ATTR) is allocator:
             if name in tree_classes:
                 out.add_tree(obj)
@@ -195,14 +193,15 @@ def find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> Hol
             look_at(obj)
         except Exception:
             continue
-    for obj in _callers(allocator):
-        out.add_holder(obj)
+    for obj in coverage.engine_callers(allocator):
+        if coverage.own(obj, ALLOCATOR_ATTR) is allocator:
+            out.add_holder(obj)
     for obj in _walk([*out.holders, *out.trees]):
         try:
             look_at(obj)
         except Exception:
             continue
-    pools = (_own(t, "req_to_token_pool") for t in [*out.trees, *out.holders])
+    pools = (coverage.own(t, "req_to_token_pool") for t in [*out.trees, *out.holders])
     out.pools = list({id(p): p for p in pools if p is not None and hasattr(p, "req_to_token")}.values())
     return out
 
@@ -218,7 +217,7 @@ def check_books(allocator: Any, ledger: SlotLedger, found: Holders, *, free: int
         reasons.append("the allocator's available_size() could not be read")
     elif available != free * ps:
         reasons.append(f"the allocator says {available} slots are free, its free list holds {free * ps} distinct ones")
-    engine_trees = list({id(t): t for t in (_own(h, "tree_cache") for h in found.holders) if t is not None}.values())
+    engine_trees = list({id(t): t for t in (coverage.own(h, "tree_cache") for h in found.holders) if t is not None}.values())
     books["engine_trees"] = [type(t).__name__ for t in engine_trees]
     if not found.holders:
         reasons.append("no engine object (scheduler, batch) naming the allocator was found, so no tree can be ruled out")
@@ -244,22 +243,6 @@ def check_books(allocator: Any, ledger: SlotLedger, found: Holders, *, free: int
         reasons.append(f"{free_in_tree * ps} slots are both in a tree and on the free list")
     books["unproven_because"] = "; ".join(dict.fromkeys(reasons))
     return books
-
-
-def _callers(allocator: Any) -> list[Any]:
-    """The `self` of each caller that names `allocator` as its engine's allocator."""
-    out = []
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            break
-        if "self" in frame.f_code.co_varnames:
-            obj = frame.f_locals.get("self")
-            attrs = _instance_dict(obj)
-            if attrs is not None and attrs.get(ALLOCATOR_ATTR) is allocator:
-                out.append(obj)
-        frame = frame.f_back
-    return out
 
 
 def _walk(roots: list[Any]) -> list[Any]:
@@ -289,27 +272,10 @@ def _children(obj: Any) -> list[Any]:
             return list(obj)
         if isinstance(obj, dict):
             return list(obj.values())
-        attrs = _instance_dict(obj)
+        attrs = coverage.instance_dict(obj)
         return list(attrs.values()) if attrs is not None else []
     except Exception:  # a container changed while read (another thread): skip it
         return []
-
-
-def _instance_dict(obj: Any) -> dict[str, Any] | None:
-    """`obj.__dict__` for a plain object (no custom attribute lookup runs), else None."""
-    lookup: Any = type(obj).__getattribute__
-    if lookup is not object.__getattribute__ or isinstance(obj, type):
-        return None
-    try:
-        attrs = object.__getattribute__(obj, "__dict__")
-    except AttributeError:
-        return None
-    return attrs if type(attrs) is dict else None
-
-
-def _own(obj: Any, name: str) -> Any:
-    attrs = _instance_dict(obj)
-    return attrs.get(name) if attrs is not None else None
 
 
 def _call_int(obj: Any, method: str) -> int | None:
@@ -321,7 +287,7 @@ def _call_int(obj: Any, method: str) -> int | None:
 
 
 def _free_group(allocator: Any) -> Any:
-    group = _own(allocator, "free_group")
+    group = coverage.own(allocator, "free_group")
     if not isinstance(group, list) or not group:
         return None
     try:

@@ -23,6 +23,7 @@ every radix tree, which names its allocator and request pool. A process may hold
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -30,25 +31,40 @@ MAX_FRAMES = 64
 ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
 
 
+def instance_dict(obj: Any) -> dict[str, Any] | None:
+    """`obj.__dict__` for a plain object (no custom attribute lookup, property or class attribute
+    runs), else None."""
+    lookup: Any = type(obj).__getattribute__
+    if lookup is not object.__getattribute__ or isinstance(obj, type):
+        return None
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    return attrs if type(attrs) is dict else None
+
+
 def own(obj: Any, name: str) -> Any:
     """An instance attribute, never a property or a class attribute (no host code runs)."""
-    try:
-        return vars(obj).get(name)
-    except TypeError:
-        return None
+    attrs = instance_dict(obj)
+    return attrs.get(name) if attrs is not None else None
+
+
+def engine_callers(target: Any) -> Iterator[Any]:
+    """Each caller's `self` (nearest first) that names an engine's allocator, `target` excepted."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return
+        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if obj is not None and obj is not target and own(obj, "token_to_kv_pool_allocator") is not None:
+            yield obj
+        frame = frame.f_back
 
 
 def engine_view(target: Any) -> Any:
     """The nearest caller's `self` that names the engine's allocator, or None."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if obj is not None and obj is not target and own(obj, "token_to_kv_pool_allocator") is not None:
-            return obj
-        frame = frame.f_back
-    return None
+    return next(engine_callers(target), None)
 
 
 def class_names(obj: Any) -> set[str]:
