@@ -181,11 +181,13 @@ def test_engine_core_serving_the_tiny_model_is_clean(tmp_path, release):
     assert kinds(analysis, "error") == [], analysis["findings"]
 
 
-def test_an_engine_core_that_has_served_takes_a_late_probe_with_no_false_finding(tmp_path):
+def test_an_engine_core_that_has_served_takes_a_late_probe_naming_leaks_before_and_after_it(tmp_path):
     """vLLM 0.32's engine core, in process: the tiny model served chats (the prefix cache holds
-    them) and three requests are mid-decode when the probe comes, as an attach puts it in. Their
-    blocks are adopted from vLLM's own counts: freed later without a false double free, never
-    named as orphans, and vLLM's counts agree with the ledger's at the end."""
+    them), one request's blocks were lost at its finish, and three requests are mid-decode when the
+    probe comes, as an attach puts it in. The probe reads who held each block then (the managers'
+    request tables), proves the books against vLLM's own counts, and names exactly two leaks: the
+    blocks lost before it came, as such, and those of a request that lost its blocks after, with the
+    request. The running requests' blocks are freed later with no false double free or orphan."""
     trace = str(tmp_path / "late.kvtrace.json")
     proc = subprocess.run(
         [vllm_server.VENV_PYTHON, os.path.join(SUPPORT, "vllm_engine_cases.py"), vllm_server.ensure_model(), trace, "late"],
@@ -199,8 +201,22 @@ def test_an_engine_core_that_has_served_takes_a_late_probe_with_no_false_finding
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     result = json.loads(line[-1][len("RESULT ") :])
     assert result["ledger_on"] and result["hooked_calls"] > 0 and result["generated"] == [12] * 11, result
+    before, after = result["lost"]["lost-before"], result["lost"]["lost-after"]
+    assert before and after and not set(before) & set(after), result["lost"]
     analysis = analyze_with_refcount(trace)
-    assert kinds(analysis, "error") == [] and "refcount_disagrees" not in kinds(analysis), analysis["findings"]
+    errors = [f for f in analysis["findings"] if f["severity"] == "error"]
+    assert [f["kind"] for f in errors] == ["orphan_slots", "orphan_slots"], analysis["findings"]
+    assert "refcount_disagrees" not in kinds(analysis) and "probe_partial" not in kinds(analysis, "warning"), analysis["findings"]
+    early, late = sorted(errors, key=lambda f: "before kvdoctor attached" not in f["message"])
+    bs = early["evidence"]["block_size"]  # the CPU attention backend's block size
+    assert "leaked before kvdoctor attached" in early["message"] and early["count"] == len(before) * bs, early
+    assert {i // bs for i in early["evidence"]["slot_ids"]} == set(before), early["evidence"]
+    assert "before kvdoctor attached" not in late["message"] and late["count"] == len(after) * bs, late
+    assert [r.split("-")[:2] for r in late["evidence"]["requests"]] == [["lost", "after"]], late["evidence"]
+    assert {i // bs for i in late["evidence"]["slot_ids"]} == set(after), late["evidence"]
     with open(trace) as fh:
-        statuses = [json.loads(raw.strip().rstrip(",")) for raw in fh if '"adopted_blocks"' in raw]
-    assert statuses and statuses[0]["args"]["adopted_blocks"] > 0, statuses  # the running requests' blocks
+        statuses = [json.loads(raw.strip().rstrip(",")) for raw in fh if '"adopted_requests"' in raw]
+    # the running requests, proven (one may be finishing at the first call the probe meets: the
+    # blocks that call is freeing are the holders' too)
+    assert len(statuses) == 1 and 1 <= statuses[0]["args"]["adopted_requests"] <= 3, statuses
+    assert statuses[0]["args"]["before_attach_blocks"] == len(before), statuses

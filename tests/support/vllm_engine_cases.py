@@ -5,7 +5,9 @@ prefix caching, under the probe, then the exit census. Run with .venv-vllm's Pyt
 
 Chats that share a system prompt (prefix-cache hits), one request aborted mid-decode, one long
 prompt; prints what vLLM's own pool says at the end. `late`: the probe comes after the engine has
-served, with three requests mid-decode (the attach case).
+served, with three requests mid-decode (the attach case), and one request's blocks are lost before
+the probe comes and another's after: their manager pops them at the finish and never gives them
+back to the pool (`lost` in the result: request -> block ids).
 """
 
 import json
@@ -31,7 +33,33 @@ params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detoken
 outputs = llm.generate(prompts, params, use_tqdm=False)
 out = {"generated": [len(o.outputs[0].token_ids) for o in outputs]}
 
+
+def lose_blocks_of(engine, victims: set, lost: dict) -> None:
+    """Each manager drops the blocks of `victims` at their finish: popped from its table, never
+    freed (the shape of a free path that forgets them)."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+
+        def free(request_id, manager=manager, original=manager.free):
+            victim = next((v for v in victims if request_id.startswith(v)), None)  # vLLM suffixes ids
+            if victim is None:
+                return original(request_id)
+            popped = manager.pop_blocks_for_free(request_id)
+            lost.setdefault(victim, []).extend(b.block_id for b in popped if not b.is_null)
+
+        manager.free = free
+
+
+def serve(engine, rid: str, tokens: list) -> None:
+    engine.add_request(rid, {"prompt_token_ids": tokens}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 if late:  # requests mid-decode, the prefix cache full of the chats above: then the probe comes
+    lost: dict = {}
+    lose_blocks_of(llm.llm_engine, {"lost-before", "lost-after"}, lost)
+    serve(llm.llm_engine, "lost-before", [(11 * i + 3) % 500 for i in range(40)])  # a prompt no other shares
     for i in range(3):
         llm.llm_engine.add_request(f"running-{i}", {"prompt_token_ids": system + [50 + i, 60 + i]}, params)
     llm.llm_engine.step()
@@ -41,6 +69,8 @@ if late:  # requests mid-decode, the prefix cache full of the chats above: then 
         llm.llm_engine.step()
     outputs = llm.generate(prompts[:4], params, use_tqdm=False)  # served again, under the probe
     out["generated"] += [len(o.outputs[0].token_ids) for o in outputs]
+    serve(llm.llm_engine, "lost-after", [(13 * i + 5) % 500 for i in range(40)])
+    out["lost"] = {rid: sorted(set(ids)) for rid, ids in lost.items()}
 
 from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
 

@@ -148,20 +148,21 @@ class OrphanSlotsDetector:
             evidence["requests"] = released["requests"] if as_count(released["count"]) >= count else {**reqs, **released["requests"]}
             top_req = max(released["requests"], key=lambda k: released["requests"][k]) if released["requests"] else top_req
         shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
-        if args.get("engine") == "vllm":
-            blocks = as_count(args.get("orphan_blocks"))
-            evidence["orphan_blocks"] = blocks
+        vllm = args.get("engine") == "vllm"
+        if vllm:
+            evidence["orphan_blocks"] = as_count(args.get("orphan_blocks")) if whole else count // max(1, as_count(args.get("block_size")))
             evidence["block_size"] = args.get("block_size")
+        if top_site == schema.SITE_BEFORE_ATTACH:
+            holders = "no request, deferred free or pending copy" if vllm else "no live request and no tree node"
             message = (
-                f"{count} KV slot(s) leaked ({blocks} block(s) of {args.get('block_size')}): still referenced "
+                f"{count} KV slot(s) leaked before kvdoctor attached: when it adopted the allocator's state {holders} "
+                f"held them, and none did at the {args.get('reason', '')} census (slots {shown})" + sglang_says
+            )
+        elif vllm:
+            message = (
+                f"{count} KV slot(s) leaked ({evidence['orphan_blocks']} block(s) of {args.get('block_size')}): still referenced "
                 f"but held by no live request at the {args.get('reason', '')} census (slots {shown}); allocated "
                 f"by {top_site} for {top_req}, and their reference count never went back to 0"
-            )
-        elif top_site == schema.SITE_BEFORE_ATTACH:
-            message = (
-                f"{count} KV slot(s) leaked before kvdoctor attached: when it adopted the allocator's state no live "
-                f"request and no tree node held them, and none did at the {args.get('reason', '')} census (slots "
-                f"{shown})" + sglang_says
             )
         else:
             message = (

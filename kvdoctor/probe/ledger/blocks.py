@@ -65,9 +65,11 @@ class BlockLedger:
             "double_alloc_blocks": 0,
         }
         self.census_count = 0
-        # references a pool already had when the probe came (attach): their holders are not read, so
+        # references a pool already had when the probe came (attach) whose holders are not proven:
         # a block is judged only once they are all given back (None: the probe saw the pool fresh)
         self.adopted: np.ndarray | None = None
+        # references no holder explained when the probe came, the holders proven (leaked before attach)
+        self.before_attach: np.ndarray | None = None
 
     def adopt(self, pool: Any, site: int) -> int:
         """Takes vLLM's own `ref_cnt` of every block as the ledger's count when the pool is already
@@ -88,6 +90,25 @@ class BlockLedger:
             for bid in held:
                 self.holders[int(bid)] = [schema.HOLDER_AT_ATTACH]
         return int(held.size)
+
+    def prove_adoption(self, by_block: dict[int, list[str]], site_before: int) -> int:
+        """The adopted references' holders were read and the books balance: each block's holders
+        are named, and references no holder explains are leaked before attach (counted per block
+        in `before_attach`, their site `site_before`). From now on every block is judged. Returns
+        the blocks with such references."""
+        with self.lock:
+            if self.adopted is None:
+                return 0
+            early = np.maximum(self.adopted - np.fromiter((len(by_block.get(b, ())) for b in range(self.num_blocks)), np.int32), 0)
+            for bid in np.nonzero(self.adopted > 0)[0]:
+                names = list(dict.fromkeys(by_block.get(int(bid), ())))[:MAX_HOLDERS]
+                if early[bid]:
+                    names = [*names[: MAX_HOLDERS - 1], schema.OWNER_BEFORE_ATTACH]
+                    self.alloc_site[bid] = site_before
+                self.holders[int(bid)] = names
+            self.adopted = None
+            self.before_attach = early
+            return int(np.count_nonzero(early))
 
     # ----- helpers -----
 
@@ -159,10 +180,12 @@ class BlockLedger:
                 schema.DOUBLE_ALLOC, bad, site, request, "get_new_blocks handed out block(s) the ledger counts as still referenced"
             )
         holder = request or "unattributed"
-        adopted = self.adopted
+        adopted, early = self.adopted, self.before_attach
         for bid in ids:
             if adopted is not None:
                 adopted[bid] = 0
+            if early is not None:
+                early[bid] = 0
             ref[bid] = 1
             self.alloc_site[bid] = site
             self.holders[bid] = [holder]
@@ -187,7 +210,7 @@ class BlockLedger:
     def on_free(self, blocks: list[Any], pool: Any, site: int, request: str | None) -> None:
         ids = self._ids(blocks, pool)
         ref = self.ref
-        adopted = self.adopted
+        adopted, early = self.adopted, self.before_attach
         bad = []
         for bid in ids:
             if ref[bid] <= 0:
@@ -196,6 +219,8 @@ class BlockLedger:
             ref[bid] -= 1
             if adopted is not None and adopted[bid] > ref[bid]:
                 adopted[bid] = ref[bid]  # a reference from before the probe came was given back
+            if early is not None and early[bid] > ref[bid]:
+                early[bid] = ref[bid]
             if ref[bid] == 0:
                 self.holders.pop(bid, None)
             elif request is not None:
@@ -253,6 +278,7 @@ class BlockLedger:
                     orphan_list.append(int(bid))
                 orphan = np.asarray(orphan_list, dtype=np.int64)
             sites, reqs = self._tally(orphan)
+            early = orphan[self.before_attach[orphan] > 0] if self.before_attach is not None and orphan.size else orphan[:0]
             bs = self.block_size
             free_blocks = int(np.count_nonzero((ref == 0) & body))
             args: dict[str, Any] = {
@@ -276,6 +302,8 @@ class BlockLedger:
                 "orphan_block_ids": [int(b) for b in orphan[:MAX_IDS_IN_EVIDENCE]],
                 "orphan_allocated_at": sites,
                 "orphan_requests": reqs,
+                "orphan_before_attach_slots": int(early.size) * bs,
+                "orphan_before_attach_slot_ids": self._slot_ids(early),
                 "connector_held_blocks": connector_held,
                 "unproven_blocks": int(np.count_nonzero(unproven)),
                 "unproven_slots": int(np.count_nonzero(unproven)) * bs,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvdoctor.probe import objects
 from kvdoctor.probe.hooks import resolve
 from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
@@ -179,7 +180,7 @@ def find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> Hol
 
     def look_at(obj: Any) -> None:
         name = type(obj).__name__
-        attrs = coverage.instance_dict(obj)
+        attrs = objects.instance_dict(obj)
         if attrs is not None and attrs.get(ALLOCATOR_ATTR) is allocator:
             if name in tree_classes:
                 out.add_tree(obj)
@@ -194,14 +195,14 @@ def find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> Hol
         except Exception:
             continue
     for obj in coverage.engine_callers(allocator):
-        if coverage.own(obj, ALLOCATOR_ATTR) is allocator:
+        if objects.own(obj, ALLOCATOR_ATTR) is allocator:
             out.add_holder(obj)
     for obj in _walk([*out.holders, *out.trees]):
         try:
             look_at(obj)
         except Exception:
             continue
-    pools = (coverage.own(t, "req_to_token_pool") for t in [*out.trees, *out.holders])
+    pools = (objects.own(t, "req_to_token_pool") for t in [*out.trees, *out.holders])
     out.pools = list({id(p): p for p in pools if p is not None and hasattr(p, "req_to_token")}.values())
     return out
 
@@ -217,7 +218,7 @@ def check_books(allocator: Any, ledger: SlotLedger, found: Holders, *, free: int
         reasons.append("the allocator's available_size() could not be read")
     elif available != free * ps:
         reasons.append(f"the allocator says {available} slots are free, its free list holds {free * ps} distinct ones")
-    engine_trees = list({id(t): t for t in (coverage.own(h, "tree_cache") for h in found.holders) if t is not None}.values())
+    engine_trees = list({id(t): t for t in (objects.own(h, "tree_cache") for h in found.holders) if t is not None}.values())
     books["engine_trees"] = [type(t).__name__ for t in engine_trees]
     if not found.holders:
         reasons.append("no engine object (scheduler, batch) naming the allocator was found, so no tree can be ruled out")
@@ -272,7 +273,7 @@ def _children(obj: Any) -> list[Any]:
             return list(obj)
         if isinstance(obj, dict):
             return list(obj.values())
-        attrs = coverage.instance_dict(obj)
+        attrs = objects.instance_dict(obj)
         return list(attrs.values()) if attrs is not None else []
     except Exception:  # a container changed while read (another thread): skip it
         return []
@@ -287,7 +288,7 @@ def _call_int(obj: Any, method: str) -> int | None:
 
 
 def _free_group(allocator: Any) -> Any:
-    group = coverage.own(allocator, "free_group")
+    group = objects.own(allocator, "free_group")
     if not isinstance(group, list) or not group:
         return None
     try:

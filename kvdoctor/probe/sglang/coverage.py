@@ -27,27 +27,10 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from kvdoctor.probe.objects import own
+
 MAX_FRAMES = 64
 ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
-
-
-def instance_dict(obj: Any) -> dict[str, Any] | None:
-    """`obj.__dict__` for a plain object (no custom attribute lookup, property or class attribute
-    runs), else None."""
-    lookup: Any = type(obj).__getattribute__
-    if lookup is not object.__getattribute__ or isinstance(obj, type):
-        return None
-    try:
-        attrs = object.__getattribute__(obj, "__dict__")
-    except AttributeError:
-        return None
-    return attrs if type(attrs) is dict else None
-
-
-def own(obj: Any, name: str) -> Any:
-    """An instance attribute, never a property or a class attribute (no host code runs)."""
-    attrs = instance_dict(obj)
-    return attrs.get(name) if attrs is not None else None
 
 
 def engine_callers(target: Any) -> Iterator[Any]:

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import hotpath, objects
 from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.rank import ledger_name
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.adopt import adopt, needs_adoption
 from kvdoctor.trace import schema
@@ -81,7 +82,7 @@ class SglangState:
         if ledger is not None:
             return ledger
         size, page_size = positive_ints(allocator, "size", "page_size")
-        name = f"{type(allocator).__name__}#{len(self.ledgers)}"
+        name = ledger_name(type(allocator).__name__, len(self.ledgers))
         device = getattr(allocator, "device", "cpu")
         probe = self.probe
         ledger = SlotLedger(
@@ -145,10 +146,10 @@ class SglangState:
 
     def note_engine(self, holder: Any) -> None:
         """A scheduler, batch or tree: it names an allocator of the engine and the request pool beside it."""
-        allocator = coverage.own(holder, "token_to_kv_pool_allocator")
+        allocator = objects.own(holder, "token_to_kv_pool_allocator")
         if allocator is None:
             return
-        requests = coverage.own(holder, "req_to_token_pool")
+        requests = objects.own(holder, "req_to_token_pool")
         known = self.engine_pools_by_allocator.get(id(allocator))
         if known is not None and (requests is None or known[1] is requests):
             return  # nothing new

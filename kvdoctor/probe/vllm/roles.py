@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.probe import containers
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, positive_ints
 from kvdoctor.probe.ledger.blocks import BlockLedger
+from kvdoctor.probe.rank import ledger_name
+from kvdoctor.probe.vllm.adopt import Holders, read_holders
 from kvdoctor.probe.vllm.connector import ConnectorHolds
 from kvdoctor.trace import schema
 
@@ -76,7 +78,9 @@ class VllmState:
 
     # ----- ledgers -----
 
-    def ledger_for(self, pool: Any) -> BlockLedger:
+    def ledger_for(self, pool: Any, in_flight: Any = None) -> BlockLedger:
+        """The pool's ledger; made (and the pool's state adopted) at the first call the probe sees.
+        `in_flight`: the blocks the call being made is freeing (their holders let go a moment ago)."""
         ledger = self.ledgers.get(id(pool))
         if ledger is not None:
             return ledger
@@ -84,7 +88,7 @@ class VllmState:
         null = getattr(pool, "null_block", None)
         probe = self.probe
         ledger = BlockLedger(
-            name=f"{type(pool).__name__}#{len(self.ledgers)}",
+            name=ledger_name(type(pool).__name__, len(self.ledgers)),
             num_blocks=num_blocks,
             block_size=block_size,
             null_block_id=getattr(null, "block_id", None),
@@ -110,15 +114,40 @@ class VllmState:
             adopted_blocks=adopted,
         )
         if adopted:
-            reason = (
-                f"the block pool {ledger.name} was in use when kvdoctor came: {adopted} block(s) referenced then, whose "
-                "holders it does not read, are not judged until every reference from then is given back; everything "
-                "the probe sees happen from now on is"
-            )
-            probe.emitter.emit(
-                schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": ledger.name, "reason": reason}
-            )
+            self._prove_adoption(ledger, pool, in_flight, adopted)
         return ledger
+
+    def _prove_adoption(self, ledger: BlockLedger, pool: Any, in_flight: Any, adopted: int) -> None:
+        """Reads who held the adopted references (adopt.py); judged from now on where the books
+        balance, else said and left unjudged until every reference from then is given back."""
+        probe = self.probe
+        try:
+            assert ledger.adopted is not None
+            holders = read_holders(pool, ledger.adopted, in_flight, ledger.null_block_id)
+        except Exception as exc:
+            probe.fail("vllm_adopt", exc)
+            holders = Holders(reason=f"reading the holders failed ({type(exc).__name__})")
+        if not holders.reason:
+            early = ledger.prove_adoption(holders.by_block, probe.sites.intern(("before-attach",), lambda: schema.SITE_BEFORE_ATTACH))
+            with self.lock:
+                self.live |= holders.requests
+            probe.status(
+                "on",
+                f"adopted {ledger.name}: {adopted} block(s) referenced, held by {len(holders.requests)} request(s) "
+                + (f"and {early} block(s) with references no holder explains (leaked before attach)" if early else "and nothing else"),
+                allocator=ledger.name,
+                engine="vllm",
+                component="adoption",
+                adopted_requests=len(holders.requests),
+                before_attach_blocks=early,
+            )
+            return
+        reason = (
+            f"the block pool {ledger.name} was in use when kvdoctor came: {adopted} block(s) referenced then are not "
+            f"judged until every reference from then is given back, because {holders.reason}; everything the probe "
+            "sees happen from now on is"
+        )
+        probe.emitter.emit(schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": ledger.name, "reason": reason})
 
     def set_block_size(self, manager: Any) -> None:
         """The manager knows the block size; the pool only its hash block size (equal for one group)."""
@@ -242,10 +271,15 @@ class VllmRole(Role):
 class _PoolRole(VllmRole):
     """Roles on a `BlockPool`: the call is noted (the engine is not quiet) and the pool's ledger found."""
 
+    frees = False  # the call gives back the blocks of its first argument
+
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
-        return (st, st.ledger_for(obj), site)
+        if id(obj) in st.ledgers:
+            return (st, st.ledgers[id(obj)], site)
+        in_flight = (args[0] if args else kwargs.get("ordered_blocks", kwargs.get("blocks"))) if self.frees else None
+        return (st, st.ledger_for(obj, in_flight), site)
 
 
 class AllocRole(_PoolRole):
@@ -289,6 +323,7 @@ class TouchRole(_BlocksRole):
 
 class FreeRole(_BlocksRole):
     wants_site = True
+    frees = True
 
     def apply(self, ledger: BlockLedger, blocks: Any, pool: Any, site: int, request: str | None) -> None:
         ledger.on_free(blocks, pool, site, request)
