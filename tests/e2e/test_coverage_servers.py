@@ -96,3 +96,30 @@ def test_a_clean_pd_decode_server_is_not_accused_and_says_why(tmp_path):
     coverage = _coverage(server.trace)
     assert coverage["state"] == "partial" and coverage["engine_pools"]["req_to_token_pool"] == "DecodeReqToTokenPool", coverage
     assert any("DecodeReqToTokenPool is not hooked" in text for text in coverage["ledgers"].values()), coverage["ledgers"]
+
+
+def test_a_clean_tensor_parallel_server_names_each_ranks_ledgers_apart(tmp_path):
+    """`--tp-size 2` (SGLang's gloo fallback on CPU: no NCCL library, one OpenMP core per rank): two
+    schedulers, each with its own pool. Under clean load no error, each rank's pool is judged, and
+    its ledger is named with its rank, so two ranks never read as one."""
+    env = {"SGLANG_NCCL_SO_PATH": str(tmp_path / "no-nccl.so"), "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    server = sglang_server.Server(str(tmp_path), flags=["--tp-size", "2"], env=env).start(timeout_s=600)  # two ranks on two cores
+    try:
+        chats = server.conversations(turns=2, users=3)
+    finally:
+        code = server.stop()
+    assert code in (0, 130), server.log_tail()
+    assert chats["errors"] == 0, chats
+    rc, report = sglang_server.replay(server.trace)
+    assert rc == 0 and _errors(report) == [], _errors(report)[:3]
+    ledgers: dict[int, set[str]] = {}
+    for event in trace_events(server.trace, "probe_status"):
+        if event["args"].get("component") == "ledger" and event["args"].get("allocator"):
+            ledgers.setdefault(event["pid"], set()).add(event["args"]["allocator"])
+    assert sorted(sorted(names) for names in ledgers.values()) == [["tp0/TokenToKVPoolAllocator#0"], ["tp1/TokenToKVPoolAllocator#0"]], (
+        ledgers
+    )
+    judged = {e["pid"]: e["args"] for e in trace_events(server.trace, "probe_status") if e["args"].get("component") == "coverage"}
+    assert len(judged) == 2 and all(c["state"] == "on" for c in judged.values()), judged
+    censuses = [e for e in trace_events(server.trace, "census") if e["args"].get("idle") or e["args"].get("reason") == "shutdown"]
+    assert {e["args"]["allocator"] for e in censuses} == {"tp0/TokenToKVPoolAllocator#0", "tp1/TokenToKVPoolAllocator#0"}, censuses[-2:]

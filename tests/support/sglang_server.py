@@ -93,6 +93,7 @@ class Server(servers.ServerRun):
         attach_on_signal: bool = False,
         max_total_tokens: int = 16384,
         model: str = MODEL_DIR,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.model = model
@@ -111,6 +112,7 @@ class Server(servers.ServerRun):
             self.extra_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "false"
         if attach_on_signal:
             self.extra_env["KVDOCTOR_TEST_ATTACH_PARAMS"] = self.attach_params
+        self.extra_env.update(env or {})
         self.max_total_tokens = max_total_tokens
         self.proc: subprocess.Popen | None = None
         self._log: Any = None
