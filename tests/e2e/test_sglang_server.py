@@ -130,11 +130,12 @@ def test_planted_double_free_stale_last_loc_and_index_out_of_range_are_counted_e
     assert {s // page for s in double["evidence"]["slot_ids"]} <= {s // page for s in planted["double-free"]["slot_ids"]}
 
 
-def _serve_then_attach(tmp_path, flags: list[str], fault: str = "", fault_at: str = "0") -> tuple[sglang_server.Server, str]:
+def _serve_then_attach(tmp_path, flags: list[str], fault: str = "", fault_at: str = "0", watch=None) -> tuple[sglang_server.Server, str]:
     """A server started without kvdoctor serves until its radix tree holds most of the pool (and
     evicts), the probe goes in with the code `kvdoctor attach` injects (gdb itself cannot call into
     processes on this machine: see test_attach), a second load must evict what the tree holds,
-    and the server stops once the probe took its idle census."""
+    and the server stops once the probe took its idle census. `watch(server)`: the attach is made by
+    it (a `watch --attach` of the scheduler), and its trace path comes back."""
     server = sglang_server.Server(
         str(tmp_path), probe=False, flags=flags, fault=fault, fault_at=fault_at, attach_on_signal=True, max_total_tokens=4096
     ).start()
@@ -142,8 +143,11 @@ def _serve_then_attach(tmp_path, flags: list[str], fault: str = "", fault_at: st
     try:
         before = server.bench_serving(prompts=60)  # 60 prompts of 120 tokens: more than the pool holds
         assert before.returncode == 0, before.stderr[-2000:]
-        status = server.attach_now(trace)
-        assert status.get("ok"), status
+        if watch is not None:
+            trace = watch(server)
+        else:
+            status = server.attach_now(trace)
+            assert status.get("ok"), status
         after = server.bench_serving(prompts=30)
         assert after.returncode == 0, after.stderr[-2000:]
         since_us = time.time() * 1e6  # one last request: the idle census after it counts every request before
@@ -181,11 +185,49 @@ def test_a_clean_server_attached_once_its_tree_filled_has_no_error_finding(tmp_p
     assert _errors(report) == {} and rc == 0, report["findings"][:3]
 
 
-def test_leaks_before_and_after_an_attach_are_each_named_exactly(tmp_path):
+class _WatchAttached:
+    """`kvdoctor watch <scheduler> --attach`, in a thread of this process, its attach made with the
+    code `kvdoctor attach` injects (the test's signal carries it in place of gdb)."""
+
+    def __init__(self, tmp_path, monkeypatch) -> None:
+        self.path = str(tmp_path / "watch.kvtrace.json")
+        self.monkeypatch = monkeypatch
+        self.result = None
+        self.thread = None
+
+    def __call__(self, server: sglang_server.Server) -> str:
+        from kvdoctor.collect import attach as attach_module
+        from kvdoctor.runner.watch import run_watch
+
+        self.monkeypatch.setattr(attach_module, "attach", lambda pid, path, fixes, attribution=True: server.attach_now(path))
+        pid = server.scheduler_pid()
+        self.thread = threading.Thread(
+            target=lambda: setattr(self, "result", run_watch(pid, interval_s=1.0, trace_path=self.path, attach=True))
+        )
+        self.thread.start()
+        probe_trace = self.path[: -len(".kvtrace.json")] + f".probe-{pid}.kvtrace.json"
+        deadline = time.monotonic() + 120
+        while not os.path.exists(probe_trace) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return probe_trace
+
+    def findings(self) -> list:
+        assert self.thread is not None
+        self.thread.join(timeout=120)
+        assert self.result is not None, "the watch did not end with the server"
+        return self.result.findings
+
+
+def test_leaks_before_and_after_an_attach_are_each_named_exactly(tmp_path, monkeypatch):
     """Page size 16, radix cache on, chunked prefill: one request's slots lost before the attach,
     another's after it. The first are named "leaked before attach", the second with their request
-    and call site; each count exact, nothing else named."""
-    server, trace = _serve_then_attach(tmp_path, ["--page-size", "16", "--chunked-prefill-size", "64"], fault="leak", fault_at="10,+2")
+    and call site; each count exact, nothing else named. The attach is `watch --attach`'s, and the
+    watch's own verdict is the same as a replay of the probe's trace (what `attach` leaves)."""
+    watch = _WatchAttached(tmp_path, monkeypatch)
+    server, trace = _serve_then_attach(
+        tmp_path, ["--page-size", "16", "--chunked-prefill-size", "64"], fault="leak", fault_at="10,+2", watch=watch
+    )
+    watched = sorted((f.kind, f.count) for f in watch.findings() if f.severity == "error")
     plants = (server.fault() or {}).get("leak", {}).get("plants", [])
     assert [p["after_attach"] for p in plants] == [False, True], plants
     early, late = plants
@@ -205,3 +247,4 @@ def test_leaks_before_and_after_an_attach_are_each_named_exactly(tmp_path):
     assert named_late["count"] == late["count"] and pages(named_late["evidence"]["slot_ids"]) == pages(late["slot_ids"])
     assert "before kvdoctor attached" not in named_late["message"] and "rid " in named_late["message"]
     assert any("allocation.py" in site for site in named_late["evidence"]["allocated_at"])
+    assert watched == sorted((f["kind"], f["count"]) for f in errors), watched

@@ -27,3 +27,13 @@ from kvdoctor.collect.procfs import guess_engine
 )
 def test_the_engine_comes_from_the_title_not_from_any_mention(title, engine):
     assert guess_engine(title) == engine
+
+
+def test_a_ledger_is_named_with_the_rank_its_process_title_gives():
+    from kvdoctor.probe.rank import rank_of
+
+    assert rank_of("sglang::scheduler_TP1") == "tp1"
+    assert rank_of("sglang::scheduler_DP0_TP1_PP0") == "dp0/tp1/pp0"
+    assert rank_of("VLLM::EngineCore_DP1") == "dp1"
+    assert rank_of("sglang::scheduler") == rank_of("python -m sglang.launch_server --tp 2") == ""
+    assert rank_of("sglang::scheduler_TP0\0--tp-size\0TP3") == "tp0"  # arguments after the title are not the title
