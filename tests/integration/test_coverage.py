@@ -95,3 +95,52 @@ def test_the_same_workload_on_the_hooked_pool_is_judged_and_names_the_real_drop(
     analysis = analyze(iter(events))
     (orphans,) = [f for f in analysis.findings if f.kind == schema.ORPHAN_SLOTS]
     assert orphans.count == 4 and sorted(orphans.evidence["slot_ids"]) == sorted(result["dropped"])
+
+
+HYBRID = r"""
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+from kvdoctor.probe import runtime
+probe = runtime.activate(sys.argv[1])
+from kvdoctor.demo.engine import Engine
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+engine = Engine(pool_tokens=512, page_size=1)
+shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=4, head_dim=8, state_size=8, conv_kernel=4)
+engine.req_pool = HybridReqToTokenPool(  # a hybrid linear-attention model's request pool: rows and Mamba state slots
+    size=8, mamba_size=10, mamba_spec_state_size=10, max_context_len=64, device="cpu", enable_memory_saver=False,
+    cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]), mamba_layer_ids=[0, 2], enable_mamba_extra_buffer=False,
+    enable_overlap_schedule=False,
+)
+engine.tree = engine._make_tree("radix", 1)  # the tree names the engine's request pool
+tokens = list(range(10, 26))
+slots = engine.allocator.alloc(len(tokens))
+engine.insert(tokens, slots, 0)  # the tree's hooked calls name the engine's pools
+engine.allocator.free(engine.allocator.alloc(4))
+runtime.deactivate()
+print("RESULT " + json.dumps({"mamba": type(engine.req_pool.mamba_pool).__name__}), flush=True)
+"""
+
+
+def test_a_hybrid_request_pools_state_slots_are_said_to_be_uncounted(tmp_path):
+    """SGLang 0.5.23's real `HybridReqToTokenPool` (a hybrid linear-attention model's: rows, and
+    Mamba state slots in a `MambaPool` with its own `MambaSlotAllocator`): no ledger counts the
+    state slots, so the coverage line says so by class and role, partial, and nothing is judged
+    of them (before, the probe was blind to them and said nothing)."""
+    trace = str(tmp_path / "hybrid.kvtrace.json")
+    result = run_for_result([sys.executable, "-c", HYBRID, trace], env=dict(os.environ), cwd=REPO, timeout=300)
+    assert result["mamba"] == "MambaPool"
+    events = list(iter_events(trace))
+    coverage = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
+    assert coverage and coverage[-1]["state"] == "partial", coverage
+    untracked = coverage[-1]["untracked_pools"]
+    assert (
+        untracked["req_to_token_pool.mamba_pool"] == "MambaPool" and untracked["req_to_token_pool.mamba_allocator"] == "MambaSlotAllocator"
+    )
+    assert "MambaPool (req_to_token_pool.mamba_pool)" in coverage[-1]["reason"] and "neither tracked nor judged" in coverage[-1]["reason"]
+    analysis = analyze(iter(events))
+    assert not [f for f in analysis.findings if f.severity == "error"], [f.message for f in analysis.findings][:3]
+    assert any("MambaPool" in f.message for f in analysis.findings if f.kind == schema.PROBE_PARTIAL), [
+        f.message for f in analysis.findings
+    ]

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from kvdoctor.probe.objects import own
+from kvdoctor.probe.objects import instance_dict, own
 
 MAX_FRAMES = 64
 ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
@@ -74,10 +74,13 @@ def why_not_judged(allocator: Any, holder: Any, requests: Any, classes: dict[str
 
 def values(obj: Any) -> list[Any]:
     """An object's instance attributes (no property runs)."""
-    try:
-        return list(vars(obj).values())
-    except TypeError:
-        return []
+    return [value for _, value in values_by_name(obj)]
+
+
+def values_by_name(obj: Any) -> list[tuple[str, Any]]:
+    """An object's instance attributes with their names (no property runs)."""
+    attrs = instance_dict(obj)
+    return list(attrs.items()) if attrs is not None else []
 
 
 def is_hook(function: Any) -> bool:
@@ -110,8 +113,15 @@ def describe(view: Any) -> dict[str, str]:
         if obj is None:
             continue
         out[attr] = type(obj).__name__
-        if attr == "token_to_kv_pool_allocator":
-            for key, value in vars(obj).items():
-                if value is not obj and "Allocator" in type(value).__name__:
-                    out[f"{attr}.{key}"] = type(value).__name__
+        if attr in ("token_to_kv_pool_allocator", "req_to_token_pool"):
+            for key, value in values_by_name(obj):
+                kind = type(value).__name__
+                if value is not obj and ("Allocator" in kind or (attr == "req_to_token_pool" and "Pool" in kind)):
+                    out[f"{attr}.{key}"] = kind
     return out
+
+
+def untracked(pools: dict[str, str]) -> dict[str, str]:
+    """The engine's pools that no ledger counts: the state pools a hybrid request pool holds beside
+    its rows (Mamba and short-conv state slots, n-gram tables), by role."""
+    return {role: kind for role, kind in pools.items() if role.startswith("req_to_token_pool.")}

@@ -60,6 +60,7 @@ class SglangState:
         # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
         self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
         self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
+        self._untracked_said = ""  # the pools no ledger counts, as last said on stderr
         self._judging_dirty = False  # a ledger or an engine's pools came since the last judgement
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
@@ -191,21 +192,29 @@ class SglangState:
             return
         not_judged = {ledger.name: ledger.not_judged for ledger in self.ledgers.values() if ledger.not_judged}
         total = len(self.ledgers)
+        unseen = coverage.untracked(self.engine_pools)
         reason = f"coverage: {total - len(not_judged)} of {total} slot ledger(s) judge orphans" + (
             "; not judged: " + "; ".join(f"{name}: {text}" for name, text in list(not_judged.items())[:MAX_LEDGERS_LISTED])
             if not_judged
             else ""
         )
+        if unseen:
+            uncounted = ", ".join(f"{kind} ({role})" for role, kind in unseen.items())
+            reason += f"; not counted by any ledger (their slots are neither tracked nor judged): {uncounted}"
+            if uncounted != self._untracked_said:
+                self._untracked_said = uncounted
+                say(f"pools kvdoctor does not count (their slots are neither tracked nor judged): {uncounted}")
         listed = list(self.ledgers.values())[-MAX_LEDGERS_LISTED:]
         self.probe.emitter.emit(
             schema.PROBE_STATUS,
             {
                 "component": "coverage",
-                "state": "partial" if not_judged else "on",
+                "state": "partial" if not_judged or unseen else "on",
                 "reason": reason,
                 "ledgers": {ledger.name: ledger.not_judged or "judged" for ledger in listed},
                 "not_judged_ledgers": len(not_judged),
                 "engine_pools": self.engine_pools,
+                "untracked_pools": unseen,
             },
         )
 
