@@ -5,8 +5,10 @@ Imported by the in-process probe: standard library (and orjson, where installed)
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import time
 from typing import Any
 
@@ -42,6 +44,32 @@ def redact_args(args: list[str]) -> list[str]:
     return out
 
 
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def open_for_append(path: str, *, opening: bytes = b"") -> int:
+    """A descriptor appending to the regular file at `path`, created 0600 (starting with `opening`)
+    where there is none. Never through a symbolic link, and never a device, FIFO or socket: the
+    open does not wait (a FIFO with no reader would hold a writer thread, and the process's exit,
+    forever), and anything but a regular file is refused with OSError."""
+    try:
+        fd = os.open(path, _APPEND | os.O_CREAT | os.O_EXCL, 0o600)
+        created = True
+    except FileExistsError:
+        fd = os.open(path, _APPEND)
+        created = False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        if created and opening:
+            os.write(fd, opening)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def now_us() -> float:
     return time.time() * 1e6
 
@@ -62,12 +90,7 @@ class TraceWriter:
         self.path = path
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-            os.write(fd, b"[\n")
-        except FileExistsError:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._fd: int | None = fd
+        self._fd: int | None = open_for_append(path, opening=b"[\n")
 
     def write_batch(self, events: list[Event | dict[str, Any]]) -> int:
         if self._fd is None or not events:
@@ -89,5 +112,5 @@ def finish_trace(path: str, pid: int, extra: dict[str, Any] | None = None) -> No
     """Closes the JSON array so the file is strict JSON too (only when every writer is done);
     `extra` joins the end event (the command's exit status, for `run`)."""
     end = Event(ph="M", name=TRACE_END, pid=pid, args={"ended_at_us": now_us(), **(extra or {})}).to_json_dict()
-    with open(path, "ab") as fh:
+    with open(open_for_append(path, opening=b"[\n"), "ab") as fh:
         fh.write(dumps(end) + b"\n]\n")
