@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvdoctor import PACKAGE_ROOT
-from kvdoctor.collect.attach_code import GDB_SCRIPT, INJECTED
+from kvdoctor.collect.attach_code import INJECTED, gdb_script_for
 from kvdoctor.collect.attach_trace import create_probe_trace, drop_unwritten_trace
 from kvdoctor.errors import KvdoctorError
 
@@ -150,9 +150,8 @@ def _gdb_inject(pid: int, script_path: str, timeout_s: float) -> None:
             f"cannot attach to pid {pid}: gdb is not installed (Python {sys.version_info[0]}.{sys.version_info[1]} has no sys.remote_exec)",
             "install gdb (`apt-get install gdb`), or " + RUN_INSTEAD,
         )
-    code = f"exec(compile(open('{script_path}').read(), '{script_path}', 'exec'), {{'__name__': '__kvdoctor_attach__'}})"
     with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as fh:
-        fh.write(GDB_SCRIPT.format(code=code))
+        fh.write(gdb_script_for(script_path))
         gdb_script = fh.name
     command = [gdb, "-batch", "-nx", "-nw", "-p", str(pid), "-iex", "set auto-solib-add off", "-iex", "set auto-load off", "-x", gdb_script]
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

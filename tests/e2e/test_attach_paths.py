@@ -1,13 +1,15 @@
 """`kvdoctor attach` and the paths it is given or makes: the trace it claims before anything is
-injected, and a probe that never blocks its server on a FIFO.
+injected, a probe that never blocks its server on a FIFO, and a temp dir whose name holds quotes.
 
 Real child processes that print "ready". The tests that really inject skip with the preflight's
-reason where this machine cannot (ptrace blocked, gdb missing or unable to call functions).
+reason where this machine cannot (ptrace blocked, gdb missing or unable to call functions); the
+code gdb hands to the target is also run by the child itself, so that path is tested everywhere.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -17,7 +19,9 @@ import time
 import pytest
 from conftest import REPO, trace_events
 
-from kvdoctor.collect.attach import preflight, ptrace_blocked_reason
+from kvdoctor.collect import attach as attach_module
+from kvdoctor.collect.attach import attach, preflight, ptrace_blocked_reason
+from kvdoctor.collect.attach_code import gdb_script_for, run_script_code
 from kvdoctor.trace import schema
 
 BUSY = textwrap.dedent(
@@ -30,6 +34,8 @@ BUSY = textwrap.dedent(
         time.sleep(0.01)
     """
 )
+# A temp dir name with everything that could end a string literal or change code around it.
+NASTY = 'it\'s "quoted" \\ {braces} $x #y \u00e9\nline'
 MINE = "my notes\n"
 
 
@@ -169,3 +175,92 @@ def test_a_probe_given_a_fifo_or_a_link_writes_nothing_there_and_its_process_sti
         proc = subprocess.run([sys.executable, "-c", PROBED, str(path)], capture_output=True, text=True, timeout=60, env=env, cwd="/")
         assert proc.returncode == 0 and proc.stdout == "flushed\n" and "Traceback" not in proc.stderr, (path, proc.stderr)
     assert target.read_text() == MINE and os.path.islink(link) and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+# ---------------------------------------------------------------- a temp dir with quotes in its name
+
+
+def test_the_code_gdb_hands_over_runs_the_script_whatever_the_temp_dir_is_called(tmp_path):
+    workdir = tmp_path / NASTY
+    workdir.mkdir()
+    marker = tmp_path / "ran"
+    script = workdir / "inject.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write(__name__)\n")
+    code = run_script_code(str(script))
+    assert code.isascii() and code.isprintable()
+    exec(compile(code, "<gdb>", "exec"), {})
+    assert marker.read_text() == "__kvdoctor_attach__"
+    # gdb reads the code as a C string literal: undo its escapes, get the same code back
+    literal = re.search(r'PyRun_SimpleString\("((?:[^"\\]|\\.)*)"\)', gdb_script_for(str(script))).group(1)
+    assert re.sub(r"\\(.)", r"\1", literal) == code
+
+
+POLLER = textwrap.dedent(
+    """
+    import os, sys, time
+    drop = sys.argv[1]
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(drop):
+            code = open(drop).read()
+            os.remove(drop)
+            exec(code, {})            # what PyRun_SimpleString runs in the target
+        time.sleep(0.02)
+    """
+)
+
+
+def test_attach_from_a_temp_dir_with_quotes_runs_the_probe_in_the_target(tmp_path, monkeypatch):
+    """Everything but the debugger: the code gdb would hand over is run by the child itself."""
+    temp = tmp_path / NASTY
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    drop = str(tmp_path / "drop")
+    stderr = tmp_path / "child.stderr"
+    with open(stderr, "w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", POLLER, drop],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd="/",
+            env={k: v for k, v in os.environ.items() if k != "KVDOCTOR_TRACE"},
+        )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+
+        def hand_over(pid, script_path, timeout_s):
+            assert script_path.startswith(str(temp))
+            with open(drop + ".tmp", "w") as fh:
+                fh.write(run_script_code(script_path))
+            os.replace(drop + ".tmp", drop)
+
+        monkeypatch.setattr(attach_module, "_gdb_inject", hand_over)
+        monkeypatch.setattr(attach_module, "ptrace_blocked_reason", lambda pid=None: None)
+        trace = str(tmp_path / "p.kvtrace.json")
+        status = attach(child.pid, trace)
+        assert status["ok"] and status["trace_path"] == trace
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+    assert "Traceback" not in stderr.read_text() and os.listdir(temp) == []  # and nothing left in the temp dir
+
+
+def test_kvdoctor_attach_with_quotes_in_tmpdir_leaves_no_traceback_in_the_server(spawn, tmp_path):
+    child = spawn()
+    _need_attach()
+    temp = tmp_path / NASTY
+    temp.mkdir()
+    trace = tmp_path / "t.kvtrace.json"
+    proc = kv("attach", str(child.pid), "--trace", str(trace), env={**os.environ, "TMPDIR": str(temp)})
+    assert proc.returncode == 0, proc.stderr
+    assert "probe attached" in proc.stderr
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not trace_events(str(trace), schema.HEADER):
+        time.sleep(0.2)
+    assert trace_events(str(trace), schema.HEADER)
+    assert "Traceback" not in child_stderr(child) and "SyntaxError" not in child_stderr(child)
+    assert child.poll() is None and os.listdir(temp) == []
