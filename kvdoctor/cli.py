@@ -147,11 +147,14 @@ def watch(
         help="serve Prometheus metrics on /metrics there while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)",
     ),
     prometheus_public: bool = typer.Option(False, "--prometheus-public", help="allow --prometheus on an address that is not loopback"),
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Watch a live server's process tree: memory by class over time, growth and its rate."""
     from kvdoctor.commands.watch import watch as watch_command
 
-    return watch_command(pid, interval, duration, trace, output_format, attach, prometheus=prometheus, prometheus_public=prometheus_public)
+    return watch_command(
+        pid, interval, duration, trace, output_format, attach, prometheus=prometheus, prometheus_public=prometheus_public, force=force
+    )
 
 
 @app.command()
@@ -205,11 +208,12 @@ def attach(
     fix: list[str] = FIX_OPTION,
     attribution: bool = ATTRIBUTION_OPTION,
     attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
+    force: bool = FORCE_OPTION,
 ) -> int:
     """Put the probe into a running Python server without restarting it."""
     from kvdoctor.commands.attach import attach_command
 
-    return attach_command(pid, trace, list(fix), attribution=(attribution, attribution_engine))
+    return attach_command(pid, trace, list(fix), attribution=(attribution, attribution_engine), force=force)
 
 
 @app.command()

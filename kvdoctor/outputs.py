@@ -3,7 +3,11 @@
 - Text that came from a trace (request ids a client chose, process titles) can carry control
   bytes: an ESC clears a terminal, a NUL makes JUnit XML ill-formed. `printable` escapes them.
 - A path a user names may be their own file or a device: `claim_output` refuses to replace an
-  existing file unless told (`--force`), and never replaces anything but a regular file.
+  existing file unless told (`--force`), never replaces anything but a regular file or a link
+  (the link itself, never what it points to), and never writes over one of the command's inputs.
+- `-` and `/dev/stdout` name standard output (`names_stdout`), not a file to claim.
+- A CSV cell a spreadsheet would run as a formula is written with a leading apostrophe
+  (`spreadsheet_cell`): a request id or allocator name is data, never `=HYPERLINK(...)`.
 - Reports and exports hold command lines and request ids: they are written 0600, like traces,
   through a temporary name, so a failed write leaves no half file.
 """
@@ -15,6 +19,7 @@ import re
 import stat
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from kvdoctor.errors import KvdoctorError
 
@@ -34,16 +39,56 @@ def xml_text(text: str) -> str:
     return _XML_INVALID.sub(lambda m: f"\\x{ord(m.group()):02x}", printable(text))
 
 
-def claim_output(path: str, *, force: bool = False, what: str = "file") -> str:
-    """The absolute path, once it is safe to write there: not an existing non-regular file (a
-    device, a directory, a socket), and not an existing file unless `force`."""
-    resolved = os.path.abspath(path)
+STDOUT_NAMES = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def names_stdout(path: str) -> bool:
+    """`-`, or a name the system gives this process's standard output: the output goes there, and
+    is not refused as a file that exists (a pipe or a terminal behind it is no file to claim)."""
+    return path == "-" or os.path.normpath(path) in STDOUT_NAMES
+
+
+def spreadsheet_cell(text: str) -> str:
+    """`text` as a spreadsheet shows it and never runs it: a cell beginning with = + - @, a tab or
+    a carriage return gets a leading apostrophe (OWASP's CSV injection advice); control bytes are
+    escaped as `printable` does (a bare carriage return would split the row)."""
+    return printable("'" + text if text.startswith(_FORMULA_START) else text)
+
+
+def same_file(first: str, second: str) -> bool:
+    """Whether two paths name one file, however spelled (relative, `..`, a link, a hard link)."""
     try:
-        st = os.stat(resolved)
+        return os.path.samefile(first, second)
+    except OSError:
+        return os.path.realpath(first) == os.path.realpath(second)
+
+
+def claim_output(path: str, *, force: bool = False, what: str = "file", inputs: Sequence[str | None] = ()) -> str:
+    """The absolute path, once it is safe to write there: none of `inputs` (the files the command
+    reads), not an existing non-regular file (a device, a FIFO, a directory, a socket), and not an
+    existing file or symbolic link unless `force` (then the link itself is replaced, never what it
+    points to)."""
+    resolved = os.path.abspath(path)
+    for source in inputs:
+        if source and same_file(resolved, source):
+            raise KvdoctorError(
+                f"the {what} {resolved} would overwrite the input {os.path.abspath(source)}: kvdoctor will not write over what it reads",
+                "name another file",
+            )
+    try:
+        st = os.lstat(resolved)
     except FileNotFoundError:
         return resolved
     except OSError as exc:
         raise KvdoctorError(f"cannot write the {what} {resolved}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(st.st_mode):
+        if not force:
+            raise KvdoctorError(
+                f"{resolved} is a symbolic link: kvdoctor will not write through it",
+                "name a new file, or pass --force to replace the link itself (never what it points to)",
+            )
+        return resolved
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise KvdoctorError(f"{resolved} is {kind}: kvdoctor will not write the {what} there", "name a new file")
@@ -52,9 +97,16 @@ def claim_output(path: str, *, force: bool = False, what: str = "file") -> str:
     return resolved
 
 
-def write_private(path: str, text: str, *, force: bool = False, what: str = "report") -> str:
+def remove_claimed(resolved: str) -> None:
+    """Removes what `claim_output` let a command replace (a regular file, or a link itself), so the
+    file is created afresh, 0600, by its writer."""
+    if os.path.lexists(resolved):
+        os.remove(resolved)
+
+
+def write_private(path: str, text: str, *, force: bool = False, what: str = "report", inputs: Sequence[str | None] = ()) -> str:
     """Writes `text` to `path` (0600), replacing it only as `claim_output` allows; returns the path."""
-    resolved = claim_output(path, force=force, what=what)
+    resolved = claim_output(path, force=force, what=what, inputs=inputs)
     directory = os.path.dirname(resolved) or "."
     try:
         os.makedirs(directory, exist_ok=True)

@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvdoctor import PACKAGE_ROOT
-from kvdoctor.collect.attach_code import GDB_SCRIPT, INJECTED
+from kvdoctor.collect.attach_code import INJECTED, gdb_script_for
+from kvdoctor.collect.attach_trace import create_probe_trace, drop_unwritten_trace
 from kvdoctor.errors import KvdoctorError
 
 GDB_TIMEOUT_S = 20.0  # how long gdb may wait for the target to reach a safe point
@@ -149,9 +150,8 @@ def _gdb_inject(pid: int, script_path: str, timeout_s: float) -> None:
             f"cannot attach to pid {pid}: gdb is not installed (Python {sys.version_info[0]}.{sys.version_info[1]} has no sys.remote_exec)",
             "install gdb (`apt-get install gdb`), or " + RUN_INSTEAD,
         )
-    code = f"exec(compile(open('{script_path}').read(), '{script_path}', 'exec'), {{'__name__': '__kvdoctor_attach__'}})"
     with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as fh:
-        fh.write(GDB_SCRIPT.format(code=code))
+        fh.write(gdb_script_for(script_path))
         gdb_script = fh.name
     command = [gdb, "-batch", "-nx", "-nw", "-p", str(pid), "-iex", "set auto-solib-add off", "-iex", "set auto-load off", "-x", gdb_script]
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -232,8 +232,10 @@ def attach(
     attribution: bool | str = False,
     gdb_timeout_s: float = GDB_TIMEOUT_S,
     status_timeout_s: float = STATUS_TIMEOUT_S,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Starts the probe inside the running Python process `pid`, writing to `trace_path`.
+    """Starts the probe inside the running Python process `pid`, writing to `trace_path`, which
+    is claimed as `run` claims its trace (`force` replaces a file there) and created first.
 
     `attribution` names the engine of the host growth windows (`auto`, `memray`, `tracemalloc`;
     True is `auto`). Returns what the probe reported from inside (`trace_path` it writes to, `already_active`
@@ -266,7 +268,11 @@ def attach(
             f"cannot attach to pid {pid}: remote debugging is disabled in it (PYTHON_DISABLE_REMOTE_DEBUG or -X disable_remote_debug)",
             "restart it without that setting, or " + RUN_INSTEAD,
         )
-    trace_path = os.path.abspath(trace_path)
+    try:
+        target_uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
+    trace_path = create_probe_trace(trace_path, force=force, owner_uid=target_uid if os.geteuid() == 0 else os.geteuid())
     workdir = tempfile.mkdtemp(prefix="kvdoctor-attach-")  # 0700: no other user can swap the script
     status_path = os.path.join(workdir, "status.json")
     script_path = os.path.join(workdir, "inject.py")
@@ -281,7 +287,6 @@ def attach(
         with open(script_path, "w") as fh:
             fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(INJECTED))
         os.chmod(script_path, 0o644)
-        target_uid = os.stat(f"/proc/{pid}").st_uid
         if target_uid != os.geteuid() and os.geteuid() == 0:
             os.chown(workdir, target_uid, -1)  # root attaching to a server user's process: only it and root may write here
         if version >= (3, 14):
@@ -300,8 +305,13 @@ def attach(
             time.sleep(0.05)
         with open(status_path) as fh:
             status: dict[str, Any] = json.load(fh)
+    except BaseException:
+        drop_unwritten_trace(trace_path)
+        raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if not status.get("ok") or status.get("trace_path") != trace_path:
+        drop_unwritten_trace(trace_path)  # the probe writes nothing there (it is off, or already writes elsewhere)
     if not status.get("ok"):
         raise KvdoctorError(
             f"the probe could not start inside pid {pid}: {status.get('error', 'unknown error')}",
@@ -363,13 +373,13 @@ def preflight() -> str | None:
     return reason
 
 
-def attach_for_watch(pid: int, watch_trace_path: str, attribution: bool = True) -> str | None:
+def attach_for_watch(pid: int, watch_trace_path: str, attribution: bool = True, *, force: bool = False) -> str | None:
     """Attaches for `watch --attach`: the probe's trace path (beside the watch's own, so the two
     pair up by name), or None after one line on stderr saying why the watch goes on from outside."""
     base = watch_trace_path[: -len(".kvtrace.json")] if watch_trace_path.endswith(".kvtrace.json") else watch_trace_path
     path = f"{base}.probe-{pid}.kvtrace.json"
     try:
-        status = attach(pid, path, [], attribution=attribution)
+        status = attach(pid, path, [], attribution=attribution, force=force)
     except KvdoctorError as exc:
         hint = f" ({exc.hint})" if exc.hint else ""
         print(f"kvdoctor: attach is not available for pid {pid}: {exc.message}{hint}; watching from outside", file=sys.stderr)

@@ -79,3 +79,17 @@ commands 1-3
 end
 continue
 """
+
+
+def run_script_code(script_path: str) -> str:
+    """The Python line that runs the script at `script_path` in the target. The path is written as
+    an ASCII-only Python literal (`ascii`): no character a temp dir may hold (a quote, a backslash,
+    a newline, a brace, non-ASCII) can end the literal or change the code."""
+    path = ascii(script_path)
+    return f"exec(compile(open({path}, 'rb').read(), {path}, 'exec'), {{'__name__': '__kvdoctor_attach__'}})"
+
+
+def gdb_script_for(script_path: str) -> str:
+    """`GDB_SCRIPT` running `run_script_code(script_path)`, escaped for gdb's C string literal."""
+    code = run_script_code(script_path)
+    return GDB_SCRIPT.format(code=code.replace("\\", "\\\\").replace('"', '\\"'))

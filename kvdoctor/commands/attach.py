@@ -17,11 +17,13 @@ from kvdoctor.errors import EXIT_OK
 from kvdoctor.runner import check_attribution, check_fixes, default_trace_path
 
 
-def attach_command(pid: int, trace_path: str | None, fixes: Sequence[str], attribution: tuple[bool, str | None] = (False, None)) -> int:
+def attach_command(
+    pid: int, trace_path: str | None, fixes: Sequence[str], attribution: tuple[bool, str | None] = (False, None), *, force: bool = False
+) -> int:
     fix_names = check_fixes(list(fixes))
     engine = check_attribution(attribution)
     path = os.path.abspath(trace_path or default_trace_path("attach", pid))
-    status = attach(pid, path, fix_names, attribution=engine)
+    status = attach(pid, path, fix_names, attribution=engine, force=force)
     written = status.get("trace_path") or path
     if status.get("already_active"):
         print(f"kvdoctor: the probe was already on in pid {pid}; it keeps writing {written}", file=sys.stderr)

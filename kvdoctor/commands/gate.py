@@ -25,7 +25,7 @@ from kvdoctor.analysis.gate import (
 )
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
-from kvdoctor.outputs import claim_output, printable, write_private
+from kvdoctor.outputs import claim_output, printable, same_file, write_private
 from kvdoctor.reporters import render
 from kvdoctor.reporters.github import github_annotations, in_github_actions
 from kvdoctor.reporters.junit import render_junit
@@ -73,9 +73,9 @@ def growth_params_for(budgets: Budgets) -> GrowthParams:
     return dataclasses.replace(GrowthParams(), min_rate_bytes_per_s=floor)
 
 
-def _write(path: str, text: str, force: bool, what: str) -> bool:
+def _write(path: str, text: str, force: bool, what: str, inputs: list[str | None]) -> bool:
     try:
-        write_private(path, text, force=force, what=what)
+        write_private(path, text, force=force, what=what, inputs=inputs)
         return True
     except KvdoctorError as exc:
         print(exc.one_line(), file=sys.stderr)
@@ -114,15 +114,20 @@ def gate(
             "--trace says where a command's trace goes, but gate was given a trace to judge",
             "drop --trace, or run a command: kvdoctor gate --trace PATH -- CMD ...",
         )
-    for path in (junit, html):  # refused before a long run, not after it
-        if path:
-            claim_output(path, force=force)
+    inputs = [args[0] if judging_a_trace else None, baseline]  # never written over, however spelled
+    reports = [path for path in (junit, html) if path]
+    outputs = reports + ([trace] if trace else [])
+    for k, path in enumerate(outputs):
+        if any(same_file(path, other) for other in outputs[k + 1 :]):
+            raise KvdoctorError(f"{os.path.abspath(path)} is named for two of gate's outputs", "give each its own file")
+    for path in reports:  # refused before a long run, not after it (the trace: by run_command)
+        claim_output(path, force=force, inputs=inputs)
     baseline_analysis = analyze_recorded(baseline, growth_params=growth_params_for(budgets)) if baseline else None
     command_code = None
     if judging_a_trace:
         trace_path = args[0]
     else:
-        command_code, trace_path = run_command(args, trace, [], force=force)
+        command_code, trace_path = run_command(args, trace, [], force=force, inputs=inputs)
     analysis = analyze_recorded(trace_path, growth_params=growth_params_for(budgets))
     if command_code is None and analysis.command_exit is not None:
         command_code = analysis.command_exit  # a saved trace of `run`: judged exactly as the live run
@@ -138,8 +143,8 @@ def gate(
     sys.stdout.flush()
     written = all(
         [
-            _write(junit, render_junit(result), force, "JUnit report") if junit else True,
-            _write(html, render(analysis, "html"), force, "HTML report") if html else True,
+            _write(junit, render_junit(result), force, "JUnit report", [trace_path, baseline]) if junit else True,
+            _write(html, render(analysis, "html"), force, "HTML report", [trace_path, baseline]) if html else True,
         ]
     )
     code = result.exit_code

@@ -6,15 +6,17 @@ import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
-from kvdoctor.outputs import claim_output, to_stdout, write_private
+from kvdoctor.outputs import claim_output, names_stdout, to_stdout, write_private
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded
 
 
 def replay(path: str, output_format: str = "text", output: str | None = None, *, force: bool = False) -> int:
     check_format(output_format)
+    if output and names_stdout(output):
+        output = None
     if output:
-        claim_output(output, force=force)  # refused before the analysis, not after
+        claim_output(output, force=force, inputs=[path])  # refused before the analysis, not after
     analysis = analyze_recorded(path, progress=True)
     text = render(analysis, output_format)
     code = exit_code_for(analysis)
@@ -22,7 +24,7 @@ def replay(path: str, output_format: str = "text", output: str | None = None, *,
         to_stdout(text)
         return code
     try:
-        written = write_private(output, text, force=force)
+        written = write_private(output, text, force=force, inputs=[path])
     except KvdoctorError as exc:  # the verdict stands: a failure stays a failure
         print(exc.one_line(), file=sys.stderr)
         return code or EXIT_UNUSABLE

@@ -39,12 +39,13 @@ def watch(
     growth_params: GrowthParams | None = None,
     prometheus: str | None = None,
     prometheus_public: bool = False,
+    force: bool = False,
 ) -> int:
     """Watches `pid` and its descendants until `duration_s`, Ctrl-C or the root's exit.
 
     `growth_params` tunes the growth test (warm-up, windows, minimum rate); the defaults suit
     watches of minutes to days. `prometheus` ("HOST:PORT") serves the live metrics there while
-    the watch runs (see kvdoctor.reporters.prometheus).
+    the watch runs (see kvdoctor.reporters.prometheus). `force` lets `trace_path` replace a file.
     """
     check_format(output_format, WATCH_FORMATS)
     _check_seconds("interval", interval_s, finite=True)
@@ -63,6 +64,7 @@ def watch(
         attach=attach,
         growth_params=growth_params,
         prometheus_address=address,
+        force=force,
     )
     if output_format == "json" or (output_format == "auto" and not live):
         write_watch_json(result, sys.stdout)

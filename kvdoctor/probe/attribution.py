@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import sys
 import threading
 import time
@@ -267,9 +268,16 @@ class Attribution:
             return ""
         path = f"{base}.tracemalloc.{self.snapshot_index}"
         self.snapshot_index += 1
-        try:
-            snapshot.dump(path)
+        partial = f"{path}.partial-{os.getpid()}"
+        try:  # what Snapshot.dump writes, but 0600 like the trace, and never through a link
+            with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as fh:
+                pickle.dump(snapshot, fh, pickle.HIGHEST_PROTOCOL)
+            os.replace(partial, path)
         except OSError:
+            try:
+                os.remove(partial)
+            except OSError:
+                pass
             return ""
         self.dumped.append(path)
         while len(self.dumped) > KEEP_SNAPSHOT_FILES:

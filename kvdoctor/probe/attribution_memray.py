@@ -14,7 +14,11 @@ for days keeps a few small files. The window's growth is what memray calls leaks
 made in the window and still alive at its end, grouped by the innermost Python frame and by
 thread (memray records each allocation's thread; the names of threads started before the window
 are handed to it when the window opens). Each capture opens with `memray flamegraph --leaks`,
-`memray table` or `memray.FileReader` outside the server.
+`memray table` or `memray.FileReader` outside the server. A capture is private like the trace: it
+is written in a 0700 directory beside the trace and moved into place 0600 once complete, and the
+command line memray records in its header is the trace's, secrets redacted (memray reads
+`sys.argv`; while a tracker is made, memray's module is shown a copy with the secrets as ***). A
+capture whose header does not read back redacted is not kept.
 
 Starting and stopping a tracker patches the allocator entries of every loaded library while
 holding the GIL: with torch loaded, a pause of about 0.2 s at each end of a window
@@ -32,16 +36,20 @@ why. Nothing here raises into the host.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvdoctor.probe.attribution import DEFAULT_TOP, Attribution, _status
 from kvdoctor.probe.callsites import short_path
+from kvdoctor.trace.writer import redact_args
 
 ENV_NATIVE = "KVDOCTOR_ATTRIBUTION_MEMRAY_NATIVE"
 ENGINES = ("auto", "memray", "tracemalloc")
@@ -130,6 +138,7 @@ class MemrayAttribution(Attribution):
         self.open_lock = threading.Lock()
 
     def start(self) -> None:
+        atexit.register(self.remove_scratch)  # atexit runs last-in first-out: after close_window
         atexit.register(self.close_window, stopping=True)
         self.thread = threading.Thread(target=self._run, name="kvdoctor-attribution", daemon=True)
         self.thread.start()
@@ -159,13 +168,16 @@ class MemrayAttribution(Attribution):
     def window(self) -> dict[str, Any] | None:
         import memray
 
-        path = self._capture_path()
-        tracker = memray.Tracker(
-            destination=memray.FileDestination(path=path, overwrite=True),
-            native_traces=self.native_traces,
-            memory_interval_ms=MEMORY_INTERVAL_MS,
-            file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS,
-        )
+        path = os.path.join(self._scratch_dir(), "window.bin")
+        argv_shown = redact_args(list(sys.argv))
+        command_line = " ".join(argv_shown)
+        with _memray_reads_argv(argv_shown) as redacted:
+            tracker = memray.Tracker(
+                destination=memray.FileDestination(path=path, overwrite=True),
+                native_traces=self.native_traces,
+                memory_interval_ms=MEMORY_INTERVAL_MS,
+                file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS,
+            )
         started_unix_s = time.time()
         with self.open_lock:
             if self.stop.is_set():
@@ -186,14 +198,16 @@ class MemrayAttribution(Attribution):
         finally:
             self.close_window()
         del tracker
-        if self.stop.is_set():  # stopping (at exit): the capture stays on disk, unread
+        if self.stop.is_set():  # stopping (at exit): the capture is kept unread (no reader in a thread the exit may stop)
+            self._keep(path, redacted)
             return None
         self.busy_windows = 0
         self.windows += 1
         try:
             args = self._read(memray, path)
         finally:
-            self._keep(path)
+            kept = self._keep(path, redacted and _header_reads(memray, path, command_line))
+        args["captures"] = [kept] if kept else []
         args["started_unix_s"] = round(started_unix_s, 3)
         return args
 
@@ -253,30 +267,79 @@ class MemrayAttribution(Attribution):
             ],
             "method": METHOD,
             "not_seen": NOT_SEEN,
-            "captures": [path] if self.probe_keeps_captures() else [],
         }
 
-    def probe_keeps_captures(self) -> bool:
-        return bool(getattr(self.probe, "trace_path", None))
-
-    def _capture_path(self) -> str:
-        base = getattr(self.probe, "trace_path", None)
-        if base:
-            path = f"{base}.memray.{self.capture_index}"
-            self.capture_index += 1
-            return path
+    def _scratch_dir(self) -> str:
+        """A private (0700) directory for the capture being written: beside the trace, so the
+        finished capture moves into place without a copy; the system's temp dir without a trace."""
         if self.scratch is None:
-            self.scratch = tempfile.mkdtemp(prefix="kvdoctor-memray-")
-        return os.path.join(self.scratch, "window.bin")
+            base = getattr(self.probe, "trace_path", None)
+            try:
+                self.scratch = tempfile.mkdtemp(prefix=".kvdoctor-memray-", dir=os.path.dirname(os.path.abspath(base)) if base else None)
+            except OSError:
+                self.scratch = tempfile.mkdtemp(prefix="kvdoctor-memray-")
+        return self.scratch
 
-    def _keep(self, path: str) -> None:
-        """The newest KEEP_CAPTURE_FILES captures stay beside the trace; without a trace, none."""
-        if not self.probe_keeps_captures():
+    def remove_scratch(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _keep(self, path: str, redacted: bool) -> str | None:
+        """Moves a finished capture beside the trace (`<trace>.memray.<n>`, 0600; the newest
+        KEEP_CAPTURE_FILES stay) and returns its path; without a trace, or unless its header
+        carries the redacted command line, it is removed instead."""
+        base = getattr(self.probe, "trace_path", None)
+        if not base or not redacted:
             _remove(path)
-            return
-        self.captures.append(path)
+            return None
+        kept = f"{base}.memray.{self.capture_index}"
+        self.capture_index += 1
+        try:
+            os.chmod(path, 0o600)
+            os.replace(path, kept)  # a link there is replaced itself, never followed
+        except OSError:
+            _remove(path)
+            return None
+        self.captures.append(kept)
         while len(self.captures) > KEEP_CAPTURE_FILES:
             _remove(self.captures.pop(0))
+        return kept
+
+
+class _ArgvShown:
+    """What memray's module sees as `sys` while a tracker is made: the real module, but `argv`."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys, name)
+
+
+@contextlib.contextmanager
+def _memray_reads_argv(argv: list[str]) -> Iterator[bool]:
+    """memray writes `" ".join(sys.argv)` into a capture's header, secrets and all. Its extension
+    module, and nothing else in the process, is shown `argv` instead for the time a tracker is
+    made; the host's own `sys.argv` is never touched. Yields whether it could (False: a memray of
+    another shape, whose captures are not kept)."""
+    module = sys.modules.get("memray._memray")
+    if module is None or getattr(module, "sys", None) is not sys:
+        yield False
+        return
+    module.sys = _ArgvShown(argv)  # type: ignore[attr-defined]
+    try:
+        yield True
+    finally:
+        module.sys = sys  # type: ignore[attr-defined]
+
+
+def _header_reads(memray: Any, path: str, command_line: str) -> bool:
+    """Whether the capture at `path` carries exactly the redacted `command_line` in its header."""
+    try:
+        with memray.FileReader(path) as reader:
+            return bool(reader.metadata.command_line == command_line)
+    except Exception:
+        return False
 
 
 def _name_running_threads() -> None:

@@ -8,7 +8,9 @@ empty where an event lacks it. Columns whose values are all integers stay intege
 
 Memory stays bounded on traces of any size: a first streamed pass learns the columns and their
 types, a second writes the rows in chunks of `CHUNK_ROWS` (CSV appended, Parquet row groups).
-The file is written beside its destination and renamed into place only when complete.
+The file is written beside its destination and renamed into place only when complete, never
+over the trace it reads. In CSV, text from the trace (an allocator's name, an argument's key) that
+a spreadsheet would run as a formula starts with an apostrophe (kvdoctor.outputs.spreadsheet_cell).
 pandas (and pyarrow for Parquet) come with `pip install 'kvdoctor[export]'`.
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.outputs import claim_output
+from kvdoctor.outputs import claim_output, names_stdout, spreadsheet_cell
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 
@@ -131,11 +133,21 @@ def iter_frames(trace: str, columns: dict[str, bool], chunk_rows: int = CHUNK_RO
         yield frame(buffer)
 
 
+def _spreadsheet_safe(df: Any) -> Any:
+    """The frame as CSV may carry it: names and text cells from the trace (an allocator's name, an
+    argument's key) that a spreadsheet would run as a formula get a leading apostrophe."""
+    df = df.rename(columns=spreadsheet_cell)
+    for column in ("name", "allocator"):
+        df[column] = df[column].map(spreadsheet_cell)
+    return df
+
+
 def _write(frames: Iterator[Any], output_format: str, destination: Any) -> int:
     rows = 0
     if output_format == "csv":
         first = True
         for df in frames:
+            df = _spreadsheet_safe(df)
             df.to_csv(destination, index=False, header=first)
             first = False
             rows += len(df)
@@ -171,19 +183,21 @@ class TableWritten:
 def write_table(
     trace: str, output_format: str, output: str | None = None, *, chunk_rows: int = CHUNK_ROWS, force: bool = False
 ) -> TableWritten:
-    """Writes the table to `output` (default: beside the trace), or as CSV to `stdout` for "-"."""
+    """Writes the table to `output` (default: beside the trace), or as CSV to stdout for "-" or
+    /dev/stdout; never over the trace it reads."""
     if output_format not in FORMATS:
         raise KvdoctorError(f"unknown export format {output_format!r}", "choose csv or parquet")
-    if output == "-" and output_format != "csv":
+    on_stdout = output is not None and names_stdout(output)
+    if on_stdout and output_format != "csv":
         raise KvdoctorError("Parquet cannot be written to stdout", "give -o a file path")
     _require(output_format)
+    path = "-" if on_stdout else claim_output(output or default_output(trace, output_format), force=force, what="table", inputs=[trace])
     columns, rows, stats = scan_columns(trace)
     width = len(BASE_COLUMNS) + len(columns)
-    if output == "-":
+    if on_stdout:
         written = _write(iter_frames(trace, columns, chunk_rows), "csv", sys.stdout)
         sys.stdout.flush()
         return TableWritten("-", written, width, rows, stats)
-    path = claim_output(output or default_output(trace, output_format), force=force, what="table")
     partial = f"{path}.partial-{os.getpid()}"
     try:
         if output_format == "csv":

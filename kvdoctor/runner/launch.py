@@ -25,13 +25,14 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
 import kvdoctor
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.outputs import claim_output
+from kvdoctor.outputs import claim_output, remove_claimed
 from kvdoctor.probe.shutdown import ENV_RENDEZVOUS
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
@@ -64,12 +65,14 @@ def probe_environment(
     return env
 
 
-def start_trace(trace_path: str, command: list[str], extra: dict[str, Any] | None = None, *, force: bool = False) -> None:
+def start_trace(
+    trace_path: str, command: list[str], extra: dict[str, Any] | None = None, *, force: bool = False, inputs: Sequence[str | None] = ()
+) -> None:
     """A fresh trace holding only the run header: what ran (secrets redacted), for every process
-    that appends later. An existing file is replaced only with `force`, and never a non-regular one."""
-    resolved = claim_output(trace_path, force=force, what="trace")
-    if os.path.exists(resolved):
-        os.remove(resolved)
+    that appends later. An existing file is replaced only with `force`, and never a non-regular
+    one or one of the command's `inputs` (gate's baseline)."""
+    resolved = claim_output(trace_path, force=force, what="trace", inputs=inputs)
+    remove_claimed(resolved)
     shown = redact_args(command)
     writer = TraceWriter(resolved)
     header = schema.header_event(
@@ -155,6 +158,7 @@ def run_command(
     *,
     force: bool = False,
     attribution: str = "",
+    inputs: Sequence[str | None] = (),
 ) -> tuple[int, str]:
     """Runs `command` under the probe (and the sampler unless `sample_interval_s` is 0); returns
     its exit code (128 + N for a signal, as a shell reports it) and the trace's path."""
@@ -164,7 +168,7 @@ def run_command(
         raise KvdoctorError(f"command not found: {command[0]}", "check the spelling or give a full path")
     trace_path = os.path.abspath(trace_path or default_trace_path("run"))
     try:
-        start_trace(trace_path, command, {"fixes": fixes}, force=force)
+        start_trace(trace_path, command, {"fixes": fixes}, force=force, inputs=inputs)
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {trace_path}: {exc.strerror}", "pass --trace to a writable place") from None
     child: subprocess.Popen[bytes] | None = None

@@ -9,7 +9,8 @@ Every event the watch writes to its trace (the run header, the sampler's headers
 and with `attach` every event of the probe's own trace) is also fed to ONE `Analyzer` holding
 every detector, so the findings of a watch are exactly those a `kvdoctor replay` of its trace
 makes. Giving the watch the path of a trace that a `kvdoctor run` of the same server is still
-writing appends to it (that trace is left for its owner to close).
+writing appends to it (that trace is left for its owner to close); anything else at that path is
+claimed as `run` claims its trace (kvdoctor.outputs.claim_output).
 
 It stops at `duration_s`, on Ctrl-C, or when the watched process exits.
 """
@@ -17,8 +18,10 @@ It stops at `duration_s`, on Ctrl-C, or when the watched process exits.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -32,6 +35,7 @@ from kvdoctor.analysis.findings import Finding
 from kvdoctor.collect.attach import attach_for_watch
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.outputs import claim_output, remove_claimed
 from kvdoctor.reporters.live import LIVE_GROWTH_EVERY_S, LiveView, attribution_line
 from kvdoctor.reporters.prometheus import PrometheusExporter
 from kvdoctor.runner import default_trace_path
@@ -71,31 +75,60 @@ def _detector(analyzer: Analyzer, kind: type[D]) -> D:
     return found
 
 
-def open_trace(resolved: str, *, given: bool) -> tuple[TraceWriter, bool]:
-    """The writer, and whether this watch owns (and so closes) the trace at `resolved`.
+RUN_HEAD_BYTES = 64 * 1024  # a run header line, with a long command, fits
 
-    A default path (`given` False), or an existing trace that already ended, is replaced; an
-    existing trace still being written (by `kvdoctor run`) is appended to and left open for it.
-    """
-    owned = True
+
+def trace_run_is_writing(resolved: str) -> bool:
+    """Whether `resolved` is a trace that `kvdoctor run` started and has not ended: a regular file
+    (not a link) whose first event is a run header of kvdoctor's schema, with no closing bracket.
+    Read without following a link and without waiting on a FIFO."""
     try:
-        if os.path.isdir(resolved):
-            raise KvdoctorError(f"{resolved} is a directory", "give --trace a file path")
-        if os.path.exists(resolved):
-            with open(resolved, "rb") as fh:
-                head = fh.read(1)
-                fh.seek(max(0, os.path.getsize(resolved) - 16))
-                tail = fh.read().rstrip()
-            if not given or tail.endswith(b"]") or os.path.getsize(resolved) == 0:
-                os.remove(resolved)
-            elif head == b"[":
-                owned = False
-            else:
-                raise KvdoctorError(f"{resolved} exists and is not a kvdoctor trace", "choose another --trace path")
-        writer = TraceWriter(resolved)
+        if not stat.S_ISREG(os.lstat(resolved).st_mode):
+            return False
+        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = fh.read(RUN_HEAD_BYTES).split(b"\n", 2)
+        fh.seek(max(0, os.fstat(fd).st_size - 16))
+        ended = fh.read().rstrip().endswith(b"]")
+    if len(head) < 3 or head[0].strip() != b"[" or ended:
+        return False
+    try:
+        first = json.loads(head[1].rstrip().rstrip(b","))
+    except ValueError:
+        return False
+    args = first.get("args") if isinstance(first, dict) else None
+    return (
+        first.get("name") == schema.RUN_HEADER
+        and isinstance(args, dict)
+        and str(args.get("schema", "")).startswith(schema.SCHEMA_NAME + "/")
+    )
+
+
+def claim_trace(resolved: str, *, force: bool) -> bool:
+    """Whether this watch owns (and so closes) the trace at `resolved`, once it may write there.
+
+    A trace that `kvdoctor run` is still writing is appended to and left open for it; anything
+    else at that path is claimed as `run` claims its trace: replaced only with `force`, never a
+    device, FIFO or directory, a link replaced itself and never followed."""
+    if trace_run_is_writing(resolved):
+        return False
+    claim_output(resolved, force=force, what="trace")
+    try:
+        remove_claimed(resolved)
     except OSError as exc:
         raise KvdoctorError(f"cannot write the trace {resolved}: {exc.strerror or exc}", "pass --trace to a writable place") from None
-    return writer, owned
+    return True
+
+
+def open_trace(resolved: str) -> TraceWriter:
+    try:
+        return TraceWriter(resolved)
+    except OSError as exc:
+        raise KvdoctorError(f"cannot write the trace {resolved}: {exc.strerror or exc}", "pass --trace to a writable place") from None
 
 
 def _run_header(pid: int, sampler: Sampler, interval_s: float, duration_s: float | None) -> schema.Event:
@@ -215,20 +248,23 @@ def run_watch(
     attach: bool = False,
     growth_params: growth.GrowthParams | None = None,
     prometheus_address: tuple[str, int] | None = None,
+    force: bool = False,
 ) -> WatchResult:
     """Samples `pid` and its descendants until `duration_s`, Ctrl-C or the root's exit, and
     analyses everything it wrote. `live` draws the table (for a TTY); `growth_params` tunes the
-    growth test (the defaults suit watches of minutes to days)."""
+    growth test (the defaults suit watches of minutes to days); `force` lets `trace_path` replace
+    a file there."""
     path = os.path.abspath(trace_path) if trace_path else default_trace_path("watch", pid)
+    owned = claim_trace(path, force=force)  # before anything is put into the server
     probe_tail = None
     if attach:
-        probe_trace = attach_for_watch(pid, path)  # the probe's trace is named after the watch's
+        probe_trace = attach_for_watch(pid, path, force=force)  # the probe's trace is named after the watch's
         probe_tail = TraceTail(probe_trace, names=None) if probe_trace else None
     sampler = Sampler(pid, interval_s=interval_s)
     analyzer = watch_analyzer(growth_params, sampler.memory_limit_bytes)
     memory = _detector(analyzer, MemoryGrowthDetector)
     live_view = LiveView(sampler, memory, pid) if live else None
-    writer, owned = open_trace(path, given=trace_path is not None)
+    writer = open_trace(path)
     on_round = WatchRecorder(writer, analyzer, probe_tail, None, live_view, max(LIVE_GROWTH_EVERY_S, interval_s))
     on_round.record([_run_header(pid, sampler, interval_s, duration_s)])
     exporter = None
