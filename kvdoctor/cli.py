@@ -16,6 +16,7 @@ import typer
 import kvdoctor
 from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.outputs import tolerant_streams
 
 app = typer.Typer(
     add_completion=False,
@@ -49,6 +50,7 @@ def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
+        tolerant_streams()
         try:
             code = fn(*args, **kwargs)
         except KvdoctorError as exc:

@@ -1,7 +1,11 @@
 """Everything a command writes for a person or a file, made safe in one place.
 
-- Text that came from a trace (request ids a client chose, process titles) can carry control
-  bytes: an ESC clears a terminal, a NUL makes JUnit XML ill-formed. `printable` escapes them.
+- Text that came from a trace (request ids a client chose, process titles, call sites) can carry
+  control bytes: an ESC clears a terminal, a NUL makes JUnit XML ill-formed, a newline forges a
+  report line or a GitHub `::error` command, U+202E shows a line reversed. `printable` escapes
+  them in a whole report, `one_line` also the newlines and tabs of one field of it.
+- stdout may be a pipe whose reader goes away (`| head`) or a terminal that takes only ASCII: the
+  command still ends with its own exit code (`to_stdout`, `reader_may_leave`, `tolerant_streams`).
 - A path a user names may be their own file or a device: `claim_output` refuses to replace an
   existing file unless told (`--force`), never replaces anything but a regular file or a link
   (the link itself, never what it points to), and never writes over one of the command's inputs.
@@ -14,29 +18,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvdoctor.errors import KvdoctorError
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Bidirectional controls (embeddings, overrides, isolates, marks) and the Unicode line and
+# paragraph separators: none is ever part of kvdoctor's own output.
+_INVISIBLE = "\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_INVISIBLE}]")
+_CONTROL_OR_BREAK = re.compile(f"[\x00-\x1f\x7f-\x9f{_INVISIBLE}]")
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def printable(text: str) -> str:
-    """`text` with control characters (other than newline and tab) written as \\xNN, and lone
-    surrogates (from a crafted trace) as \\udNNN: safe for a terminal and for any encoding."""
-    escaped = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """`text` with control characters (other than newline and tab) and bidirectional controls
+    written as \\xNN or \\uNNNN, and lone surrogates (from a crafted trace) as \\udNNN: safe
+    for a terminal and for any encoding. For a whole report, whose lines are kvdoctor's own."""
+    escaped = _CONTROL.sub(_escaped, text)
+    return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def one_line(text: object) -> str:
+    """`printable`, with newlines, carriage returns and tabs escaped too: one field from a trace
+    (a request id, a process title, a call site, a finding's sentence) that can never start a
+    line of its own in a report, a gate verdict or a CI log."""
+    escaped = _CONTROL_OR_BREAK.sub(_escaped, str(text))
     return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def xml_text(text: str) -> str:
-    """`printable` text that XML 1.0 also accepts (no tab-less control characters at all)."""
-    return _XML_INVALID.sub(lambda m: f"\\x{ord(m.group()):02x}", printable(text))
+    """`one_line` text, which XML 1.0 also accepts: a JUnit name or message is one line."""
+    return _XML_INVALID.sub(_escaped, one_line(text))
 
 
 STDOUT_NAMES = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
@@ -130,12 +153,34 @@ def write_private(path: str, text: str, *, force: bool = False, what: str = "rep
 def to_stdout(text: str) -> None:
     """Prints a command's main output; a reader that went away (`| head`) ends it quietly, and the
     command still returns its own exit code."""
-    try:
+    with reader_may_leave():
         print(printable(text))
         sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Writes to stdout inside it end quietly when the reader went away: stdout then goes to
+    /dev/null, so neither a later write nor the interpreter's last flush fails again, and the
+    command goes on to return its own exit code (a gate's FAIL stays 1)."""
+    try:
+        yield
     except BrokenPipeError:
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         except OSError:
             pass
+
+
+def tolerant_streams() -> None:
+    """stdout and stderr write what their encoding cannot hold as backslash escapes (`≥` as
+    \\u2265 under PYTHONIOENCODING=ascii or a C locale), never an error mid-report."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.outputs import one_line
 from kvdoctor.trace import schema
 from kvdoctor.units import HOUR_S, MIB, as_float, as_int, format_rate
 
@@ -108,11 +109,13 @@ class GateResult:
         return f"kvdoctor gate: PASS ({len(self.checks)} checks)"
 
     def summary_lines(self) -> list[str]:
-        lines = [f"kvdoctor gate: {self.source}"] if self.source else []
+        """One line per check: a detail quotes the trace (request ids, titles), which never starts
+        a line of its own (a forged `PASS` line, or a `::error` command in a CI log)."""
+        lines = [f"kvdoctor gate: {one_line(self.source)}"] if self.source else []
         for check in self.checks:
             mark = "PASS" if check.passed else "FAIL" if check.judged else "N/A "
-            lines.append(f"  {mark}  {check.name}: {check.detail}")
-        lines.append(self.verdict())
+            lines.append(f"  {mark}  {check.name}: {one_line(check.detail)}")
+        lines.append(one_line(self.verdict()))
         return lines
 
 

@@ -48,6 +48,9 @@ DEFAULT_CONFIDENCE = 0.99  # one-sided level of the lower bound
 DEFAULT_RECENT_FRACTION = 0.5  # latest window must still grow at this fraction of the overall rate
 DEFAULT_MAX_POINTS = 600  # points kept for the pairwise slopes (about 180k pairs)
 _MAX_POINTS_NO_NUMPY = 200
+# A value beyond this (4 EiB) is no machine's memory but a damaged or crafted trace: such points
+# are left out of a fit, whose squares and sums would otherwise overflow into NaN.
+MAX_PLAUSIBLE_VALUE = float(1 << 62)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +129,16 @@ def decimate(times_s: Sequence[float], values: Sequence[float], max_points: int)
     return out_t, out_v
 
 
+def plausible_points(times_s: Sequence[float], values: Sequence[float]) -> tuple[Sequence[float], Sequence[float]]:
+    """The points whose time and value are finite and whose value is within ±MAX_PLAUSIBLE_VALUE
+    (the series itself when all are, the common case, without a copy)."""
+    limit = MAX_PLAUSIBLE_VALUE
+    if all(math.isfinite(t) for t in times_s) and all(-limit <= v <= limit for v in values):
+        return times_s, values
+    kept = [(t, v) for t, v in zip(times_s, values, strict=False) if math.isfinite(t) and -limit <= v <= limit]
+    return [t for t, _ in kept], [v for _, v in kept]
+
+
 def _z(confidence: float) -> float:
     confidence = min(max(confidence, 0.5), 0.999999)
     return statistics.NormalDist().inv_cdf(confidence)
@@ -141,7 +154,8 @@ def _lag1_autocorrelation(residuals: Sequence[float]) -> float:
     if denom <= 0.0:
         return 0.0
     num = sum(centred[i] * centred[i + 1] for i in range(n - 1))
-    return num / denom
+    r = num / denom
+    return r if math.isfinite(r) else 0.0
 
 
 def _pairwise_slopes(times_s: Sequence[float], values: Sequence[float]) -> Any:
@@ -186,6 +200,7 @@ def theil_sen(
     """
     if len(times_s) != len(values):
         raise ValueError("times_s and values differ in length")
+    times_s, values = plausible_points(times_s, values)
     limit = max_points if _np is not None else min(max_points, _MAX_POINTS_NO_NUMPY)
     t, v = decimate(times_s, values, max(3, limit))
     n = len(t)
@@ -204,6 +219,8 @@ def theil_sen(
     r1 = min(max(_lag1_autocorrelation(residuals), 0.0), 0.95)
     var_s = n * (n - 1) * (2 * n + 5) / 18.0 * (1 + r1) / (1 - r1)
     c = _z(confidence) * math.sqrt(var_s)
+    if not (math.isfinite(slope) and math.isfinite(c)):
+        return None  # no finite fit: nothing can be said of this series
     lo_rank = int(math.floor((count - c) / 2.0))  # 1-based rank of the lower bound
     hi_rank = int(math.ceil((count + c) / 2.0)) + 1  # 1-based rank of the upper bound
     lo_index = min(max(lo_rank - 1, 0), count - 1)
@@ -287,6 +304,7 @@ def detect_growth_with(
     """
     if len(times_s) != len(values_bytes):
         raise ValueError("times_s and values_bytes differ in length")
+    times_s, values_bytes = plausible_points(times_s, values_bytes)
     if not times_s or params.windows < 1:
         return None
     origin = times_s[0] if origin_s is None else origin_s

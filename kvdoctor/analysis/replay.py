@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import kvdoctor
 from kvdoctor.errors import TraceError
 from kvdoctor.trace.blocks import BLOCK_BYTES, DIGITS_AS_ZERO, CounterBlock, LayoutCache, may_have_leading_zeros, read_line_blocks
-from kvdoctor.trace.reader import LineDecoder, ReadStats, open_trace
+from kvdoctor.trace.reader import LineDecoder, ReadStats, open_trace, unreadable
 
 if TYPE_CHECKING:
     from kvdoctor.analysis.analyzer import Analyzer
@@ -48,6 +48,13 @@ Prepared = tuple[bytes, Runs, int]
 def replay_blocks(path: str, analyzer: Analyzer, stats: ReadStats, on_block: Callable[[], None] | None = None) -> None:
     """Feeds every event of the trace at `path` to `analyzer`, as `iter_events` would give them.
     A large trace is read and split into runs in a second process when a second core is there."""
+    try:
+        _replay_file(path, analyzer, stats, on_block)
+    except OSError as exc:  # the file's bytes could not be read (an I/O error, a file of /proc)
+        raise unreadable(path, exc) from None
+
+
+def _replay_file(path: str, analyzer: Analyzer, stats: ReadStats, on_block: Callable[[], None] | None) -> None:
     gathered = _Gathered(analyzer, stats)
     cache = LayoutCache(lambda layout: gathered.feeds_for(layout.name) is not None)
     with open_trace(path) as fh:

@@ -12,7 +12,8 @@ from kvdoctor.reporters.table import CHUNK_ROWS, write_table
 def export(trace: str, output_format: str = "csv", output: str | None = None, *, chunk_rows: int = CHUNK_ROWS, force: bool = False) -> int:
     written = write_table(trace, output_format, output, chunk_rows=chunk_rows, force=force)
     if written.path == "-":
-        print(f"kvdoctor: wrote {written.rows} row(s), {written.columns} column(s) as CSV", file=sys.stderr)
+        if written.rows >= 0:
+            print(f"kvdoctor: wrote {written.rows} row(s), {written.columns} column(s) as CSV", file=sys.stderr)
         return EXIT_OK
     note = "" if written.counter_events else " (the trace has no counter events)"
     print(f"kvdoctor: wrote {written.rows} row(s), {written.columns} column(s) to {written.path}{note}", file=sys.stderr)

@@ -25,7 +25,7 @@ from kvdoctor.analysis.gate import (
 )
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
-from kvdoctor.outputs import claim_output, printable, same_file, write_private
+from kvdoctor.outputs import claim_output, printable, reader_may_leave, same_file, write_private
 from kvdoctor.reporters import render
 from kvdoctor.reporters.github import github_annotations, in_github_actions
 from kvdoctor.reporters.junit import render_junit
@@ -39,9 +39,12 @@ TRACE_SNIFF_BYTES = 4096  # a trace's header line, where its schema name is, com
 
 def _is_trace_path(args: list[str]) -> bool:
     """One existing file named *.json, or one that opens as a kvdoctor trace does (a trace saved
-    as `.kvtrace`, or under a name with a typo, is judged, not run as a command)."""
-    if len(args) != 1 or not os.path.isfile(args[0]):
+    as `.kvtrace`, or under a name with a typo, is judged, not run as a command), or one that is
+    not a regular file at all (a FIFO, a device)."""
+    if len(args) != 1 or not os.path.exists(args[0]) or os.path.isdir(args[0]):
         return False
+    if not os.path.isfile(args[0]):
+        return True  # a FIFO or a device is no command: refused as a trace, with a sentence, never opened
     if args[0].endswith(".json"):
         return True
     try:
@@ -134,13 +137,14 @@ def gate(
     if baseline_analysis is not None:
         check_baseline_engines(analysis, baseline_analysis)
     result = judge(analysis, budgets, baseline_analysis, command_code=command_code)
-    if command_code is not None:
-        ran = "the command in the trace" if judging_a_trace else "command"
-        print(f"kvdoctor gate: {ran} exited {command_code}; trace {trace_path}")
-    print(printable("\n".join(result.summary_lines())))
-    for line in github_annotations(result) if in_github_actions() else []:
-        print(line)
-    sys.stdout.flush()
+    with reader_may_leave():  # a reader gone (`| head`) never turns the verdict into anything else
+        if command_code is not None:
+            ran = "the command in the trace" if judging_a_trace else "command"
+            print(f"kvdoctor gate: {ran} exited {command_code}; trace {trace_path}")
+        print(printable("\n".join(result.summary_lines())))
+        for line in github_annotations(result) if in_github_actions() else []:
+            print(line)
+        sys.stdout.flush()
     written = all(
         [
             _write(junit, render_junit(result), force, "JUnit report", [trace_path, baseline]) if junit else True,

@@ -15,6 +15,7 @@ from kvdoctor.analysis.findings import ERROR
 from kvdoctor.analysis.growth import GrowthParams
 from kvdoctor.collect.procfs import check_process
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.outputs import reader_may_leave
 from kvdoctor.reporters import check_format
 from kvdoctor.reporters.live import write_watch_json, write_watch_text
 from kvdoctor.reporters.prometheus import parse_address
@@ -66,10 +67,12 @@ def watch(
         prometheus_address=address,
         force=force,
     )
-    if output_format == "json" or (output_format == "auto" and not live):
-        write_watch_json(result, sys.stdout)
-    else:
-        write_watch_text(result, sys.stdout)
+    with reader_may_leave():
+        if output_format == "json" or (output_format == "auto" and not live):
+            write_watch_json(result, sys.stdout)
+        else:
+            write_watch_text(result, sys.stdout)
+        sys.stdout.flush()
     if result.samples == 0:
         print(f"kvdoctor: pid {pid} exited before it could be sampled; trace: {result.trace_path}", file=sys.stderr)
         return EXIT_UNUSABLE

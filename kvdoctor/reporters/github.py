@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from kvdoctor.analysis.gate import GateResult
-from kvdoctor.outputs import printable
+from kvdoctor.outputs import one_line
 
 TITLE = "kvdoctor gate"
 
@@ -16,9 +16,10 @@ def in_github_actions() -> bool:
 
 
 def _escape(text: str) -> str:
-    """Workflow commands end at a newline; GitHub's own escapes keep a message on one line, and
-    control bytes a trace carried are written out, never sent to the log raw."""
-    return printable(text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A"))
+    """Workflow commands end at a newline: a newline, a carriage return or a control byte a trace
+    carried is written out (`one_line`), so a request id can neither end an annotation nor start
+    a command of its own, and `%` is GitHub's own escape."""
+    return one_line(text).replace("%", "%25")
 
 
 def github_annotations(result: GateResult) -> list[str]:

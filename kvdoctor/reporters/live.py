@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from kvdoctor.analysis import growth
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.findings import Finding
+from kvdoctor.outputs import one_line
 from kvdoctor.reporters.json_report import strict
 from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
 
@@ -60,7 +61,9 @@ def sparkline(values: list[float], width: int = 24) -> str:
 
 
 def display_title(title: str) -> str:
-    return short_title(title) or "?"
+    """A process title as the table and the summary show it: one line, its control bytes written out
+    (any process may set its title to anything)."""
+    return one_line(short_title(title)) or "?"
 
 
 class LiveView:
@@ -188,7 +191,7 @@ def write_watch_text(result: WatchResult, out: TextIO) -> None:
         print("no memory growth found", file=out)
         return
     for finding in result.findings:
-        print(f"{finding.severity.upper()} {finding.kind}: {finding.message}", file=out)
+        print(f"{finding.severity.upper()} {finding.kind}: {one_line(finding.message)}", file=out)
 
 
 def watch_report(result: WatchResult) -> dict[str, Any]:
@@ -210,4 +213,4 @@ def write_watch_json(result: WatchResult, out: TextIO) -> None:
 
 def attribution_line(finding: Finding) -> str:
     """A host-growth attribution as it happens, for a watch without the live table."""
-    return f"kvdoctor: {finding.message}"
+    return f"kvdoctor: {one_line(finding.message)}"

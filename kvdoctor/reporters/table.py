@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.outputs import claim_output, names_stdout, spreadsheet_cell
+from kvdoctor.outputs import claim_output, names_stdout, reader_may_leave, spreadsheet_cell
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 
@@ -174,7 +174,7 @@ class TableWritten:
     """What a write produced: where, how many rows and columns, and what the reader met."""
 
     path: str
-    rows: int
+    rows: int  # -1: written to a reader that went away before the end
     columns: int
     counter_events: int
     stats: ReadStats
@@ -195,8 +195,10 @@ def write_table(
     columns, rows, stats = scan_columns(trace)
     width = len(BASE_COLUMNS) + len(columns)
     if on_stdout:
-        written = _write(iter_frames(trace, columns, chunk_rows), "csv", sys.stdout)
-        sys.stdout.flush()
+        written = -1  # stays so when the reader goes away (`export -o - | head`): the rest is not written
+        with reader_may_leave():
+            written = _write(iter_frames(trace, columns, chunk_rows), "csv", sys.stdout)
+            sys.stdout.flush()
         return TableWritten("-", written, width, rows, stats)
     partial = f"{path}.partial-{os.getpid()}"
     try:

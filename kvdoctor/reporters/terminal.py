@@ -1,13 +1,14 @@
 """Plain terminal text: one block per finding, errors first, evidence a reader can act on.
 
-Everything that came from the trace (titles, request ids) passes through `printable`: a client's
-request id must not clear the terminal or set its title."""
+Everything that came from the trace (titles, request ids, call sites, the sentences built from
+them) passes through `one_line`: a client's request id must not clear the terminal, set its
+title, reverse a line or start a report line of its own."""
 
 from __future__ import annotations
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
-from kvdoctor.outputs import printable
+from kvdoctor.outputs import one_line, printable
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
 EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")
@@ -16,13 +17,13 @@ EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "b
 def render_text(analysis: Analysis) -> str:
     lines = []
     procs = ", ".join(
-        f"{pid} {str(info.get('process_title', ''))[:40]}".strip()
-        + (f" [{info.get('engine')} {info.get('engine_version')}]" if info.get("engine") else "")
+        f"{pid} {one_line(str(info.get('process_title', ''))[:40])}".strip()
+        + (f" [{one_line(info.get('engine'))} {one_line(info.get('engine_version'))}]" if info.get("engine") else "")
         for pid, info in sorted(analysis.processes.items())
     )
     lines.append(f"kvdoctor: {analysis.events} events from {analysis.source or 'the run'}" + (f"; processes: {procs}" if procs else ""))
     for note in analysis.notes:
-        lines.append(f"  note: {note}")
+        lines.append(f"  note: {one_line(note)}")
     if not analysis.findings:
         probed = any(info.get("engine") and info.get("probe") for info in analysis.processes.values())
         if analysis.censuses:
@@ -34,7 +35,8 @@ def render_text(analysis: Analysis) -> str:
         else:
             lines.append("no findings")
     for finding in analysis.findings:
-        lines.append(f"{MARK.get(finding.severity, finding.severity)} {finding.kind} x{finding.count}: {finding.message}")
+        mark = MARK.get(finding.severity, one_line(finding.severity))
+        lines.append(f"{mark} {one_line(finding.kind)} x{finding.count}: {one_line(finding.message)}")
         for key in EVIDENCE_KEYS:
             value = finding.evidence.get(key)
             if value in (None, "", [], {}):
@@ -43,7 +45,7 @@ def render_text(analysis: Analysis) -> str:
                 value = "; ".join(f"{k}: {v}" for k, v in list(value.items())[:4])
             elif isinstance(value, list):
                 value = ", ".join(str(v) for v in value[:16]) + (" ..." if len(value) > 16 else "")
-            lines.append(f"        {key}: {value}")
+            lines.append(f"        {key}: {one_line(value)}")
     errors = len(analysis.errors)
     lines.append(f"{errors} error finding(s), {len(analysis.findings) - errors} other")
     return printable("\n".join(lines))

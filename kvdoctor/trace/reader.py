@@ -8,6 +8,8 @@ still writing.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -83,16 +85,51 @@ def check_header(args: dict[str, Any], path: str) -> None:
         raise TraceError(f"{path}: schema version {version} is not one kvdoctor ever wrote")
 
 
-def open_trace(path: str) -> BinaryIO:
-    """The trace opened for reading, past its opening bracket; a sentence when it cannot be."""
+def open_regular(path: str, what: str = "trace file") -> BinaryIO:
+    """`path` opened for reading when it is a regular file; a FIFO, a device or a socket is
+    refused with a sentence (opening a FIFO would wait for a writer forever, and reading a device
+    never ends), without blocking to find out."""
     try:
-        fh = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise TraceError(f"{path}: no such trace file", "check the path given to --trace") from None
+        raise TraceError(f"{path}: no such {what}", "check the path given to --trace") from None
     except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory, not a trace file") from None
+        raise TraceError(f"{path}: is a directory, not a {what}") from None
     except PermissionError:
         raise TraceError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot be opened ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise TraceError(f"{path}: is a directory, not a {what}")
+        if not stat.S_ISREG(mode):
+            raise TraceError(f"{path}: is {_kind_of(mode)}, not a {what}", "give the path of a trace kvdoctor wrote")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def unreadable(path: str, exc: OSError) -> TraceError:
+    """The sentence for a trace whose bytes cannot be read (an I/O error, a file of /proc)."""
+    return TraceError(f"{path}: cannot be read ({exc.strerror or exc})", "copy the trace to a regular file and try again")
+
+
+def open_trace(path: str) -> BinaryIO:
+    """The trace opened for reading, past its opening bracket; a sentence when it cannot be."""
+    fh = open_regular(path)
     try:
         first = fh.read(1)
         while first in (b" ", b"\n", b"\r", b"\t"):
@@ -101,6 +138,9 @@ def open_trace(path: str) -> BinaryIO:
             raise TraceError(f"{path}: the trace is empty", "the probe never wrote to it; was the run under `kvdoctor run`?")
         if first != b"[":
             raise TraceError(f"{path}: not a kvdoctor trace (it does not start with '[')")
+    except OSError as exc:
+        fh.close()
+        raise unreadable(path, exc) from None
     except BaseException:
         fh.close()
         raise
@@ -170,7 +210,14 @@ def iter_events(path: str, stats: ReadStats | None = None) -> Iterator[Event]:
     with open_trace(path) as fh:
         stats.bytes_read = 1
         decoder = LineDecoder(path, stats)
-        for line in _lines(fh, stats):
+        lines = _lines(fh, stats)
+        while True:
+            try:
+                line = next(lines, b"")
+            except OSError as exc:
+                raise unreadable(path, exc) from None
+            if not line:
+                break
             stats.bytes_read += len(line)
             event = decoder.decode(line)
             if decoder.gave_up:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from kvdoctor.outputs import printable
 from kvdoctor.units import format_bytes, format_duration, format_rate
 
 REPORT_DIGITS = 1  # "1.5 GiB": one decimal everywhere on the page
@@ -24,4 +25,5 @@ def human_duration(seconds: float) -> str:
 
 
 def escape(text: Any) -> str:
-    return html.escape(str(text), quote=True)
+    """HTML text; control bytes and bidirectional controls a trace carried are written out."""
+    return html.escape(printable(str(text)), quote=True)
