@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
+from kvdoctor.analysis.admission import COUNTED, MAX_PROCESSES, Admission, level_of, level_of_block
 from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
@@ -24,15 +25,15 @@ from kvdoctor.trace.blocks import CounterBlock
 from kvdoctor.trace.reader import ReadStats
 from kvdoctor.units import BoundedSeries
 
-__all__ = ["Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "analyze_trace", "exit_code_for"]
+__all__ = ["MAX_PROCESSES", "Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "analyze_trace", "exit_code_for"]
 
 REPORT_SCHEMA_NAME = "kvdoctor.report"
 REPORT_SCHEMA_VERSION = 1
 REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"  # the JSON report, not the trace
 
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
+LEDGERS_NAMED = 64  # damaged or unjudged ledgers named apiece; the rest is counted
 PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024  # smaller traces replay too fast to need a bar
-MAX_PROCESSES = 4096  # distinct pids analysed; a trace naming more is crafted or broken: the rest is noted
 
 D = TypeVar("D")
 _HEADERS = (schema.HEADER, schema.RUN_HEADER)
@@ -64,6 +65,7 @@ class Analysis:
     command_exit: int | None = None  # the exit status of the command `run`/`gate` ran, if the trace says
     damaged_censuses: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> what is wrong with a census
     not_judged: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> why its censuses give no verdict
+    unanalysed_verdict_events: int = 0  # censuses and broken rules of processes beyond MAX_PROCESSES: findings there are unknown
 
     @property
     def errors(self) -> list[Finding]:
@@ -79,6 +81,7 @@ class Analysis:
             "censuses": self.censuses,
             "last_censuses": {str(pid): info for pid, info in self.last_censuses.items()},
             "not_judged": self.not_judged,
+            "unanalysed_verdict_events": self.unanalysed_verdict_events,
             "notes": self.notes,
         }
 
@@ -88,35 +91,70 @@ def _numbers(args: dict[str, Any]) -> dict[str, Any]:
 
 
 class SeriesCollector:
-    """Keeps the counters reporters plot (ledger sizes, memory), thinned to a bounded size."""
+    """Keeps the counters reporters plot (ledger sizes, memory), thinned to a bounded size, for at
+    most MAX_SERIES of each counter (the first met): a trace naming 400k allocators costs no more
+    than one naming 128, and the rest is counted for the notes."""
 
     consumes = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, schema.HICACHE_COUNTER})
 
     MAX_POINTS = 3999
+    MAX_SERIES = 128  # per counter name (kv_slots, memory, hicache)
+    MAX_LABELS_COUNTED = 1 << 18  # distinct labels left out, counted exactly up to this many
 
     def __init__(self) -> None:
         self._series: dict[str, BoundedSeries[dict[str, float]]] = {}
+        self._kept: dict[str, int] = {}  # counter name -> series kept
+        self._left_labels: dict[str, set[int]] = {}  # counter name -> hashes of the labels left out
+        self._left_events: dict[str, int] = {}
+
+    def _series_for(self, name: str, label: str, events: int) -> BoundedSeries[dict[str, float]] | None:
+        series = self._series.get(label)
+        if series is not None:
+            return series
+        if self._kept.get(name, 0) >= self.MAX_SERIES:
+            left = self._left_labels.setdefault(name, set())
+            if len(left) < self.MAX_LABELS_COUNTED:
+                left.add(hash(label))
+            self._left_events[name] = self._left_events.get(name, 0) + events
+            return None
+        self._kept[name] = self._kept.get(name, 0) + 1
+        series = self._series[label] = BoundedSeries(self.MAX_POINTS)
+        return series
 
     def feed(self, event: schema.Event) -> None:
         if event.ph != "C":
             return
-        label = f"{event.name}:{event.pid}:{event.args.get('allocator', '')}"
-        series = self._series.get(label)
-        if series is None:
-            series = self._series[label] = BoundedSeries(self.MAX_POINTS)
-        series.add(event.ts, _numbers(event.args))
+        series = self._series_for(event.name, f"{event.name}:{event.pid}:{event.args.get('allocator', '')}", 1)
+        if series is not None:
+            series.add(event.ts, _numbers(event.args))
 
     def feed_counter_block(self, block: CounterBlock) -> None:
         """`feed` for each line of the block; only the points the series keeps are parsed."""
-        label = f"{block.name}:{block.pid}:{block.allocator}"
-        series = self._series.get(label)
+        series = self._series_for(block.name, f"{block.name}:{block.pid}:{block.allocator}", len(block))
         if series is None:
-            series = self._series[label] = BoundedSeries(self.MAX_POINTS)
+            return
 
         def points_at(indices: list[int]) -> list[tuple[float, dict[str, float]]]:
             return [(event.ts, _numbers(event.args)) for event in block.events(indices)]
 
         series.add_from(len(block), points_at)
+
+    def forget(self, pid: int) -> None:
+        """Drops the series of a process the analysis set aside (kvdoctor.analysis.admission)."""
+        for label in [label for label in self._series if label.split(":", 2)[1] == str(pid)]:
+            del self._series[label]
+            name = label.split(":", 1)[0]
+            self._kept[name] -= 1
+
+    def notes(self) -> list[str]:
+        out = []
+        for name, labels in sorted(self._left_labels.items()):
+            many = f"at least {len(labels)}" if len(labels) >= self.MAX_LABELS_COUNTED else str(len(labels))
+            out.append(
+                f"the trace has more {name} series than one analysis keeps: {self.MAX_SERIES} are kept for the plots, "
+                f"{many} more ({self._left_events[name]} event(s)) are not plotted"
+            )
+        return out
 
     @property
     def series(self) -> dict[str, dict[str, Any]]:
@@ -147,30 +185,29 @@ class Analyzer:
         self._series = SeriesCollector()
         self._sinks: list[_Sink] = [self._series, *self.detectors]
         self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
-        self._pids: set[int] = set()
+        self._admission = Admission(self._forget)
         self.censuses = 0
         self.last_censuses: dict[int, dict[str, Any]] = {}
         self.not_judged: dict[str, str] = {}
         self.end_ts_us: float | None = None
         self.command_exit: int | None = None
         self.damaged_censuses: dict[str, str] = {}
-        self.ignored_events = 0  # from processes beyond MAX_PROCESSES
+        self._unnamed_ledgers = [0, 0]  # censuses of ledgers not named: [not judged, damaged]
 
     def feed(self, event: schema.Event) -> None:
         self.feed_all((event,))
 
     def feed_all(self, events: Iterable[schema.Event]) -> None:
         """The hot loop of every replay: the sinks of an event name are looked up once."""
-        routes, processes, sinks, pids = self._routes, self.processes, self._sinks, self._pids
+        routes, processes, sinks = self._routes, self.processes, self._sinks
+        levels, take = self._admission.levels, self._admission.take
         count = 0
         for event in events:
             count += 1
-            if event.pid not in pids:
-                if len(pids) >= MAX_PROCESSES:
-                    self.ignored_events += 1
-                    continue
-                pids.add(event.pid)
             name = event.name
+            known = levels.get(event.pid)
+            if (known is None or known < COUNTED) and name != schema.TRACE_END and not take(event.pid, level_of(name, event.args)):
+                continue  # the trace's end is the whole trace's, whichever process wrote it
             feeds = routes.get(name)
             if feeds is None:
                 feeds = routes[name] = [s.feed for s in sinks if _reads(s, name)]
@@ -182,10 +219,11 @@ class Analyzer:
             elif name == schema.CENSUS:
                 args = event.args
                 if not schema.census_is_readable(args):
-                    where = f"pid {event.pid} {args.get('allocator', '')}".rstrip()
-                    self.damaged_censuses[where] = f"its orphan count is unreadable ({str(args.get('orphan_slots'))[:40]!r})"
+                    self._name_ledger(
+                        self.damaged_censuses, event, f"its orphan count is unreadable ({str(args.get('orphan_slots'))[:40]!r})"
+                    )
                 elif args.get("judged") is False:
-                    self.not_judged[f"pid {event.pid} {args.get('allocator', '')}".rstrip()] = str(args.get("not_judged", ""))
+                    self._name_ledger(self.not_judged, event, str(args.get("not_judged", ""))[:400])
                 else:
                     self.censuses += 1
                     self.last_censuses[event.pid] = {"ts_us": event.ts, "reason": str(args.get("reason", "")), "age_s": args.get("age_s")}
@@ -197,6 +235,14 @@ class Analyzer:
             for feed in feeds:
                 feed(event)
         self.events += count
+
+    def _name_ledger(self, table: dict[str, str], event: schema.Event, why: str) -> None:
+        """`table`["pid N allocator"] = why, for at most LEDGERS_NAMED ledgers; the rest counted."""
+        where = f"pid {event.pid} {str(event.args.get('allocator', ''))[:200]}".rstrip()
+        if where in table or len(table) < LEDGERS_NAMED:
+            table[where] = why
+        else:
+            self._unnamed_ledgers[table is self.damaged_censuses] += 1
 
     def block_feeds(self, name: str) -> list[Callable[[CounterBlock], None]] | None:
         """The bulk feeds of every sink that reads counter `name`, or None when one of them
@@ -230,18 +276,23 @@ class Analyzer:
         return frozenset(names)
 
     def knows_pid(self, pid: int) -> bool:
-        return pid in self._pids
+        return pid in self._admission.levels
+
+    def _forget(self, pid: int) -> None:
+        """A process set aside to make room for one that tells more: every sink drops it."""
+        self.processes.pop(pid, None)
+        for sink in self._sinks:
+            forget = getattr(sink, "forget", None)
+            if forget is not None:
+                forget(pid)
 
     def feed_counter_block(self, block: CounterBlock, feeds: list[Callable[[CounterBlock], None]]) -> None:
         """`feed_all` for the block's lines, the counter lines of one (name, pid, allocator)."""
         count = len(block)
         self.events += count
-        pids = self._pids
-        if block.pid not in pids:
-            if len(pids) >= MAX_PROCESSES:
-                self.ignored_events += count
-                return
-            pids.add(block.pid)
+        known = self._admission.levels.get(block.pid)
+        if (known is None or known < COUNTED) and not self._admission.take(block.pid, level_of_block(block), count):
+            return
         for feed in feeds:
             feed(block)
 
@@ -258,11 +309,10 @@ class Analyzer:
         return findings
 
     def finish(self, notes: Iterable[str] = ()) -> Analysis:
-        notes = list(notes)
-        if self.ignored_events:
-            notes.append(
-                f"the trace names more than {MAX_PROCESSES} processes: {self.ignored_events} event(s) of the others were not analysed"
-            )
+        notes = [*notes, *self._admission.notes(), *self._series.notes()]
+        for count, what in zip(self._unnamed_ledgers, ("not judged", "damaged"), strict=True):
+            if count:
+                notes.append(f"{count} more census(es) of ledgers {what} are not named one by one (the first {LEDGERS_NAMED} are)")
         return Analysis(
             findings=self.findings(),
             processes=self.processes,
@@ -276,6 +326,7 @@ class Analyzer:
             command_exit=self.command_exit,
             damaged_censuses=self.damaged_censuses,
             not_judged=self.not_judged,
+            unanalysed_verdict_events=self._admission.not_analysed[COUNTED],
         )
 
 

@@ -14,6 +14,7 @@ import difflib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvdoctor.analysis.admission import MAX_PROCESSES
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import one_line
@@ -217,6 +218,18 @@ def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
     )
 
 
+def _unanalysed_check(analysis: Analysis) -> Check:
+    """Processes whose slots the probe counted but the analysis had no room for: what they hold is
+    unknown, so nothing can pass on their account (a leak in them fails the gate once analysed)."""
+    return Check(
+        "every-process-analysed",
+        False,
+        f"{analysis.unanalysed_verdict_events} census and rule event(s) of processes beyond the {MAX_PROCESSES} one analysis "
+        "holds were not analysed: split the run, or judge fewer processes per trace",
+        judged=False,
+    )
+
+
 def _named_orphans(analysis: Analysis, most: int = 3) -> str:
     """The largest orphan findings by their evidence: slots, where they were allocated, for whom."""
     parts = []
@@ -317,6 +330,8 @@ def judge(
     result.checks.append(_probe_check(analysis, budgets.engine, required=command_code is not None or budgets.engine != ANY_ENGINE))
     result.checks.append(_growth_check(analysis, budgets))
     result.checks.append(_orphan_check(analysis, budgets))
+    if analysis.unanalysed_verdict_events:
+        result.checks.append(_unanalysed_check(analysis))
     result.checks.extend(_kind_check(analysis, kind) for kind in sorted(budgets.fail_on - budgets.allow - set(BUDGETED_KINDS)))
     result.checks.append(_other_errors_check(analysis, budgets))
     if baseline is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
 from kvdoctor.outputs import one_line, printable
+from kvdoctor.reporters.bounded import PROCESSES_SHOWN, first_processes, shown_findings
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
 EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")
@@ -16,17 +17,20 @@ EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "b
 
 def render_text(analysis: Analysis) -> str:
     lines = []
+    listed, unlisted = first_processes(analysis.processes, PROCESSES_SHOWN)
     procs = ", ".join(
         f"{pid} {one_line(str(info.get('process_title', ''))[:40])}".strip()
         + (f" [{one_line(info.get('engine'))} {one_line(info.get('engine_version'))}]" if info.get("engine") else "")
-        for pid, info in sorted(analysis.processes.items())
-    )
+        for pid, info in listed
+    ) + (f" and {unlisted} more" if unlisted else "")
     lines.append(f"kvdoctor: {analysis.events} events from {analysis.source or 'the run'}" + (f"; processes: {procs}" if procs else ""))
     for note in analysis.notes:
         lines.append(f"  note: {one_line(note)}")
     if not analysis.findings:
         probed = any(info.get("engine") and info.get("probe") for info in analysis.processes.values())
-        if analysis.censuses:
+        if analysis.unanalysed_verdict_events:
+            lines.append("no findings in the processes analysed; some whose slots the probe counted were not (see the note)")
+        elif analysis.censuses:
             lines.append("no findings: every slot is accounted for")
         elif probed:
             lines.append(
@@ -34,7 +38,8 @@ def render_text(analysis: Analysis) -> str:
             )
         else:
             lines.append("no findings")
-    for finding in analysis.findings:
+    shown, left = shown_findings(analysis.findings)
+    for finding in shown:
         mark = MARK.get(finding.severity, one_line(finding.severity))
         lines.append(f"{mark} {one_line(finding.kind)} x{finding.count}: {one_line(finding.message)}")
         for key in EVIDENCE_KEYS:
@@ -46,6 +51,7 @@ def render_text(analysis: Analysis) -> str:
             elif isinstance(value, list):
                 value = ", ".join(str(v) for v in value[:16]) + (" ..." if len(value) > 16 else "")
             lines.append(f"        {key}: {one_line(value)}")
+    lines += [rest.sentence() for rest in left]
     errors = len(analysis.errors)
     lines.append(f"{errors} error finding(s), {len(analysis.findings) - errors} other")
     return printable("\n".join(lines))

@@ -8,6 +8,33 @@ from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.trace import schema
 from kvdoctor.units import as_count
 
+MAX_LEDGER_ENTRIES = 1024  # (process, allocator[, call site]) entries one table keeps; a trace naming more is crafted
+MAX_LABELS_COUNTED = 1 << 18  # entries left out, counted one by one up to this many
+
+
+class LeftOut:
+    """What a detector's table did not keep once full: how many entries (distinct keys, counted
+    exactly up to MAX_LABELS_COUNTED), events and counts. Nothing is dropped without a word: it
+    becomes one finding of its own, with the count the user budgets against."""
+
+    def __init__(self) -> None:
+        self._keys: set[int] = set()
+        self.events = 0
+        self.count = 0
+
+    def add(self, key: Any, count: int) -> None:
+        if len(self._keys) < MAX_LABELS_COUNTED:
+            self._keys.add(hash(key))
+        self.events += 1
+        self.count += count
+
+    def entries(self) -> str:
+        many = len(self._keys)
+        return f"at least {many}" if many >= MAX_LABELS_COUNTED else str(many)
+
+    def __bool__(self) -> bool:
+        return self.events > 0
+
 
 class Detector(Protocol):
     def feed(self, event: schema.Event) -> None: ...
@@ -26,6 +53,7 @@ class ViolationDetector:
 
     def __init__(self) -> None:
         self.groups: dict[tuple[int, str, str], dict[str, Any]] = {}
+        self.left_out = LeftOut()  # groups beyond MAX_LEDGER_ENTRIES
 
     def feed(self, event: schema.Event) -> None:
         if event.name != schema.VIOLATION or event.args.get("kind") != self.kind:
@@ -35,6 +63,9 @@ class ViolationDetector:
         group = self.groups.get(key)
         count = as_count(args.get("count"))
         if group is None:
+            if len(self.groups) >= MAX_LEDGER_ENTRIES:
+                self.left_out.add(key, count)
+                return
             self.groups[key] = {"count": count, "first": dict(args), "events": 1, "first_ts_us": event.ts}
         else:
             group["count"] += count
@@ -58,12 +89,27 @@ class ViolationDetector:
             out.append(
                 Finding(self.kind, self.severity, self.message(group["count"], allocator, site, evidence), group["count"], evidence, pid)
             )
+        if self.left_out:
+            out.append(left_out_finding(self.kind, self.severity, self.left_out, "(process, allocator, call site)"))
         return out
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         """The finding's sentence: `template` filled with the count, allocator, site, the slots
         (" (slots 5, 6, ...)") and the request that holds most of them; override for more."""
         return self.template.format(count=count, allocator=allocator, site=site, slots=ids_text(evidence), request=first_request(evidence))
+
+
+def left_out_finding(kind: str, severity: str, left: LeftOut, entry: str) -> Finding:
+    """The one finding that stands for the entries a full table did not keep, with their count."""
+    return Finding(
+        kind,
+        severity,
+        f"{left.count} more {kind} (in {left.events} event(s)) in {left.entries()} {entry} entries beyond the "
+        f"{MAX_LEDGER_ENTRIES} one analysis names one by one",
+        left.count,
+        {"entries_not_kept": left.entries(), "events": left.events},
+        0,
+    )
 
 
 def as_list(value: Any) -> list[Any]:

@@ -94,6 +94,13 @@ class MemoryClassGrowthDetector:
             if not series.times or t_s > series.times[-1]:
                 series.add(t_s, value)
 
+    def forget(self, pid: int) -> None:
+        """Drops a process the analysis set aside for one that tells more (kvdoctor.analysis.admission)."""
+        for key in [key for key in self._series if key[0] == pid]:
+            del self._series[key]
+        for table in (self._latest, self._titles, self._start_s):
+            table.pop(pid, None)
+
     def _origin(self, pid: int, first_s: float) -> float | None:
         origin = self._start_s.get(pid)
         if origin is not None and not (first_s - _TEN_DAYS_S <= origin <= first_s + 1.0):

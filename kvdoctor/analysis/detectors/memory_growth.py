@@ -122,6 +122,14 @@ class MemoryGrowthDetector:
             self._last_rss[pid] = rss
         self._last_ts_s[pid] = max(t_s, self._last_ts_s.get(pid, t_s))
 
+    def forget(self, pid: int) -> None:
+        """Drops a process the analysis set aside for one that tells more (kvdoctor.analysis.admission)."""
+        for key in [key for key in self._series if key[0] == pid]:
+            del self._series[key]
+            self._latest.pop(key, None)
+        for table in (self._titles, self._start_s, self._gpu_total, self._last_ts_s, self._last_rss):
+            table.pop(pid, None)
+
     def feed_counter_block(self, block: CounterBlock) -> None:
         """`feed` for each line of one process's counter block, a memory class at a time: the
         classes keep separate state, so only the order within each one matters."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.analysis.detectors.base import as_list
+from kvdoctor.analysis.detectors.base import MAX_LABELS_COUNTED, MAX_LEDGER_ENTRIES, LeftOut, as_list, left_out_finding
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.trace import schema
 from kvdoctor.units import as_count
@@ -28,6 +28,11 @@ class OrphanSlotsDetector:
         self.max_seen: dict[tuple[int, str], int] = {}
         self.at_release: dict[tuple[int, str], dict[str, Any]] = {}  # slots leaked at a request's release
         self.censuses = 0
+        # ledgers beyond MAX_LEDGER_ENTRIES (a crafted trace): the latest orphan count of each, by
+        # hash, then a sum of the counts of those that found no room even there
+        self.left_latest: dict[int, int] = {}
+        self.left_overflow = 0
+        self.left_releases = LeftOut()
 
     def feed(self, event: schema.Event) -> None:
         args = event.args
@@ -43,12 +48,25 @@ class OrphanSlotsDetector:
         if not schema.census_is_readable(args):
             return  # a damaged count is no verdict, least of all a clean one
         self.censuses += 1
+        if key not in self.latest and len(self.latest) >= MAX_LEDGER_ENTRIES:
+            self._left_census(key, as_count(args.get("orphan_slots")))
+            return
         self.latest[key] = args
         self.latest_ts[key] = event.ts
         self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(args.get("orphan_slots")))
 
+    def _left_census(self, key: tuple[int, str], orphans: int) -> None:
+        hashed = hash(key)
+        if hashed in self.left_latest or len(self.left_latest) < MAX_LABELS_COUNTED:
+            self.left_latest[hashed] = orphans
+        else:
+            self.left_overflow += orphans  # counted at each census: more, never fewer, than the latest say
+
     def _released(self, key: tuple[int, str], event: schema.Event) -> None:
         args = event.args
+        if key not in self.at_release and len(self.at_release) >= MAX_LEDGER_ENTRIES:
+            self.left_releases.add(key, as_count(args.get("count")))
+            return
         found = self.at_release.setdefault(key, {"count": 0, "slot_ids": [], "requests": {}, "allocated_at": {}, "last_ts": 0.0})
         found["count"] += as_count(args.get("count"))
         found["last_ts"] = event.ts
@@ -59,8 +77,29 @@ class OrphanSlotsDetector:
                 for k, v in list(value.items())[:16]:
                     found[name][str(k)] = as_count(found[name].get(str(k), 0)) + as_count(v)
 
-    def findings(self) -> list[Finding]:
+    def _left_findings(self) -> list[Finding]:
+        """The ledgers a full table did not keep, as one finding each kind: never dropped."""
         out = []
+        orphans = sum(self.left_latest.values()) + self.left_overflow
+        if orphans:
+            leaking = sum(1 for n in self.left_latest.values() if n)
+            out.append(
+                Finding(
+                    schema.ORPHAN_SLOTS,
+                    ERROR,
+                    f"{orphans} more KV slot(s) leaked, at the latest census of {leaking}{'+' if self.left_overflow else ''} "
+                    f"(process, allocator) ledgers beyond the {MAX_LEDGER_ENTRIES} one analysis names one by one",
+                    orphans,
+                    {"ledgers_not_kept": len(self.left_latest), "census": "latest"},
+                    0,
+                )
+            )
+        if self.left_releases.count:
+            out.append(left_out_finding(schema.ORPHAN_SLOTS, ERROR, self.left_releases, "(process, allocator) release"))
+        return out
+
+    def findings(self) -> list[Finding]:
+        out = self._left_findings()
         for key, found in self.at_release.items():
             if key in self.latest and self.latest_ts[key] >= found["last_ts"]:
                 self.latest[key] = {**self.latest[key], "leaked_at_release": found}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.analysis.detectors.base import as_list
+from kvdoctor.analysis.detectors.base import MAX_LEDGER_ENTRIES, LeftOut, as_list, left_out_finding
 from kvdoctor.analysis.findings import INFO, WARNING, Finding
 from kvdoctor.trace import schema
 from kvdoctor.trace.blocks import CounterBlock
@@ -34,6 +34,15 @@ class ProbeHealthDetector:
         self.disagree: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): the census
         self.fixes: dict[tuple[int, str], int] = {}  # (pid, fix): corrections made
         self.pids_with_violations: set[int] = set()
+        # entries beyond the tables' bounds (a crafted trace), by the finding kind they would make
+        self.left_out: dict[str, LeftOut] = {}
+
+    def _room(self, table: dict[Any, Any], key: Any, kind: str, limit: int = MAX_LEDGER_ENTRIES) -> bool:
+        """Whether `table` takes `key`; a key it has no room for is counted under `kind`."""
+        if key in table or len(table) < limit:
+            return True
+        self.left_out.setdefault(kind, LeftOut()).add(key, 0)
+        return False
 
     def feed(self, event: schema.Event) -> None:
         args = event.args
@@ -43,14 +52,16 @@ class ProbeHealthDetector:
             state = args.get("state")
             component = str(args.get("component") or "ledger")
             if state == "off" and component not in WHOLE_PROBE:
-                if len(self.parts_off) < MAX_PARTS_OFF:
+                if self._room(self.parts_off, (event.pid, component), schema.PROBE_PARTIAL, MAX_PARTS_OFF):
                     self.parts_off.setdefault(
                         (event.pid, component), (str(args.get("reason", "")), args.get("cause") == schema.OFF_FOR_COST)
                     )
             elif state == "off":
                 self.off.setdefault(event.pid, str(args.get("reason", "")))
             elif state == "partial" and component == "adoption":
-                self.unproven[(event.pid, str(args.get("allocator", "")))] = str(args.get("reason", ""))
+                key = (event.pid, str(args.get("allocator", "")))
+                if self._room(self.unproven, key, schema.PROBE_PARTIAL):
+                    self.unproven[key] = str(args.get("reason", ""))
             elif state == "partial":
                 self.partial[event.pid] = str(args.get("reason", ""))
         elif event.name == schema.PROBE_STATS:
@@ -58,10 +69,19 @@ class ProbeHealthDetector:
             if args.get("write_error"):
                 self.write_error[event.pid] = str(args["write_error"])
         elif event.name == schema.CENSUS and as_count(args.get("ledger_disagrees_slots")):
-            self.disagree[(event.pid, str(args.get("allocator")))] = args
+            key = (event.pid, str(args.get("allocator")))
+            if self._room(self.disagree, key, schema.LEDGER_DISAGREES):
+                self.disagree[key] = args
         elif event.name == schema.FIX_APPLIED:
             key = (event.pid, str(args.get("fix")))
-            self.fixes[key] = self.fixes.get(key, 0) + max(1, as_count(args.get("count")))
+            if self._room(self.fixes, key, schema.FIX_APPLIED):
+                self.fixes[key] = self.fixes.get(key, 0) + max(1, as_count(args.get("count")))
+
+    def forget(self, pid: int) -> None:
+        """Drops a process the analysis set aside (one that never lost events nor turned anything
+        off: kvdoctor.analysis.admission keeps those)."""
+        self.dropped.pop(pid, None)
+        self.write_error.pop(pid, None)
 
     def feed_counter_block(self, block: CounterBlock) -> None:
         """`feed` for each line of one process's counter block: the most dropped events is all
@@ -161,6 +181,10 @@ class ProbeHealthDetector:
                     pid,
                 )
             )
+        out += [
+            left_out_finding(kind, INFO if kind == schema.FIX_APPLIED else WARNING, left, "(process, part)")
+            for kind, left in self.left_out.items()
+        ]
         for (pid, fix), count in self.fixes.items():
             out.append(
                 Finding(

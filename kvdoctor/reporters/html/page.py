@@ -8,6 +8,7 @@ from typing import Any
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
+from kvdoctor.reporters.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
 from kvdoctor.reporters.html.svg import memory_plot, slots_plot
 from kvdoctor.reporters.html.text import escape as _e
 from kvdoctor.reporters.html.text import human_bytes, human_duration, human_rate
@@ -17,6 +18,7 @@ from kvdoctor.units import as_float, as_int
 MAX_LIST_ITEMS = 16
 MAX_DICT_ITEMS = 10
 MAX_TEXT = 400
+PLOTS_SHOWN_PER_KIND = 24  # memory plots (those with a growth finding first) and KV slot plots
 
 CSS = """
 *{box-sizing:border-box}
@@ -176,20 +178,23 @@ def render_html(analysis: Analysis) -> str:
 
     out.append("<h2>Processes</h2>")
     if processes:
+        rows, unlisted = first_processes(processes, PROCESS_ROWS_SHOWN)
         out.append('<div class="panel"><table class="procs"><tr><th>pid</th><th>engine</th><th>version</th><th>title</th></tr>')
-        for pid in sorted(processes):
-            info = processes[pid] or {}
+        for pid, info in rows:
+            info = info or {}
             out.append(
                 f"<tr><td>{pid}</td><td>{_e(info.get('engine') or '—')}</td><td>{_e(info.get('engine_version') or '—')}</td>"
-                f'<td class="title">{_e(info.get("process_title") or "")}</td></tr>'
+                f'<td class="title">{_e(_short(info.get("process_title") or ""))}</td></tr>'
             )
-        out.append("</table></div>")
+        out.append("</table>" + (f'<div class="more">… and {unlisted} more process(es)</div>' if unlisted else "") + "</div>")
     else:
         out.append('<div class="panel empty">No process wrote a header into this trace.</div>')
 
     out.append("<h2>Findings</h2>")
     if findings:
-        out.extend(finding_card(f, processes) for f in findings)
+        shown, left = shown_findings(findings)
+        out.extend(finding_card(f, processes) for f in shown)
+        out.extend(f'<div class="panel more">{_e(rest.sentence())}</div>' for rest in left)
     else:
         out.append('<div class="panel empty">No findings.</div>')
 
@@ -198,16 +203,32 @@ def render_html(analysis: Analysis) -> str:
     starts = [e["ts_us"][0] for e in series.values() if e.get("ts_us")]
     t0 = min(starts) if starts else 0.0
     growth = [f for f in findings if f.kind == schema.MEMORY_GROWTH]
-    for label in sorted(series, key=lambda s: (not s.startswith(schema.MEMORY_COUNTER + ":"), s)):
+    growing = {_finding_pid(f) for f in growth}
+    drawn = {schema.MEMORY_COUNTER: 0, schema.LEDGER_COUNTER: 0}
+    undrawn = 0
+
+    def plot_order(label: str) -> tuple[bool, bool, str]:
+        kind, pid, _ = _parse_label(label)
+        return kind != schema.MEMORY_COUNTER, pid not in growing, label
+
+    for label in sorted(series, key=plot_order):
         kind, pid, name = _parse_label(label)
+        if kind not in drawn:
+            continue
+        if drawn[kind] >= PLOTS_SHOWN_PER_KIND:
+            undrawn += 1
+            continue
+        drawn[kind] += 1
         entry = series[label]
-        title = _process_title(pid, processes) + (f" · {name}" if name and kind != schema.MEMORY_COUNTER else "")
+        title = _process_title(pid, processes) + (f" · {_short(name)}" if name and kind != schema.MEMORY_COUNTER else "")
         if kind == schema.MEMORY_COUNTER:
             mine = [f for f in growth if _finding_pid(f) == pid]
             plots.append(memory_plot(label, entry, t0, mine, title))
-        elif kind == schema.LEDGER_COUNTER:
+        else:
             plots.append(slots_plot(label, entry, t0, title))
     plots = [p for p in plots if p]
+    if undrawn:
+        plots.append(f'<div class="panel more">… and {undrawn} more series not drawn ({PLOTS_SHOWN_PER_KIND} of each kind are)</div>')
     out.append("<h2>Over time</h2>")
     if plots:
         out.extend(plots)
