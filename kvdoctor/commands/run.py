@@ -30,7 +30,11 @@ def run(
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):
         raise KvdoctorError(f"--sample-interval must be 0 (off) or a positive number of seconds, not {sample_interval_s}")
     code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine)
-    analysis = analyze_recorded(trace_path)
+    try:
+        analysis = analyze_recorded(trace_path)
+    except KvdoctorError as exc:  # nothing of the trace is usable (a full disk): the command's status stands
+        print(f"kvdoctor: warning: no analysis: {exc.message}", file=sys.stderr)
+        return code
     print(printable(render(analysis, output_format)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
     return code

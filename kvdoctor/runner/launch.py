@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -130,9 +131,10 @@ def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
             pass
 
 
-def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[threading.Event, threading.Thread]:
+def _start_sampler(pid: int, trace_path: str, interval_s: float, failures: list[str]) -> tuple[threading.Event, threading.Thread]:
     """Samples the command's process tree from outside (memory by class) into the same trace, so
-    growth is judged for every process, probed or not."""
+    growth is judged for every process, probed or not. A trace it cannot write to (a full disk)
+    stops it, said in `failures`."""
     stop = threading.Event()
     writer = TraceWriter(trace_path)
     sampler = Sampler(pid, interval_s=interval_s, emit=writer)
@@ -140,6 +142,8 @@ def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[thread
     def loop() -> None:
         try:
             sampler.run(stop=stop)
+        except OSError as exc:
+            failures.append(f"the sampler stopped writing it: {exc.strerror or exc}")
         except Exception:
             pass  # the sampler never takes the run down with it
         finally:
@@ -190,6 +194,7 @@ def run_command(
     # between the start and here) would leave the command's group and the sampler running
     previous = {sig: signal.signal(sig, forward) for sig in forwarded_signals()}
     sampling = None
+    failures: list[str] = []  # what could not be written to the trace
     rendezvous = tempfile.mkdtemp(prefix="kvdoctor-run-")  # 0700: only this user's processes answer there
     try:
         try:
@@ -203,7 +208,7 @@ def run_command(
             raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
         for signum in pending:
             forward(signum, None)
-        sampling = _start_sampler(child.pid, trace_path, sample_interval_s) if sample_interval_s > 0 else None
+        sampling = _start_sampler(child.pid, trace_path, sample_interval_s, failures) if sample_interval_s > 0 else None
         try:
             code = child.wait()
         finally:
@@ -216,5 +221,14 @@ def run_command(
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
         shutil.rmtree(rendezvous, ignore_errors=True)
     code = code if code >= 0 else 128 - code
-    finish_trace(trace_path, os.getpid(), {"command_exit": code})  # a saved trace is judged as the live run was
+    try:
+        finish_trace(trace_path, os.getpid(), {"command_exit": code})  # a saved trace is judged as the live run was
+    except OSError as exc:
+        failures.append(f"its end could not be written: {exc.strerror or exc}")
+    if failures:  # the command's own exit status stands; what the trace lacks is said once
+        print(
+            f"kvdoctor: warning: the trace {trace_path} is incomplete ({'; '.join(dict.fromkeys(failures))}); "
+            "what it holds is analysed (free space there, or pass --trace to another place)",
+            file=sys.stderr,
+        )
     return code, trace_path
