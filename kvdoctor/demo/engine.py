@@ -85,6 +85,10 @@ class Engine:
         # before 0.5.9 the pool hands out rows by count and frees them by index
         self.rows_by_count = list(inspect.signature(ReqToTokenPool.alloc).parameters)[1:2] == ["need_size"]
         token_cls, paged_cls = _allocator_classes()
+        # Whole pages, as SGLang sizes every pool (`max_total_num_tokens // page_size * page_size` in its
+        # pool configurator): the paged allocator never hands out a last partial page, and its own idle
+        # check counts against the rounded size, so a pool of 2048 slots in pages of 3 would read 2 leaked.
+        pool_tokens = pool_tokens // page_size * page_size
         if page_size == 1:
             self.allocator = token_cls(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
         else:
