@@ -17,6 +17,7 @@ from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.analysis.record import ProbeRecord
 from kvdoctor.analysis.replay import replay_blocks
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.trace import schema
@@ -64,6 +65,10 @@ class Analysis:
     command_exit: int | None = None  # the exit status of the command `run`/`gate` ran, if the trace says
     damaged_censuses: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> what is wrong with a census
     not_judged: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> why its censuses give no verdict
+    stopped_early: dict[int, str] = dataclasses.field(default_factory=dict)  # pid -> why its probe's record ends before the run
+    uncounted_ledgers: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> held slots, never counted
+    unheaded_pids: list[int] = dataclasses.field(default_factory=list)  # wrote probe events, no readable probe header
+    damaged_lines: int = 0  # lines of the trace that could not be read (not the cut last one)
 
     @property
     def errors(self) -> list[Finding]:
@@ -79,6 +84,9 @@ class Analysis:
             "censuses": self.censuses,
             "last_censuses": {str(pid): info for pid, info in self.last_censuses.items()},
             "not_judged": self.not_judged,
+            "stopped_early": {str(pid): why for pid, why in self.stopped_early.items()},
+            "uncounted_ledgers": self.uncounted_ledgers,
+            "unheaded_pids": self.unheaded_pids,
             "notes": self.notes,
         }
 
@@ -145,7 +153,8 @@ class Analyzer:
         self.processes: dict[int, dict[str, Any]] = {}
         self.events = 0
         self._series = SeriesCollector()
-        self._sinks: list[_Sink] = [self._series, *self.detectors]
+        self._record = ProbeRecord()
+        self._sinks: list[_Sink] = [self._series, self._record, *self.detectors]
         self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
         self._pids: set[int] = set()
         self.censuses = 0
@@ -257,7 +266,7 @@ class Analyzer:
         findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
         return findings
 
-    def finish(self, notes: Iterable[str] = ()) -> Analysis:
+    def finish(self, notes: Iterable[str] = (), *, damaged_lines: int = 0) -> Analysis:
         notes = list(notes)
         if self.ignored_events:
             notes.append(
@@ -276,6 +285,10 @@ class Analyzer:
             command_exit=self.command_exit,
             damaged_censuses=self.damaged_censuses,
             not_judged=self.not_judged,
+            stopped_early=self._record.stopped_early(),
+            uncounted_ledgers=self._record.uncounted(),
+            unheaded_pids=self._record.unheaded(self.processes),
+            damaged_lines=damaged_lines,
         )
 
 
@@ -305,7 +318,7 @@ def analyze_trace(
             replay_blocks(path, analyzer, stats, lambda: bar.update(task, completed=stats.bytes_read))
     else:
         replay_blocks(path, analyzer, stats)
-    return analyzer.finish(notes=stats.notes())
+    return analyzer.finish(notes=stats.notes(), damaged_lines=stats.corrupt_lines + stats.oversized_lines)
 
 
 def exit_code_for(analysis: Analysis) -> int:

@@ -4,7 +4,10 @@ A gate that passes a crashed benchmark is worse than none, so it fails when the 
 when no probe reported from the engine it was meant to watch, and on any error finding the user
 did not waive by name. "Could not judge" is its own outcome: an analysis with no events, or a
 check with nothing to judge (no census ran, so no slot was ever counted: no orphan verdict exists)
-while nothing else failed.
+while nothing else failed. A record that stops early cannot vouch for the end of the run: a probe
+that turned itself off, dropped events or stopped writing, a ledger that held slots and was never
+counted, probe events from a process whose header is missing or damaged, or unreadable lines in
+the trace make the gate "could not judge", with the reason (kvdoctor.analysis.record).
 """
 
 from __future__ import annotations
@@ -182,8 +185,37 @@ def _census_basis(analysis: Analysis) -> str:
     return "; ".join(parts)
 
 
+def _listed(items: dict[Any, str], most: int = 4) -> str:
+    text = "; ".join(f"{key}: {why}" for key, why in list(items.items())[:most])
+    return text + (f"; and {len(items) - most} more" if len(items) > most else "")
+
+
+def _completeness_check(analysis: Analysis) -> Check:
+    """Whether every probe's record reaches the end of the run, so a clean verdict can stand on it."""
+    gaps: dict[str, str] = {f"pid {pid}": why for pid, why in analysis.stopped_early.items()}
+    for pid in analysis.unheaded_pids[:8]:
+        gaps[f"pid {pid}"] = "it wrote probe events but its probe header is missing or damaged, so no engine can be named for it"
+    if analysis.damaged_lines:
+        gaps["the trace"] = f"{analysis.damaged_lines} line(s) could not be read"
+    if gaps:
+        detail = "a probe's record stops early or cannot be read, so a clean verdict cannot vouch for the whole run: " + _listed(gaps)
+        return Check("probe-complete", False, detail, judged=False)
+    probed = sum(len(pids) for pids in _probed(analysis).values())
+    if not probed:
+        return Check("probe-complete", True, "no probe in this trace")
+    return Check("probe-complete", True, f"every probe's record reaches the end ({probed} process{'es' if probed > 1 else ''})")
+
+
 def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
+    if analysis.uncounted_ledgers:
+        detail = "a ledger that held slots was never counted by a census, so no orphan verdict covers it: " + _listed(
+            analysis.uncounted_ledgers
+        )
+        return Check("max-orphan-slots", False, detail, judged=False)
     if not _probed(analysis):
+        if analysis.unheaded_pids:
+            detail = "probe events without a readable probe header (pid " + ", ".join(map(str, analysis.unheaded_pids[:8])) + ")"
+            return Check("max-orphan-slots", False, detail + ": no verdict stands on them", judged=False)
         return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
     if analysis.damaged_censuses:
         what = "; ".join(f"{ledger}: {reason}" for ledger, reason in list(analysis.damaged_censuses.items())[:4])
@@ -296,8 +328,9 @@ def judge(
     *,
     command_code: int | None = None,
 ) -> GateResult:
-    """The checks, in order: the command's exit code (when one ran), that a probe reported, memory
-    growth, orphaned slots, each `fail_on` kind, every other error finding, the baseline."""
+    """The checks, in order: the command's exit code (when one ran), that a probe reported, that
+    every probe's record reaches the end, memory growth, orphaned slots, each `fail_on` kind,
+    every other error finding, the baseline."""
     result = GateResult(source=analysis.source)
     if command_code is not None:
         result.checks.append(
@@ -312,6 +345,7 @@ def judge(
         result.judged, result.reason = False, reason
         return result
     result.checks.append(_probe_check(analysis, budgets.engine, required=command_code is not None or budgets.engine != ANY_ENGINE))
+    result.checks.append(_completeness_check(analysis))
     result.checks.append(_growth_check(analysis, budgets))
     result.checks.append(_orphan_check(analysis, budgets))
     result.checks.extend(_kind_check(analysis, kind) for kind in sorted(budgets.fail_on - budgets.allow - set(BUDGETED_KINDS)))
