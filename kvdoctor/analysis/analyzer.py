@@ -69,6 +69,7 @@ class Analysis:
     uncounted_ledgers: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> held slots, never counted
     unheaded_pids: list[int] = dataclasses.field(default_factory=list)  # wrote probe events, no readable probe header
     damaged_lines: int = 0  # lines of the trace that could not be read (not the cut last one)
+    outlived: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {pid, title} that outlived `run`'s command
 
     @property
     def errors(self) -> list[Finding]:
@@ -87,12 +88,26 @@ class Analysis:
             "stopped_early": {str(pid): why for pid, why in self.stopped_early.items()},
             "uncounted_ledgers": self.uncounted_ledgers,
             "unheaded_pids": self.unheaded_pids,
+            "outlived": self.outlived,
             "notes": self.notes,
         }
 
 
 def _numbers(args: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in args.items() if isinstance(v, (int, float))}
+
+
+MAX_OUTLIVED = 16
+
+
+def _outlived(value: Any) -> list[dict[str, Any]]:
+    """The processes `run` saw outlive its command, as its end event lists them (bounded, typed)."""
+    out = []
+    for item in value[:MAX_OUTLIVED] if isinstance(value, list) else []:
+        pid = item.get("pid") if isinstance(item, dict) else None
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            out.append({"pid": pid, "title": str(item.get("title") or "")[:120]})
+    return out
 
 
 class SeriesCollector:
@@ -162,6 +177,7 @@ class Analyzer:
         self.not_judged: dict[str, str] = {}
         self.end_ts_us: float | None = None
         self.command_exit: int | None = None
+        self.outlived: list[dict[str, Any]] = []
         self.damaged_censuses: dict[str, str] = {}
         self.ignored_events = 0  # from processes beyond MAX_PROCESSES
 
@@ -203,6 +219,7 @@ class Analyzer:
                 code = event.args.get("command_exit")
                 if isinstance(code, int) and not isinstance(code, bool):
                     self.command_exit = code
+                self.outlived = _outlived(event.args.get("outlived"))
             for feed in feeds:
                 feed(event)
         self.events += count
@@ -289,6 +306,7 @@ class Analyzer:
             uncounted_ledgers=self._record.uncounted(),
             unheaded_pids=self._record.unheaded(self.processes),
             damaged_lines=damaged_lines,
+            outlived=self.outlived,
         )
 
 

@@ -7,7 +7,9 @@ check with nothing to judge (no census ran, so no slot was ever counted: no orph
 while nothing else failed. A record that stops early cannot vouch for the end of the run: a probe
 that turned itself off, dropped events or stopped writing, a ledger that held slots and was never
 counted, probe events from a process whose header is missing or damaged, or unreadable lines in
-the trace make the gate "could not judge", with the reason (kvdoctor.analysis.record).
+the trace make the gate "could not judge", with the reason (kvdoctor.analysis.record). A process
+that outlived the command (it left the command's process group, so `run` did not end it) is a
+warning line, never a failure.
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ class Check:
     passed: bool
     detail: str
     judged: bool = True  # False: nothing to judge it on (it neither passes nor fails)
+    warning: bool = False  # passed, with something the user should see (it never fails the gate)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "judged": self.judged, "detail": self.detail}
+        return {"name": self.name, "passed": self.passed, "judged": self.judged, "warning": self.warning, "detail": self.detail}
 
 
 @dataclasses.dataclass
@@ -94,6 +97,10 @@ class GateResult:
         return [c for c in self.checks if not c.judged]
 
     @property
+    def warned(self) -> list[Check]:
+        return [c for c in self.checks if c.judged and c.passed and c.warning]
+
+    @property
     def exit_code(self) -> int:
         if self.failed:
             return EXIT_FINDINGS
@@ -108,12 +115,13 @@ class GateResult:
             return f"kvdoctor gate: COULD NOT JUDGE ({self.reason})"
         if self.unjudged:
             return f"kvdoctor gate: COULD NOT JUDGE ({'; '.join(c.detail for c in self.unjudged)})"
-        return f"kvdoctor gate: PASS ({len(self.checks)} checks)"
+        warned = f", {len(self.warned)} warning{'s' if len(self.warned) > 1 else ''}" if self.warned else ""
+        return f"kvdoctor gate: PASS ({len(self.checks)} checks{warned})"
 
     def summary_lines(self) -> list[str]:
         lines = [f"kvdoctor gate: {self.source}"] if self.source else []
         for check in self.checks:
-            mark = "PASS" if check.passed else "FAIL" if check.judged else "N/A "
+            mark = ("WARN" if check.warning else "PASS") if check.passed else "FAIL" if check.judged else "N/A "
             lines.append(f"  {mark}  {check.name}: {check.detail}")
         lines.append(self.verdict())
         return lines
@@ -296,6 +304,23 @@ def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
     return Check("max-growth", False, f"over the budget of {budget_text}: " + "; ".join(parts))
 
 
+def outlived_sentence(outlived: list[dict[str, Any]]) -> str:
+    named = ", ".join(f"pid {p['pid']} ({str(p.get('title') or '?')[:60]})" for p in outlived[:8])
+    return (
+        f"{len(outlived)} process(es) started by the command outlived it: {named}; they left its process group "
+        "(setsid or setpgid), so nothing ended them (kill them if they are not meant to run on)"
+    )
+
+
+def _outlived_check(analysis: Analysis) -> Check:
+    """A warning, never a failure: what a leftover does after the run is outside the run's verdict
+    (its memory and slots up to the end were judged like the rest), and a daemon may be meant to
+    run on; but it can hold GPU memory or a port into the next job, so the gate says so."""
+    if not analysis.outlived:
+        return Check("no-leftover-processes", True, "no process the sampler saw outlived the command")
+    return Check("no-leftover-processes", True, outlived_sentence(analysis.outlived), warning=True)
+
+
 def _kind_check(analysis: Analysis, kind: str) -> Check:
     hits = [f for f in analysis.findings if f.kind == kind]
     if not hits:
@@ -330,7 +355,7 @@ def judge(
 ) -> GateResult:
     """The checks, in order: the command's exit code (when one ran), that a probe reported, that
     every probe's record reaches the end, memory growth, orphaned slots, each `fail_on` kind,
-    every other error finding, the baseline."""
+    every other error finding, the baseline, and (when a command ran) what outlived it, a warning."""
     result = GateResult(source=analysis.source)
     if command_code is not None:
         result.checks.append(
@@ -352,6 +377,8 @@ def judge(
     result.checks.append(_other_errors_check(analysis, budgets))
     if baseline is not None:
         result.checks.append(_baseline_check(analysis, baseline, tolerance))
+    if command_code is not None:
+        result.checks.append(_outlived_check(analysis))
     return result
 
 

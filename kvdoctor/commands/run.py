@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 
+from kvdoctor.analysis.gate import outlived_sentence
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
@@ -32,5 +33,7 @@ def run(
     code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine)
     analysis = analyze_recorded(trace_path)
     print(printable(render(analysis, output_format)), file=sys.stderr)
+    if analysis.outlived:
+        print(printable("kvdoctor: " + outlived_sentence(analysis.outlived)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
     return code

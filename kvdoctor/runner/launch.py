@@ -127,7 +127,7 @@ def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
             pass
 
 
-def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[threading.Event, threading.Thread]:
+def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[threading.Event, threading.Thread, Sampler]:
     """Samples the command's process tree from outside (memory by class) into the same trace, so
     growth is judged for every process, probed or not."""
     stop = threading.Event()
@@ -144,7 +144,19 @@ def _start_sampler(pid: int, trace_path: str, interval_s: float) -> tuple[thread
 
     thread = threading.Thread(target=loop, name="kvdoctor-sampler", daemon=True)
     thread.start()
-    return stop, thread
+    return stop, thread, sampler
+
+
+MAX_OUTLIVED = 16  # leftover processes named in the trace and on stderr
+
+
+def outlived(sampler: Sampler | None) -> list[dict[str, Any]]:
+    """The processes of the command's tree that run on after it and the end of its group: they
+    left the group (`setsid`, `setpgid`), so `run` did not end them. Said, not killed: a daemon
+    may be meant to run on, and only its owner knows."""
+    if sampler is None:
+        return []
+    return [{"pid": info.pid, "title": redact(info.title)[:120]} for info in sampler.still_running()[:MAX_OUTLIVED]]
 
 
 def run_command(
@@ -212,5 +224,7 @@ def run_command(
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
         shutil.rmtree(rendezvous, ignore_errors=True)
     code = code if code >= 0 else 128 - code
-    finish_trace(trace_path, os.getpid(), {"command_exit": code})  # a saved trace is judged as the live run was
+    leftovers = outlived(sampling[2] if sampling is not None else None)
+    # a saved trace is judged as the live run was: the exit status, and what outlived the command
+    finish_trace(trace_path, os.getpid(), {"command_exit": code, **({"outlived": leftovers} if leftovers else {})})
     return code, trace_path
