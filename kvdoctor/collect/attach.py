@@ -65,11 +65,29 @@ def _read(path: str) -> str:
         return fh.read().decode("utf-8", "replace")
 
 
+PF_KTHREAD = 0x00200000  # the kernel's flag for its own threads, in /proc/PID/stat
+
+
+def _kernel_thread_name(pid: int) -> str | None:
+    """The name of kernel thread `pid` (kthreadd, kworker/0:1), or None when it is not one."""
+    try:
+        stat = _read(f"/proc/{pid}/stat")
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 1 :].split()
+        return name if int(rest[6]) & PF_KTHREAD else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def target_python_version(pid: int) -> tuple[int, int]:
     """The target's Python as (major, minor), from its executable and mapped files; fails if not Python."""
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except FileNotFoundError:
+        kernel_thread = _kernel_thread_name(pid)
+        if kernel_thread is not None:
+            raise KvdoctorError(
+                f"pid {pid} is a kernel thread ({kernel_thread}), not a Python process", "give the pid of the Python server process"
+            ) from None
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
     except PermissionError:
         raise KvdoctorError(f"not allowed to inspect pid {pid}", "run kvdoctor as the same user as the server, or as root") from None

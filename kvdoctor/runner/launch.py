@@ -159,6 +159,37 @@ def outlived(sampler: Sampler | None) -> list[dict[str, Any]]:
     return [{"pid": info.pid, "title": redact(info.title)[:120]} for info in sampler.still_running()[:MAX_OUTLIVED]]
 
 
+def interpreter_of(path: str) -> str | None:
+    """What would run the file: its `#!` line's program, else a guess from its name (.py, .sh),
+    else None (a file that does not look like a program)."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(256)
+    except OSError:
+        first = b""
+    if first.startswith(b"#!") and first[2:].split():
+        words = first[2:].decode("utf-8", "replace").split()
+        return words[1] if os.path.basename(words[0]) == "env" and len(words) > 1 else os.path.basename(words[0])
+    return "python" if path.endswith(".py") else "sh" if path.endswith(".sh") else None
+
+
+def _not_runnable(name: str) -> KvdoctorError:
+    """Why `name` cannot be started, with what to do: not found, not executable, a directory, or
+    a file here that is not on PATH."""
+    path = name if os.sep in name else os.path.join(".", name)
+    here = os.sep not in name and os.path.isfile(path)
+    if os.sep in name or here:
+        if os.path.isdir(path):
+            return KvdoctorError(f"{name} is a directory, not a command", "give the program or script to run")
+        if os.path.isfile(path) and not os.access(path, os.X_OK):
+            interpreter = interpreter_of(path)
+            through = f", or run it through its interpreter: `{interpreter} {path}`" if interpreter else ""
+            return KvdoctorError(f"{name} is not executable", f"make it executable with `chmod +x {path}`{through}")
+        if here:
+            return KvdoctorError(f"command not found: {name} (a file of that name is here, but not on PATH)", f"give its path: ./{name}")
+    return KvdoctorError(f"command not found: {name}", "check the spelling or give a full path")
+
+
 def run_command(
     command: list[str],
     trace_path: str | None,
@@ -173,7 +204,7 @@ def run_command(
     if not command:
         raise KvdoctorError("no command given", "usage: kvdoctor run [--trace PATH] -- CMD ...")
     if shutil.which(command[0]) is None:
-        raise KvdoctorError(f"command not found: {command[0]}", "check the spelling or give a full path")
+        raise _not_runnable(command[0])
     trace_path = os.path.abspath(trace_path or default_trace_path("run"))
     try:
         start_trace(trace_path, command, {"fixes": fixes}, force=force)

@@ -105,7 +105,7 @@ def test_a_trace_saved_under_another_name_is_judged_not_run(tmp_path):
     other = tmp_path / "notes.txt"
     other.write_text("not a trace\n")
     proc = kv("gate", str(other), cwd=tmp_path)
-    assert proc.returncode == 2 and "command not found" in proc.stderr
+    assert proc.returncode == 2 and f"{other} is neither a kvdoctor trace nor an executable command" in proc.stderr
 
 
 # --------------------------------------------------------------------------- a record that stops early (#27 item 6)
