@@ -220,6 +220,7 @@ class Analyzer:
                 if isinstance(code, int) and not isinstance(code, bool):
                     self.command_exit = code
                 self.outlived = _outlived(event.args.get("outlived"))
+                self._record.stopped_writing(event.args.get("writers_stopped"))
             for feed in feeds:
                 feed(event)
         self.events += count
@@ -285,6 +286,8 @@ class Analyzer:
 
     def finish(self, notes: Iterable[str] = (), *, damaged_lines: int = 0) -> Analysis:
         notes = list(notes)
+        for pid, error in sorted(self._record.said_by_run.items()):
+            notes.append(f"pid {pid} stopped writing its trace ({error}): what it did after that is not in the trace")
         if self.ignored_events:
             notes.append(
                 f"the trace names more than {MAX_PROCESSES} processes: {self.ignored_events} event(s) of the others were not analysed"

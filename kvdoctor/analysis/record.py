@@ -35,6 +35,7 @@ class ProbeRecord:
         self.held: dict[tuple[int, str], int] = {}  # (pid, allocator): most slots the ledger saw held (owned or in the tree)
         self.counted: set[tuple[int, str]] = set()  # (pid, allocator): had a census, readable or not
         self.last_census_ts: dict[int, float] = {}
+        self.said_by_run: dict[int, str] = {}  # pid: a writer stop `run` learnt of (the trace could not say it)
 
     def feed(self, event: schema.Event) -> None:
         args, pid = event.args, event.pid
@@ -52,6 +53,14 @@ class ProbeRecord:
             self.dropped[pid] = max(self.dropped.get(pid, 0), as_count(args.get("dropped_events")))
             if args.get("write_error") and pid not in self.write_error:
                 self.write_error[pid] = str(args["write_error"])[:200]
+
+    def stopped_writing(self, value: Any) -> None:
+        """The writers `run` learnt had stopped ({"pid": reason}, from the trace's end event)."""
+        for pid_text, reason in list(value.items())[:MAX_LEDGERS] if isinstance(value, dict) else []:
+            if str(pid_text).isdigit():
+                pid = int(pid_text)
+                self.said_by_run[pid] = str(reason)[:200] or "a write failed"
+                self.write_error.setdefault(pid, self.said_by_run[pid])
 
     def _held(self, pid: int, allocator: str, owned: int) -> None:
         key = (pid, allocator)

@@ -32,7 +32,7 @@ import kvdoctor
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output
-from kvdoctor.probe.shutdown import ENV_RENDEZVOUS
+from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, writers_stopped
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace, redact, redact_args
@@ -253,9 +253,16 @@ def run_command(
         if sampling is not None:
             sampling[0].set()
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
+        stopped = writers_stopped(rendezvous)
         shutil.rmtree(rendezvous, ignore_errors=True)
     code = code if code >= 0 else 128 - code
     leftovers = outlived(sampling[2] if sampling is not None else None)
-    # a saved trace is judged as the live run was: the exit status, and what outlived the command
-    finish_trace(trace_path, os.getpid(), {"command_exit": code, **({"outlived": leftovers} if leftovers else {})})
+    # a saved trace is judged as the live run was: the exit status, what outlived the command,
+    # and the probes whose writer stopped (a trace that stops early there)
+    end: dict[str, Any] = {"command_exit": code}
+    if leftovers:
+        end["outlived"] = leftovers
+    if stopped:
+        end["writers_stopped"] = {str(pid): reason for pid, reason in stopped.items()}
+    finish_trace(trace_path, os.getpid(), end)
     return code, trace_path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -238,3 +239,36 @@ def test_an_unreadable_line_in_the_trace_is_no_pass(tmp_path):
         fh.writelines(lines)
     proc = kv("gate", path, cwd=tmp_path)
     assert proc.returncode == 2 and "the trace: 1 line(s) could not be read" in proc.stdout, proc.stdout
+
+
+STOPS_WRITING = textwrap.dedent(
+    """
+    import json, os, resource, time
+    from kvdoctor.demo.workload import WorkloadConfig, run_workload
+    trace = os.environ["KVDOCTOR_TRACE"]
+    run_workload(WorkloadConfig(fault="none", turns=2))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the clean idle census is in the trace
+        with open(trace) as fh:
+            if any('"name":"census"' in line and f'"pid":{os.getpid()},' in line for line in fh):
+                break
+        time.sleep(0.1)
+    # from here on the file may not grow in this process: its trace writer fails, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(trace), resource.RLIM_INFINITY))
+    run_workload(WorkloadConfig(fault="leak", turns=2))
+    """
+)
+
+
+def test_a_writer_that_really_stops_is_no_pass(tmp_path):
+    """A real writer failure (the file size limit of the command's own process, as a full disk
+    does it) after a clean census: the trace cannot say it, so the probe leaves word in the run's
+    directory and `run` puts it in the end event. The gate used to pass on the early census."""
+    trace = str(tmp_path / "stopped.kvtrace.json")
+    live = kv("gate", "--trace", trace, "--", sys.executable, "-c", STOPS_WRITING, cwd=tmp_path)
+    assert live.returncode == 2, live.stdout + live.stderr[-2000:]
+    assert "it stopped writing its trace (OSError: [Errno 27] File too large)" in live.stdout, live.stdout
+    later = kv("gate", trace, cwd=tmp_path)
+    assert later.returncode == 2 and "it stopped writing its trace" in later.stdout, later.stdout
+    replayed = kv("replay", trace, cwd=tmp_path)
+    assert "stopped writing its trace (OSError: [Errno 27] File too large): what it did after that is not in the trace" in replayed.stdout
