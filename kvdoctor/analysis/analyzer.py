@@ -18,6 +18,7 @@ from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.analysis.record import ProbeRecord
 from kvdoctor.analysis.replay import replay_blocks
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.trace import schema
@@ -66,6 +67,11 @@ class Analysis:
     damaged_censuses: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> what is wrong with a census
     not_judged: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> why its censuses give no verdict
     unanalysed_verdict_events: int = 0  # censuses and broken rules of processes beyond MAX_PROCESSES: findings there are unknown
+    stopped_early: dict[int, str] = dataclasses.field(default_factory=dict)  # pid -> why its probe's record ends before the run
+    uncounted_ledgers: dict[str, str] = dataclasses.field(default_factory=dict)  # "pid N ledger" -> held slots, never counted
+    unheaded_pids: list[int] = dataclasses.field(default_factory=list)  # wrote probe events, no readable probe header
+    damaged_lines: int = 0  # lines of the trace that could not be read (not the cut last one)
+    outlived: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {pid, title} that outlived `run`'s command
 
     @property
     def errors(self) -> list[Finding]:
@@ -82,12 +88,29 @@ class Analysis:
             "last_censuses": {str(pid): info for pid, info in self.last_censuses.items()},
             "not_judged": self.not_judged,
             "unanalysed_verdict_events": self.unanalysed_verdict_events,
+            "stopped_early": {str(pid): why for pid, why in self.stopped_early.items()},
+            "uncounted_ledgers": self.uncounted_ledgers,
+            "unheaded_pids": self.unheaded_pids,
+            "outlived": self.outlived,
             "notes": self.notes,
         }
 
 
 def _numbers(args: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in args.items() if isinstance(v, (int, float))}
+
+
+MAX_OUTLIVED = 16
+
+
+def _outlived(value: Any) -> list[dict[str, Any]]:
+    """The processes `run` saw outlive its command, as its end event lists them (bounded, typed)."""
+    out = []
+    for item in value[:MAX_OUTLIVED] if isinstance(value, list) else []:
+        pid = item.get("pid") if isinstance(item, dict) else None
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            out.append({"pid": pid, "title": str(item.get("title") or "")[:120]})
+    return out
 
 
 class SeriesCollector:
@@ -183,7 +206,8 @@ class Analyzer:
         self.processes: dict[int, dict[str, Any]] = {}
         self.events = 0
         self._series = SeriesCollector()
-        self._sinks: list[_Sink] = [self._series, *self.detectors]
+        self._record = ProbeRecord()
+        self._sinks: list[_Sink] = [self._series, self._record, *self.detectors]
         self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
         self._admission = Admission(self._forget)
         self.censuses = 0
@@ -191,6 +215,7 @@ class Analyzer:
         self.not_judged: dict[str, str] = {}
         self.end_ts_us: float | None = None
         self.command_exit: int | None = None
+        self.outlived: list[dict[str, Any]] = []
         self.damaged_censuses: dict[str, str] = {}
         self._unnamed_ledgers = [0, 0]  # censuses of ledgers not named: [not judged, damaged]
 
@@ -232,6 +257,8 @@ class Analyzer:
                 code = event.args.get("command_exit")
                 if isinstance(code, int) and not isinstance(code, bool):
                     self.command_exit = code
+                self.outlived = _outlived(event.args.get("outlived"))
+                self._record.stopped_writing(event.args.get("writers_stopped"))
             for feed in feeds:
                 feed(event)
         self.events += count
@@ -308,11 +335,13 @@ class Analyzer:
         findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
         return findings
 
-    def finish(self, notes: Iterable[str] = ()) -> Analysis:
+    def finish(self, notes: Iterable[str] = (), *, damaged_lines: int = 0) -> Analysis:
         notes = [*notes, *self._admission.notes(), *self._series.notes()]
         for count, what in zip(self._unnamed_ledgers, ("not judged", "damaged"), strict=True):
             if count:
                 notes.append(f"{count} more census(es) of ledgers {what} are not named one by one (the first {LEDGERS_NAMED} are)")
+        for pid, error in sorted(self._record.said_by_run.items()):
+            notes.append(f"pid {pid} stopped writing its trace ({error}): what it did after that is not in the trace")
         return Analysis(
             findings=self.findings(),
             processes=self.processes,
@@ -327,6 +356,11 @@ class Analyzer:
             damaged_censuses=self.damaged_censuses,
             not_judged=self.not_judged,
             unanalysed_verdict_events=self._admission.not_analysed[COUNTED],
+            stopped_early=self._record.stopped_early(),
+            uncounted_ledgers=self._record.uncounted(),
+            unheaded_pids=self._record.unheaded(self.processes),
+            damaged_lines=damaged_lines,
+            outlived=self.outlived,
         )
 
 
@@ -356,7 +390,7 @@ def analyze_trace(
             replay_blocks(path, analyzer, stats, lambda: bar.update(task, completed=stats.bytes_read))
     else:
         replay_blocks(path, analyzer, stats)
-    return analyzer.finish(notes=stats.notes())
+    return analyzer.finish(notes=stats.notes(), damaged_lines=stats.corrupt_lines + stats.oversized_lines)
 
 
 def exit_code_for(analysis: Analysis) -> int:

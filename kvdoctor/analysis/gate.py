@@ -4,7 +4,12 @@ A gate that passes a crashed benchmark is worse than none, so it fails when the 
 when no probe reported from the engine it was meant to watch, and on any error finding the user
 did not waive by name. "Could not judge" is its own outcome: an analysis with no events, or a
 check with nothing to judge (no census ran, so no slot was ever counted: no orphan verdict exists)
-while nothing else failed.
+while nothing else failed. A record that stops early cannot vouch for the end of the run: a probe
+that turned itself off, dropped events or stopped writing, a ledger that held slots and was never
+counted, probe events from a process whose header is missing or damaged, or unreadable lines in
+the trace make the gate "could not judge", with the reason (kvdoctor.analysis.record). A process
+that outlived the command (it left the command's process group, so `run` did not end it) is a
+warning line, never a failure.
 """
 
 from __future__ import annotations
@@ -72,9 +77,10 @@ class Check:
     passed: bool
     detail: str
     judged: bool = True  # False: nothing to judge it on (it neither passes nor fails)
+    warning: bool = False  # passed, with something the user should see (it never fails the gate)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "judged": self.judged, "detail": self.detail}
+        return {"name": self.name, "passed": self.passed, "judged": self.judged, "warning": self.warning, "detail": self.detail}
 
 
 @dataclasses.dataclass
@@ -93,6 +99,10 @@ class GateResult:
         return [c for c in self.checks if not c.judged]
 
     @property
+    def warned(self) -> list[Check]:
+        return [c for c in self.checks if c.judged and c.passed and c.warning]
+
+    @property
     def exit_code(self) -> int:
         if self.failed:
             return EXIT_FINDINGS
@@ -107,14 +117,15 @@ class GateResult:
             return f"kvdoctor gate: COULD NOT JUDGE ({self.reason})"
         if self.unjudged:
             return f"kvdoctor gate: COULD NOT JUDGE ({'; '.join(c.detail for c in self.unjudged)})"
-        return f"kvdoctor gate: PASS ({len(self.checks)} checks)"
+        warned = f", {len(self.warned)} warning{'s' if len(self.warned) > 1 else ''}" if self.warned else ""
+        return f"kvdoctor gate: PASS ({len(self.checks)} checks{warned})"
 
     def summary_lines(self) -> list[str]:
         """One line per check: a detail quotes the trace (request ids, titles), which never starts
         a line of its own (a forged `PASS` line, or a `::error` command in a CI log)."""
         lines = [f"kvdoctor gate: {one_line(self.source)}"] if self.source else []
         for check in self.checks:
-            mark = "PASS" if check.passed else "FAIL" if check.judged else "N/A "
+            mark = ("WARN" if check.warning else "PASS") if check.passed else "FAIL" if check.judged else "N/A "
             lines.append(f"  {mark}  {check.name}: {one_line(check.detail)}")
         lines.append(one_line(self.verdict()))
         return lines
@@ -186,8 +197,37 @@ def _census_basis(analysis: Analysis) -> str:
     return "; ".join(parts)
 
 
+def _listed(items: dict[Any, str], most: int = 4) -> str:
+    text = "; ".join(f"{key}: {why}" for key, why in list(items.items())[:most])
+    return text + (f"; and {len(items) - most} more" if len(items) > most else "")
+
+
+def _completeness_check(analysis: Analysis) -> Check:
+    """Whether every probe's record reaches the end of the run, so a clean verdict can stand on it."""
+    gaps: dict[str, str] = {f"pid {pid}": why for pid, why in analysis.stopped_early.items()}
+    for pid in analysis.unheaded_pids[:8]:
+        gaps[f"pid {pid}"] = "it wrote probe events but its probe header is missing or damaged, so no engine can be named for it"
+    if analysis.damaged_lines:
+        gaps["the trace"] = f"{analysis.damaged_lines} line(s) could not be read"
+    if gaps:
+        detail = "a probe's record stops early or cannot be read, so a clean verdict cannot vouch for the whole run: " + _listed(gaps)
+        return Check("probe-complete", False, detail, judged=False)
+    probed = sum(len(pids) for pids in _probed(analysis).values())
+    if not probed:
+        return Check("probe-complete", True, "no probe in this trace")
+    return Check("probe-complete", True, f"every probe's record reaches the end ({probed} process{'es' if probed > 1 else ''})")
+
+
 def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
+    if analysis.uncounted_ledgers:
+        detail = "a ledger that held slots was never counted by a census, so no orphan verdict covers it: " + _listed(
+            analysis.uncounted_ledgers
+        )
+        return Check("max-orphan-slots", False, detail, judged=False)
     if not _probed(analysis):
+        if analysis.unheaded_pids:
+            detail = "probe events without a readable probe header (pid " + ", ".join(map(str, analysis.unheaded_pids[:8])) + ")"
+            return Check("max-orphan-slots", False, detail + ": no verdict stands on them", judged=False)
         return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
     if analysis.damaged_censuses:
         what = "; ".join(f"{ledger}: {reason}" for ledger, reason in list(analysis.damaged_censuses.items())[:4])
@@ -280,6 +320,23 @@ def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
     return Check("max-growth", False, f"over the budget of {budget_text}: " + "; ".join(parts))
 
 
+def outlived_sentence(outlived: list[dict[str, Any]]) -> str:
+    named = ", ".join(f"pid {p['pid']} ({str(p.get('title') or '?')[:60]})" for p in outlived[:8])
+    return (
+        f"{len(outlived)} process(es) started by the command outlived it: {named}; they left its process group "
+        "(setsid or setpgid), so nothing ended them (kill them if they are not meant to run on)"
+    )
+
+
+def _outlived_check(analysis: Analysis) -> Check:
+    """A warning, never a failure: what a leftover does after the run is outside the run's verdict
+    (its memory and slots up to the end were judged like the rest), and a daemon may be meant to
+    run on; but it can hold GPU memory or a port into the next job, so the gate says so."""
+    if not analysis.outlived:
+        return Check("no-leftover-processes", True, "no process the sampler saw outlived the command")
+    return Check("no-leftover-processes", True, outlived_sentence(analysis.outlived), warning=True)
+
+
 def _kind_check(analysis: Analysis, kind: str) -> Check:
     hits = [f for f in analysis.findings if f.kind == kind]
     if not hits:
@@ -312,8 +369,9 @@ def judge(
     *,
     command_code: int | None = None,
 ) -> GateResult:
-    """The checks, in order: the command's exit code (when one ran), that a probe reported, memory
-    growth, orphaned slots, each `fail_on` kind, every other error finding, the baseline."""
+    """The checks, in order: the command's exit code (when one ran), that a probe reported, that
+    every probe's record reaches the end, memory growth, orphaned slots, each `fail_on` kind,
+    every other error finding, the baseline, and (when a command ran) what outlived it, a warning."""
     result = GateResult(source=analysis.source)
     if command_code is not None:
         result.checks.append(
@@ -328,6 +386,7 @@ def judge(
         result.judged, result.reason = False, reason
         return result
     result.checks.append(_probe_check(analysis, budgets.engine, required=command_code is not None or budgets.engine != ANY_ENGINE))
+    result.checks.append(_completeness_check(analysis))
     result.checks.append(_growth_check(analysis, budgets))
     result.checks.append(_orphan_check(analysis, budgets))
     if analysis.unanalysed_verdict_events:
@@ -336,6 +395,8 @@ def judge(
     result.checks.append(_other_errors_check(analysis, budgets))
     if baseline is not None:
         result.checks.append(_baseline_check(analysis, baseline, tolerance))
+    if command_code is not None:
+        result.checks.append(_outlived_check(analysis))
     return result
 
 

@@ -11,6 +11,12 @@ kvdoctor's package root at the END of `sys.path` (it never shadows the host's mo
 `KVDOCTOR_TRACE` and calls `kvdoctor.probe.runtime.activate`, and reports back through a small
 status file. SIGCONT is sent afterwards in case a debugger left the process stopped.
 
+An attach is all-or-nothing on every signal: gdb and the attach's private directory belong to a
+guard in a session of its own (kvdoctor/collect/attach_inject.py, attach_guard.py), so a signal
+to kvdoctor never ends gdb with its breakpoints still in the target, a cancel made before the
+code went in leaves the target untouched however late gdb gets there, and no file is left behind,
+even when kvdoctor is killed with SIGKILL.
+
 Nothing is called at the point where gdb first stops the process: a call made while a thread
 sits in a system call can corrupt the call's restart on some kernels. If gdb cannot run code in
 the target (a gdb that cannot restore this CPU's extended register state, for example), the
@@ -26,21 +32,30 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvdoctor import PACKAGE_ROOT
-from kvdoctor.collect.attach_code import INJECTED, gdb_script_for
+from kvdoctor.collect.attach_code import INJECTED
+from kvdoctor.collect.attach_guard import PROBE_TOKEN, STATUS
+from kvdoctor.collect.attach_inject import (
+    RUN_INSTEAD,
+    AttachCancelled,
+    CancelSignals,
+    Injection,
+    _Cancel,
+    gdb_command,
+    gdb_inject,
+    remote_exec,
+)
 from kvdoctor.collect.attach_trace import create_probe_trace, drop_unwritten_trace
 from kvdoctor.errors import KvdoctorError
 
 GDB_TIMEOUT_S = 20.0  # how long gdb may wait for the target to reach a safe point
 STATUS_TIMEOUT_S = 20.0  # how long the probe may take to import and start inside the target
 CAP_SYS_PTRACE = 19
-RUN_INSTEAD = "start the server under `kvdoctor run --` instead"
 
 
 # --------------------------------------------------------------------------- what the target is
@@ -51,11 +66,29 @@ def _read(path: str) -> str:
         return fh.read().decode("utf-8", "replace")
 
 
+PF_KTHREAD = 0x00200000  # the kernel's flag for its own threads, in /proc/PID/stat
+
+
+def _kernel_thread_name(pid: int) -> str | None:
+    """The name of kernel thread `pid` (kthreadd, kworker/0:1), or None when it is not one."""
+    try:
+        stat = _read(f"/proc/{pid}/stat")
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 1 :].split()
+        return name if int(rest[6]) & PF_KTHREAD else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def target_python_version(pid: int) -> tuple[int, int]:
     """The target's Python as (major, minor), from its executable and mapped files; fails if not Python."""
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except FileNotFoundError:
+        kernel_thread = _kernel_thread_name(pid)
+        if kernel_thread is not None:
+            raise KvdoctorError(
+                f"pid {pid} is a kernel thread ({kernel_thread}), not a Python process", "give the pid of the Python server process"
+            ) from None
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
     except PermissionError:
         raise KvdoctorError(f"not allowed to inspect pid {pid}", "run kvdoctor as the same user as the server, or as root") from None
@@ -143,77 +176,12 @@ def _remote_debug_disabled(pid: int) -> bool:
 # --------------------------------------------------------------------------- injection
 
 
-def _gdb_inject(pid: int, script_path: str, timeout_s: float) -> None:
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        raise KvdoctorError(
-            f"cannot attach to pid {pid}: gdb is not installed (Python {sys.version_info[0]}.{sys.version_info[1]} has no sys.remote_exec)",
-            "install gdb (`apt-get install gdb`), or " + RUN_INSTEAD,
-        )
-    with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as fh:
-        fh.write(gdb_script_for(script_path))
-        gdb_script = fh.name
-    command = [gdb, "-batch", "-nx", "-nw", "-p", str(pid), "-iex", "set auto-solib-add off", "-iex", "set auto-load off", "-x", gdb_script]
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        # SIGINT stops the `continue`; gdb then removes its breakpoints and detaches. SIGKILL
-        # would leave the breakpoints' int3 bytes in the target, so it is only the last resort.
-        timed_out = True
-        proc.send_signal(signal.SIGINT)
-        try:
-            output, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except OSError:
-            pass
-        os.unlink(gdb_script)
-    output = output or ""
-    if "KVDOCTOR: RAN" in output:
-        return
-    if "ptrace: Operation not permitted" in output or "ptrace: " in output and "ptrace: No such process" not in output:
-        reason = (
-            ptrace_blocked_reason(pid)
-            or "the kernel refused ptrace (a container without CAP_SYS_PTRACE, a seccomp profile, or another debugger already attached)"
-        )
-        raise KvdoctorError(f"cannot attach to pid {pid}: {reason}", RUN_INSTEAD)
-    if "No such process" in output:
-        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
-    if "Couldn't write extended state" in output or "Couldn't get extended state" in output:
-        raise KvdoctorError(
-            f"cannot attach to pid {pid}: this gdb cannot call functions in a process on this CPU and kernel "
-            "(it fails to restore the extended register state; the process was left untouched)",
-            "try a newer gdb, or " + RUN_INSTEAD,
-        )
-    if 'No symbol "PyGILState_Ensure"' in output or 'No symbol "PyRun_SimpleString"' in output or "No symbol table" in output:
-        raise KvdoctorError(f"cannot attach to pid {pid}: gdb finds no Python C API in it (a stripped or static interpreter)", RUN_INSTEAD)
-    if "KVDOCTOR: FAILED" in output:
-        raise KvdoctorError(f"cannot attach to pid {pid}: the injected code raised inside it", RUN_INSTEAD)
-    if timed_out or "KVDOCTOR: at a safe point" not in output:
-        raise KvdoctorError(
-            f"cannot attach to pid {pid}: it ran no Python code for {timeout_s:.0f} s (an idle interpreter never reaches a safe point)",
-            "retry while the server handles requests, or " + RUN_INSTEAD,
-        )
-    last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
-    raise KvdoctorError(f"cannot attach to pid {pid}: gdb failed ({last[0].strip()[:160]})", RUN_INSTEAD)
+def _gdb_inject(pid: int, injection: Injection, script_path: str, timeout_s: float) -> None:
+    gdb_inject(pid, injection, script_path, timeout_s, ptrace_blocked_reason)
 
 
 def _remote_exec(pid: int, script_path: str) -> None:
-    try:
-        sys.remote_exec(pid, script_path)  # type: ignore[attr-defined]  # Python 3.14+
-    except ProcessLookupError:
-        raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
-    except PermissionError:
-        reason = ptrace_blocked_reason(pid) or "the kernel refused to let this process read and write its memory"
-        raise KvdoctorError(f"cannot attach to pid {pid}: {reason}", RUN_INSTEAD) from None
-    except (RuntimeError, OSError) as exc:
-        raise KvdoctorError(f"cannot attach to pid {pid}: sys.remote_exec failed ({exc})", RUN_INSTEAD) from None
+    remote_exec(pid, script_path, ptrace_blocked_reason)
 
 
 def _stopped(pid: int) -> bool:
@@ -273,43 +241,18 @@ def attach(
     except OSError:
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
     trace_path = create_probe_trace(trace_path, force=force, owner_uid=target_uid if os.geteuid() == 0 else os.geteuid())
-    workdir = tempfile.mkdtemp(prefix="kvdoctor-attach-")  # 0700: no other user can swap the script
-    status_path = os.path.join(workdir, "status.json")
-    script_path = os.path.join(workdir, "inject.py")
-    params = {
-        "package_root": PACKAGE_ROOT,
-        "trace_path": trace_path,
-        "fixes": list(fixes),
-        "status_path": status_path,
-        "attribution": ("auto" if attribution is True else attribution or ""),
-    }
-    try:
-        with open(script_path, "w") as fh:
-            fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(INJECTED))
-        os.chmod(script_path, 0o644)
-        if target_uid != os.geteuid() and os.geteuid() == 0:
-            os.chown(workdir, target_uid, -1)  # root attaching to a server user's process: only it and root may write here
-        if version >= (3, 14):
-            _remote_exec(pid, script_path)
-        else:
-            _gdb_inject(pid, script_path, gdb_timeout_s)
-        deadline = time.monotonic() + status_timeout_s
-        while not os.path.exists(status_path):
-            if time.monotonic() > deadline:
-                raise KvdoctorError(
-                    f"the probe did not report back from pid {pid} within {status_timeout_s:.0f} s",
-                    "look for kvdoctor events in the trace later, or " + RUN_INSTEAD,
-                )
-            if not os.path.exists(f"/proc/{pid}"):
-                raise KvdoctorError(f"pid {pid} exited while the probe was starting", "check the server's log")
-            time.sleep(0.05)
-        with open(status_path) as fh:
-            status: dict[str, Any] = json.load(fh)
-    except BaseException:
-        drop_unwritten_trace(trace_path)
-        raise
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    gdb = gdb_command(pid) if version < (3, 14) else None
+    with CancelSignals() as cancel:
+        injection = Injection(pid, gdb, cancel)
+        try:
+            with injection:
+                status = _inject(pid, injection, trace_path, fixes, attribution, gdb_timeout_s, status_timeout_s)
+        except _Cancel:
+            drop_unwritten_trace(trace_path)  # kept if the probe went in and wrote to it
+            raise AttachCancelled(cancel.signum or signal.SIGTERM, pid, injection.outcome, trace_path) from None
+        except BaseException:
+            drop_unwritten_trace(trace_path)
+            raise
     if not status.get("ok") or status.get("trace_path") != trace_path:
         drop_unwritten_trace(trace_path)  # the probe writes nothing there (it is off, or already writes elsewhere)
     if not status.get("ok"):
@@ -317,6 +260,59 @@ def attach(
             f"the probe could not start inside pid {pid}: {status.get('error', 'unknown error')}",
             "the server's Python needs kvdoctor's dependencies (numpy), or " + RUN_INSTEAD,
         )
+    return status
+
+
+def _inject(
+    pid: int,
+    injection: Injection,
+    trace_path: str,
+    fixes: Sequence[str],
+    attribution: bool | str,
+    gdb_timeout_s: float,
+    status_timeout_s: float,
+) -> dict[str, Any]:
+    """Puts the code in through `injection` and waits for the probe's status; raises `_Cancel` at
+    any step once a cancelling signal came."""
+    status_path = injection.path(STATUS)
+    script_path = injection.path("inject.py")
+    params = {
+        "package_root": PACKAGE_ROOT,
+        "trace_path": trace_path,
+        "fixes": list(fixes),
+        "status_path": status_path,
+        "attribution": ("auto" if attribution is True else attribution or ""),
+        "token": injection.path(PROBE_TOKEN),
+    }
+    with open(script_path, "w") as fh:
+        fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(INJECTED))
+    os.chmod(script_path, 0o644)
+    with open(injection.path(PROBE_TOKEN), "w"):
+        pass
+    target_uid = os.stat(f"/proc/{pid}").st_uid
+    if target_uid != os.geteuid() and os.geteuid() == 0:
+        for name in (injection.workdir, injection.path(PROBE_TOKEN)):  # root attaching to a server user's process
+            os.chown(name, target_uid, -1)
+    injection.check_cancel()
+    if sys.version_info >= (3, 14):
+        _remote_exec(pid, script_path)
+    else:
+        _gdb_inject(pid, injection, script_path, gdb_timeout_s)
+        if injection.status:  # gdb went in just as it was stopped: the guard passed the status on
+            return dict(json.loads(injection.status))
+    deadline = time.monotonic() + status_timeout_s
+    while not os.path.exists(status_path):
+        injection.check_cancel()
+        if time.monotonic() > deadline:
+            raise KvdoctorError(
+                f"the probe did not report back from pid {pid} within {status_timeout_s:.0f} s",
+                "look for kvdoctor events in the trace later, or " + RUN_INSTEAD,
+            )
+        if not os.path.exists(f"/proc/{pid}"):
+            raise KvdoctorError(f"pid {pid} exited while the probe was starting", "check the server's log")
+        time.sleep(0.05)
+    with open(status_path) as fh:
+        status: dict[str, Any] = json.load(fh)
     return status
 
 
@@ -347,30 +343,33 @@ def preflight() -> str | None:
         )
         try:
             child.stdout.readline()  # type: ignore[union-attr]
-            workdir = tempfile.mkdtemp(prefix="kvdoctor-preflight-")
-            marker = os.path.join(workdir, "ran")
-            script = os.path.join(workdir, "p.py")
-            with open(script, "w") as fh:
-                fh.write(f"open({marker!r}, 'w').close()\n")
-            try:
-                if sys.version_info >= (3, 14):
-                    _remote_exec(child.pid, script)
-                else:
-                    _gdb_inject(child.pid, script, 15.0)
-                deadline = time.monotonic() + 5
-                while not os.path.exists(marker) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if not os.path.exists(marker):
-                    reason = "the injected test code did not run in a throwaway child"
-            except KvdoctorError as exc:
-                reason = exc.message
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
+            reason = _try_injecting(child.pid)
         finally:
             child.kill()
             child.wait()
     _PREFLIGHT["reason"] = reason
     return reason
+
+
+def _try_injecting(pid: int) -> str | None:
+    """One real injection of a line that leaves a mark: None when the mark appears, else why not."""
+    try:
+        with CancelSignals() as cancel, Injection(pid, gdb_command(pid) if sys.version_info < (3, 14) else None, cancel) as injection:
+            marker, script = injection.path("ran"), injection.path("p.py")
+            with open(script, "w") as fh:
+                fh.write(f"open({marker!r}, 'w').close()\n")
+            if sys.version_info >= (3, 14):
+                _remote_exec(pid, script)
+            else:
+                _gdb_inject(pid, injection, script, 15.0)
+            deadline = time.monotonic() + 5
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return None if os.path.exists(marker) else "the injected test code did not run in a throwaway child"
+    except KvdoctorError as exc:
+        return exc.message
+    except _Cancel:
+        raise KeyboardInterrupt from None
 
 
 def attach_for_watch(pid: int, watch_trace_path: str, attribution: bool = True, *, force: bool = False) -> str | None:
@@ -380,6 +379,8 @@ def attach_for_watch(pid: int, watch_trace_path: str, attribution: bool = True, 
     path = f"{base}.probe-{pid}.kvtrace.json"
     try:
         status = attach(pid, path, [], attribution=attribution, force=force)
+    except AttachCancelled:
+        raise  # the user's cancel is not "attach is not available"
     except KvdoctorError as exc:
         hint = f" ({exc.hint})" if exc.hint else ""
         print(f"kvdoctor: attach is not available for pid {pid}: {exc.message}{hint}; watching from outside", file=sys.stderr)

@@ -1,14 +1,25 @@
 """The code `kvdoctor attach` runs inside the target, and the gdb script that gets it there.
 
-`INJECTED` runs in the target's interpreter: it only starts a thread, which puts kvdoctor's
-package root at the END of `sys.path` (it never shadows the host's modules), sets
+`INJECTED` runs in the target's interpreter. It first takes the attach's token (a rename that
+kvdoctor's guard races for when the attach is cancelled: kvdoctor.collect.attach_guard); without
+it, it does nothing at all, however late it runs. With it, it only starts a thread, which puts
+kvdoctor's package root at the END of `sys.path` (it never shadows the host's modules), sets
 `KVDOCTOR_TRACE`, activates the probe and reports back through a small status file.
-`GDB_SCRIPT` stops at the first safe point (see kvdoctor.collect.attach) and runs it there.
+`GDB_SCRIPT` stops at the first safe point (see kvdoctor.collect.attach) and runs it there, but
+only after taking gdb's own token: once the guard holds it, gdb never calls into the target and
+stopping gdb is safe.
 """
 
 INJECTED = r"""
 def _kvdoctor_attach(params):
     import json, os, sys, threading
+
+    token = params.get("token")
+    if token:
+        try:
+            os.rename(token, token + ".taken")
+        except OSError:
+            return  # the attach was cancelled: nothing in this process is touched
 
     def report(payload):
         path = params["status_path"]
@@ -71,12 +82,18 @@ b PyErr_CheckSignals
 commands 1-3
   disable breakpoints
   delete breakpoints
-  p "KVDOCTOR: at a safe point"
-  set $kvdoctor_gil = (int)PyGILState_Ensure()
-  set $kvdoctor_rc = (int)PyRun_SimpleString("{code}")
-  call (void)PyGILState_Release($kvdoctor_gil)
-  p $kvdoctor_rc == 0 ? "KVDOCTOR: RAN" : "KVDOCTOR: FAILED"
+  shell mv -- {gdb_token} {gdb_token}.taken 2>/dev/null
+  if $_shell_exitcode == 0
+    p "KVDOCTOR: at a safe point"
+    set $kvdoctor_gil = (int)PyGILState_Ensure()
+    set $kvdoctor_rc = (int)PyRun_SimpleString("{code}")
+    call (void)PyGILState_Release($kvdoctor_gil)
+    p $kvdoctor_rc == 0 ? "KVDOCTOR: RAN" : "KVDOCTOR: FAILED"
+  else
+    p "KVDOCTOR: cancelled before the call"
+  end
 end
+p "KVDOCTOR: waiting for a safe point"
 continue
 """
 
@@ -89,7 +106,8 @@ def run_script_code(script_path: str) -> str:
     return f"exec(compile(open({path}, 'rb').read(), {path}, 'exec'), {{'__name__': '__kvdoctor_attach__'}})"
 
 
-def gdb_script_for(script_path: str) -> str:
-    """`GDB_SCRIPT` running `run_script_code(script_path)`, escaped for gdb's C string literal."""
+def gdb_script_for(script_path: str, gdb_token: str) -> str:
+    """`GDB_SCRIPT` running `run_script_code(script_path)`, escaped for gdb's C string literal;
+    `gdb_token`: the guard's token file, a plain name in gdb's working directory."""
     code = run_script_code(script_path)
-    return GDB_SCRIPT.format(code=code.replace("\\", "\\\\").replace('"', '\\"'))
+    return GDB_SCRIPT.format(code=code.replace("\\", "\\\\").replace('"', '\\"'), gdb_token=gdb_token)

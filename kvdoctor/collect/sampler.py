@@ -15,7 +15,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvdoctor.collect.nvml import NVML
-from kvdoctor.collect.procfs import ProcInfo, find_process_tree, guess_engine, machine_memory_limit_bytes, sample_process, start_time_s
+from kvdoctor.collect.procfs import (
+    ProcInfo,
+    find_process_tree,
+    guess_engine,
+    machine_memory_limit_bytes,
+    read_stat,
+    sample_process,
+    start_time_s,
+)
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, now_us
 
@@ -204,6 +212,16 @@ class Sampler:
                     return
             else:
                 time.sleep(wait_s)
+
+    def still_running(self) -> list[ProcInfo]:
+        """The processes it saw that run still (the same process: its start time matches, and it
+        is no zombie). Asked after the command ended: what outlived it."""
+        out = []
+        for tracked in list(self.processes.values()) + list(self.exited.values()):
+            stat = read_stat(tracked.info.pid)
+            if stat is not None and stat[0] not in ("Z", "X") and stat[3] == tracked.info.start_ticks:
+                out.append(tracked.info)
+        return sorted(out, key=lambda info: info.pid)
 
     def tracked(self) -> Iterable[_Tracked]:
         """Every process seen so far, live ones first."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor.analysis.gate import (
     ANY_ENGINE,
@@ -24,15 +24,18 @@ from kvdoctor.analysis.gate import (
     judge,
 )
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
-from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError, TraceError
 from kvdoctor.outputs import claim_output, printable, reader_may_leave, same_file, write_private
 from kvdoctor.reporters import render
 from kvdoctor.reporters.github import github_annotations, in_github_actions
 from kvdoctor.reporters.junit import render_junit
 from kvdoctor.runner import analyze_recorded
-from kvdoctor.runner.launch import run_command
+from kvdoctor.runner.launch import interpreter_of, run_command
 from kvdoctor.trace.schema import SCHEMA_NAME
 from kvdoctor.units import parse_rate
+
+if TYPE_CHECKING:
+    from kvdoctor.analysis.analyzer import Analysis
 
 TRACE_SNIFF_BYTES = 4096  # a trace's header line, where its schema name is, comes first
 
@@ -76,6 +79,18 @@ def growth_params_for(budgets: Budgets) -> GrowthParams:
     return dataclasses.replace(GrowthParams(), min_rate_bytes_per_s=floor)
 
 
+def _baseline(path: str, budgets: Budgets) -> Analysis:
+    """The baseline's analysis; a baseline that cannot be read is said as the baseline (the
+    reader's own hint is about the trace being judged)."""
+    try:
+        return analyze_recorded(path, growth_params=growth_params_for(budgets))
+    except TraceError as exc:
+        raise KvdoctorError(
+            f"--baseline {exc.message}",
+            "give the trace of an earlier run, as `kvdoctor run --trace T` or `gate --trace T` writes it, or drop --baseline",
+        ) from None
+
+
 def _write(path: str, text: str, force: bool, what: str, inputs: list[str | None]) -> bool:
     try:
         write_private(path, text, force=force, what=what, inputs=inputs)
@@ -112,6 +127,12 @@ def gate(
     if not args:
         raise KvdoctorError("nothing to judge", "usage: kvdoctor gate TRACE.json, or kvdoctor gate [OPTIONS] -- CMD ...")
     judging_a_trace = _is_trace_path(args)
+    if not judging_a_trace and len(args) == 1 and os.path.isfile(args[0]) and not os.access(args[0], os.X_OK):
+        if interpreter_of(args[0]) is None:  # no `#!`, no .py/.sh: more likely a trace that is not one
+            raise KvdoctorError(
+                f"{args[0]} is neither a kvdoctor trace nor an executable command",
+                "give a trace that `kvdoctor run --trace T` wrote, or the command to run: kvdoctor gate -- CMD ...",
+            )
     if judging_a_trace and trace is not None:
         raise KvdoctorError(
             "--trace says where a command's trace goes, but gate was given a trace to judge",
@@ -125,7 +146,7 @@ def gate(
             raise KvdoctorError(f"{os.path.abspath(path)} is named for two of gate's outputs", "give each its own file")
     for path in reports:  # refused before a long run, not after it (the trace: by run_command)
         claim_output(path, force=force, inputs=inputs)
-    baseline_analysis = analyze_recorded(baseline, growth_params=growth_params_for(budgets)) if baseline else None
+    baseline_analysis = _baseline(baseline, budgets) if baseline else None
     command_code = None
     if judging_a_trace:
         trace_path = args[0]

@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 import sys
 
+from kvdoctor.analysis.gate import outlived_sentence
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes
 from kvdoctor.runner.launch import run_command
+
+MIN_SAMPLE_INTERVAL_S = 0.01  # a round over the tree reads /proc for every process: more often than this is a core
 
 
 def run(
@@ -29,6 +32,12 @@ def run(
     engine = check_attribution(attribution)
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):
         raise KvdoctorError(f"--sample-interval must be 0 (off) or a positive number of seconds, not {sample_interval_s}")
+    if 0 < sample_interval_s < MIN_SAMPLE_INTERVAL_S:
+        raise KvdoctorError(
+            f"--sample-interval {sample_interval_s:g} is below {MIN_SAMPLE_INTERVAL_S:g} s: sampling the process tree that often "
+            "takes most of a CPU core from the run it measures",
+            f"give {MIN_SAMPLE_INTERVAL_S:g} s or more, or 0 to turn sampling off; the default is 1 s",
+        )
     code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine)
     try:
         analysis = analyze_recorded(trace_path)
@@ -36,5 +45,7 @@ def run(
         print(f"kvdoctor: warning: no analysis: {exc.message}", file=sys.stderr)
         return code
     print(printable(render(analysis, output_format)), file=sys.stderr)
+    if analysis.outlived:
+        print(printable("kvdoctor: " + outlived_sentence(analysis.outlived)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
     return code

@@ -2,7 +2,8 @@
 
 Hooks only append to a deque; a daemon thread writes a batch every `flush_interval_s`. When the
 writer falls behind, events are dropped and counted (reported in `probe_stats`), never queued
-without bound. A write error (full disk, file removed) stops writing and is kept as the reason.
+without bound. A write error (full disk, file removed) stops writing and is kept as the reason;
+under `run` it is also left in the run's directory, since the trace can no longer say it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from kvdoctor.probe.shutdown import note_writer_stopped
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, now_us, redact_args
 
@@ -161,6 +163,7 @@ class Emitter:
             self.write_error = f"{type(exc).__name__}: {exc}"
             self.dropped += len(batch)
             self.buffer.clear()
+            note_writer_stopped(self.write_error)  # the trace cannot say it any more
 
     def close(self) -> None:
         self._stop.set()

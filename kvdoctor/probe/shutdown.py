@@ -14,6 +14,10 @@ and removed by `run`):
   and no hooked call for one writer round), or, when it stays busy, its last rolling census with
   its age. A process that exits by itself answers with its exit census.
 
+A process whose trace writer stopped (a full disk, a file size limit) cannot say so in the trace:
+it leaves `writer-stopped.<pid>` there instead (an empty file's name needs no free block; the
+reason goes in it when it fits), and `run` puts it in the trace's end event.
+
 Without the directory (attach, a probe started by hand) nothing of this runs. Nothing here
 raises: a directory that cannot be written only means no answer, and the kill goes on at the
 deadline.
@@ -31,6 +35,45 @@ ENV_WAIT_S = "KVDOCTOR_SHUTDOWN_CENSUS_WAIT_S"
 DEFAULT_WAIT_S = 5.0  # the most the server's shutdown is held for the censuses, all processes together
 POLL_S = 0.05
 REQUEST = "census.request"
+WRITER_STOPPED = "writer-stopped."
+MAX_WRITERS_STOPPED = 64  # read back by `run`: bounded like everything else it reads
+
+
+def note_writer_stopped(error: str) -> None:
+    """This process can no longer write its trace: said in the run's directory, never raising."""
+    directory = os.environ.get(ENV_RENDEZVOUS, "")
+    if not directory:
+        return
+    try:
+        fd = os.open(os.path.join(directory, f"{WRITER_STOPPED}{os.getpid()}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, error.encode("utf-8", "replace")[:500])
+    except OSError:
+        pass  # the name alone says it
+    finally:
+        os.close(fd)
+
+
+def writers_stopped(directory: str) -> dict[int, str]:
+    """pid -> why its trace writer stopped, as the processes of the run left it in `directory`."""
+    out: dict[int, str] = {}
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith(WRITER_STOPPED))
+    except OSError:
+        return out
+    for name in names[:MAX_WRITERS_STOPPED]:
+        pid_text = name[len(WRITER_STOPPED) :]
+        if not pid_text.isdigit():
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as fh:
+                reason = fh.read(500).decode("utf-8", "replace")
+        except OSError:
+            reason = ""
+        out[int(pid_text)] = reason or "a write failed"
+    return out
 
 
 def _alive(pid: int) -> bool:

@@ -1,5 +1,5 @@
 """GitHub Actions annotations for a gate result: each failed check becomes an `::error` line,
-which Actions shows on the run's summary page."""
+which Actions shows on the run's summary page; a check that passed with a warning, `::warning`."""
 
 from __future__ import annotations
 
@@ -27,4 +27,5 @@ def github_annotations(result: GateResult) -> list[str]:
     if not result.judged:
         lines.append(f"::error title={TITLE}::could not judge: {_escape(result.reason)}")
     lines += [f"::error title={TITLE}::could not judge {_escape(c.name + ': ' + c.detail)}" for c in result.unjudged]
+    lines += [f"::warning title={TITLE}::{_escape(c.name + ': ' + c.detail)}" for c in result.warned]
     return lines

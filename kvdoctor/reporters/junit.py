@@ -36,7 +36,7 @@ def render_junit(result: GateResult) -> str:
         if not check.judged:
             lines.append(f'      <error message={quoteattr(check.detail)} type="could-not-judge">{escape(check.detail)}</error>')
         elif check.passed:
-            lines.append(f"      <system-out>{escape(check.detail)}</system-out>")
+            lines.append(f"      <system-out>{'warning: ' if check.warning else ''}{escape(check.detail)}</system-out>")
         else:
             lines.append(f'      <failure message={quoteattr(check.detail)} type="budget">{escape(check.detail)}</failure>')
         lines.append("    </testcase>")

@@ -34,7 +34,7 @@ import kvdoctor
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output, remove_claimed
-from kvdoctor.probe.shutdown import ENV_RENDEZVOUS
+from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, writers_stopped
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace, redact, redact_args
@@ -131,7 +131,7 @@ def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
             pass
 
 
-def _start_sampler(pid: int, trace_path: str, interval_s: float, failures: list[str]) -> tuple[threading.Event, threading.Thread]:
+def _start_sampler(pid: int, trace_path: str, interval_s: float, failures: list[str]) -> tuple[threading.Event, threading.Thread, Sampler]:
     """Samples the command's process tree from outside (memory by class) into the same trace, so
     growth is judged for every process, probed or not. A trace it cannot write to (a full disk)
     stops it, said in `failures`."""
@@ -151,7 +151,50 @@ def _start_sampler(pid: int, trace_path: str, interval_s: float, failures: list[
 
     thread = threading.Thread(target=loop, name="kvdoctor-sampler", daemon=True)
     thread.start()
-    return stop, thread
+    return stop, thread, sampler
+
+
+MAX_OUTLIVED = 16  # leftover processes named in the trace and on stderr
+
+
+def outlived(sampler: Sampler | None) -> list[dict[str, Any]]:
+    """The processes of the command's tree that run on after it and the end of its group: they
+    left the group (`setsid`, `setpgid`), so `run` did not end them. Said, not killed: a daemon
+    may be meant to run on, and only its owner knows."""
+    if sampler is None:
+        return []
+    return [{"pid": info.pid, "title": redact(info.title)[:120]} for info in sampler.still_running()[:MAX_OUTLIVED]]
+
+
+def interpreter_of(path: str) -> str | None:
+    """What would run the file: its `#!` line's program, else a guess from its name (.py, .sh),
+    else None (a file that does not look like a program)."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(256)
+    except OSError:
+        first = b""
+    if first.startswith(b"#!") and first[2:].split():
+        words = first[2:].decode("utf-8", "replace").split()
+        return words[1] if os.path.basename(words[0]) == "env" and len(words) > 1 else os.path.basename(words[0])
+    return "python" if path.endswith(".py") else "sh" if path.endswith(".sh") else None
+
+
+def _not_runnable(name: str) -> KvdoctorError:
+    """Why `name` cannot be started, with what to do: not found, not executable, a directory, or
+    a file here that is not on PATH."""
+    path = name if os.sep in name else os.path.join(".", name)
+    here = os.sep not in name and os.path.isfile(path)
+    if os.sep in name or here:
+        if os.path.isdir(path):
+            return KvdoctorError(f"{name} is a directory, not a command", "give the program or script to run")
+        if os.path.isfile(path) and not os.access(path, os.X_OK):
+            interpreter = interpreter_of(path)
+            through = f", or run it through its interpreter: `{interpreter} {path}`" if interpreter else ""
+            return KvdoctorError(f"{name} is not executable", f"make it executable with `chmod +x {path}`{through}")
+        if here:
+            return KvdoctorError(f"command not found: {name} (a file of that name is here, but not on PATH)", f"give its path: ./{name}")
+    return KvdoctorError(f"command not found: {name}", "check the spelling or give a full path")
 
 
 def run_command(
@@ -169,7 +212,7 @@ def run_command(
     if not command:
         raise KvdoctorError("no command given", "usage: kvdoctor run [--trace PATH] -- CMD ...")
     if shutil.which(command[0]) is None:
-        raise KvdoctorError(f"command not found: {command[0]}", "check the spelling or give a full path")
+        raise _not_runnable(command[0])
     trace_path = os.path.abspath(trace_path or default_trace_path("run"))
     try:
         start_trace(trace_path, command, {"fixes": fixes}, force=force, inputs=inputs)
@@ -219,10 +262,19 @@ def run_command(
         if sampling is not None:
             sampling[0].set()
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
+        stopped = writers_stopped(rendezvous)
         shutil.rmtree(rendezvous, ignore_errors=True)
     code = code if code >= 0 else 128 - code
+    leftovers = outlived(sampling[2] if sampling is not None else None)
+    # a saved trace is judged as the live run was: the exit status, what outlived the command,
+    # and the probes whose writer stopped (a trace that stops early there)
+    end: dict[str, Any] = {"command_exit": code}
+    if leftovers:
+        end["outlived"] = leftovers
+    if stopped:
+        end["writers_stopped"] = {str(pid): reason for pid, reason in stopped.items()}
     try:
-        finish_trace(trace_path, os.getpid(), {"command_exit": code})  # a saved trace is judged as the live run was
+        finish_trace(trace_path, os.getpid(), end)
     except OSError as exc:
         failures.append(f"its end could not be written: {exc.strerror or exc}")
     if failures:  # the command's own exit status stands; what the trace lacks is said once

@@ -187,7 +187,7 @@ def test_the_injected_code_starts_the_probe_and_reports_back(tmp_path, monkeypat
     try:
         assert child.stdout.readline().strip() == "ready"
 
-        def hand_over(pid, script_path, timeout_s):
+        def hand_over(pid, injection, script_path, timeout_s):
             with open(drop + ".tmp", "w") as fh:
                 fh.write(script_path)
             os.replace(drop + ".tmp", drop)

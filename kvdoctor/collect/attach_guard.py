@@ -1,0 +1,194 @@
+"""Keeps one attach all-or-nothing, whatever happens to the kvdoctor that started it.
+
+kvdoctor starts this script in a session of its own, so a signal meant for kvdoctor (a Ctrl-C,
+`timeout`, a shell killing its job) never reaches gdb directly: gdb ended by a signal can leave
+its breakpoints' int3 bytes in the target, which later dies of SIGTRAP. The guard makes the
+attach's private directory, runs gdb when told to (a `go` line on its stdin), relays gdb's output,
+and when kvdoctor is done or gone (its stdin closes; a SIGKILL of kvdoctor closes it too):
+
+- takes the two tokens that stand for "not yet" (a rename: exactly one side gets each).
+  `gdb-armed`: gdb's breakpoint takes it before calling into the target; if the guard got it
+  first, gdb will not call, and a SIGINT to gdb is safe (gdb stops the target, removes its
+  breakpoints and detaches). A SIGINT ends only the step gdb is in (while it attaches, gdb would
+  go on to its script), so it is repeated until gdb is gone; gdb is killed only if it never got
+  as far as its breakpoints. If gdb got it, gdb may be inside the call: it is never interrupted
+  there, only waited for. `probe-armed`: the injected code takes it before it changes anything in
+  the target; if the guard got it first, the code does nothing, however late it runs.
+- waits for the probe's status when the injected code got there first, so nothing writes into the
+  directory after it is removed;
+- removes the directory (after passing on the probe's status, if any), and says `done cancelled`,
+  `done started` or `done none`.
+
+gdb also gets SIGINT from the kernel if the guard itself is killed (PR_SET_PDEATHSIG).
+Standard library only: it runs with `python -I -S`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+SAY = "KVDOCTOR-GUARD: "
+GDB_TOKEN = "gdb-armed"
+PROBE_TOKEN = "probe-armed"
+TAKEN = ".taken"  # the injected code renames PROBE_TOKEN to this when it goes ahead
+STATUS = "status.json"
+GDB_STOP_S = 15.0  # gdb's time to stop the target, remove its breakpoints and detach, under SIGINT
+INTERRUPT_EVERY_S = 0.5  # a SIGINT ends only the step gdb is in (its attach, say): it is repeated
+CONTINUING = b"KVDOCTOR: waiting for a safe point"  # printed just before the breakpoints go in
+GDB_CALL_S = 60.0  # gdb's time to finish a call it is inside (never interrupted)
+STATUS_WAIT_S = 20.0  # the probe's time to report once the injected code went ahead
+PR_SET_PDEATHSIG = 1
+
+
+class Guard:
+    def __init__(self, pid: int, gdb_command: list[str]) -> None:
+        self.pid = pid
+        self.gdb_command = gdb_command
+        self.workdir = tempfile.mkdtemp(prefix="kvdoctor-attach-")  # 0700
+        self.gdb: subprocess.Popen[bytes] | None = None
+        self.gdb_open = False
+        self.continuing = False  # gdb may have breakpoints in the target: never SIGKILL it then
+        self._tail = b""
+        self.stopping = False
+
+    def say(self, text: str) -> None:
+        try:
+            os.write(1, (SAY + text + "\n").encode("utf-8", "replace"))
+        except OSError:
+            pass  # kvdoctor is gone: the guard finishes its work all the same
+
+    def relay(self, data: bytes) -> None:
+        try:
+            os.write(1, data)
+        except OSError:
+            pass
+
+    def start_gdb(self) -> None:
+        def stop_with_guard() -> None:
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
+            except Exception:
+                pass
+
+        try:
+            self.gdb = subprocess.Popen(
+                self.gdb_command,  # its files are named relative to the directory
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                preexec_fn=stop_with_guard,
+            )
+        except OSError as exc:
+            self.say(f"gdb exited 127 ({exc.strerror})")
+            return
+        self.gdb_open = True
+
+    def pump_gdb(self, timeout_s: float) -> None:
+        """Relays what gdb wrote within `timeout_s`; on its end, says how it exited."""
+        assert self.gdb is not None and self.gdb.stdout is not None
+        ready, _, _ = select.select([self.gdb.stdout], [], [], timeout_s)
+        if not ready:
+            return
+        data = os.read(self.gdb.stdout.fileno(), 65536)
+        if data:
+            self.continuing = self.continuing or CONTINUING in self._tail + data
+            self._tail = data[-len(CONTINUING) :]
+            self.relay(data)
+            return
+        self.gdb_open = False
+        code = self.gdb.wait()
+        try:
+            os.kill(self.pid, signal.SIGCONT)  # in case a stop was left behind
+        except OSError:
+            pass
+        self.say(f"gdb exited {code}")
+
+    def serve(self) -> None:
+        """Until kvdoctor closes stdin (or dies, or the guard is signalled)."""
+        while not self.stopping:
+            watched = [0] + ([self.gdb.stdout] if self.gdb_open and self.gdb and self.gdb.stdout else [])
+            try:
+                ready, _, _ = select.select(watched, [], [], 0.5)
+            except OSError:
+                return
+            if 0 in ready:
+                line = os.read(0, 1024)
+                if not line:
+                    return
+                if b"go" in line and self.gdb is None and self.gdb_command:
+                    self.start_gdb()
+            if self.gdb_open and self.gdb and self.gdb.stdout in ready:
+                self.pump_gdb(0)
+
+    def take(self, name: str) -> bool:
+        path = os.path.join(self.workdir, name)
+        try:
+            os.rename(path, path + ".cancelled")
+            return True
+        except OSError:
+            return False
+
+    def wait_gdb(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.gdb_open and time.monotonic() < deadline:
+            self.pump_gdb(0.2)
+
+    def finish(self) -> str:
+        probe_cancelled = self.take(PROBE_TOKEN)
+        gdb_cancelled = self.take(GDB_TOKEN)
+        if self.gdb is not None and self.gdb_open:
+            if gdb_cancelled:  # it will not call into the target: interrupting it is safe
+                deadline = time.monotonic() + GDB_STOP_S
+                while self.gdb_open and time.monotonic() < deadline:
+                    self.gdb.send_signal(signal.SIGINT)
+                    self.wait_gdb(INTERRUPT_EVERY_S)
+                if self.gdb_open and not self.continuing:  # stuck reading symbols, no breakpoint in: the last resort
+                    self.gdb.kill()
+            self.wait_gdb(GDB_CALL_S)
+        taken = os.path.join(self.workdir, PROBE_TOKEN + TAKEN)
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while os.path.exists(taken) and not os.path.exists(os.path.join(self.workdir, STATUS)):
+            if time.monotonic() > deadline or not os.path.exists(f"/proc/{self.pid}"):
+                break
+            time.sleep(0.05)
+        outcome = "cancelled" if probe_cancelled else "started" if os.path.exists(taken) else "none"
+        try:
+            with open(os.path.join(self.workdir, STATUS)) as fh:
+                self.say("status " + " ".join(fh.read().split()))  # for a kvdoctor that stopped waiting for it
+        except OSError:
+            pass
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return outcome
+
+
+def main(argv: list[str]) -> int:
+    pid = int(argv[0])
+    gdb_command = argv[2:] if len(argv) > 1 and argv[1] == "--" else []
+    guard = Guard(pid, gdb_command)
+
+    def stop(_signum: int, _frame: object) -> None:
+        guard.stopping = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    outcome = "none"
+    try:
+        guard.say("workdir " + guard.workdir)
+        guard.serve()
+    finally:
+        outcome = guard.finish()
+        guard.say("done " + outcome)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
