@@ -243,7 +243,7 @@ def attach(
     trace_path = create_probe_trace(trace_path, force=force, owner_uid=target_uid if os.geteuid() == 0 else os.geteuid())
     gdb = gdb_command(pid) if version < (3, 14) else None
     with CancelSignals() as cancel:
-        injection = Injection(pid, gdb, cancel)
+        injection = Injection(pid, gdb, cancel, trace_path)  # the guard drops the trace if nothing went in
         try:
             with injection:
                 status = _inject(pid, injection, trace_path, fixes, attribution, gdb_timeout_s, status_timeout_s)

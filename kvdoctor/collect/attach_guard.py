@@ -26,10 +26,12 @@ Standard library only: it runs with `python -I -S`.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,7 @@ GDB_TOKEN = "gdb-armed"
 PROBE_TOKEN = "probe-armed"
 TAKEN = ".taken"  # the injected code renames PROBE_TOKEN to this when it goes ahead
 STATUS = "status.json"
+UNWRITTEN_TRACE = b"[\n"  # a trace kvdoctor created for the probe, before its first event
 GDB_STOP_S = 15.0  # gdb's time to stop the target, remove its breakpoints and detach, under SIGINT
 INTERRUPT_EVERY_S = 0.5  # a SIGINT ends only the step gdb is in (its attach, say): it is repeated
 CONTINUING = b"KVDOCTOR: waiting for a safe point"  # printed just before the breakpoints go in
@@ -170,8 +173,22 @@ class Guard:
         return outcome
 
 
+def drop_unwritten(trace_path: str) -> None:
+    """The trace kvdoctor created for the probe, removed if the probe never wrote to it (an attach
+    that ended before the probe started: kvdoctor may be gone, SIGKILLed, and cannot do it)."""
+    try:
+        st = os.lstat(trace_path)
+        if stat.S_ISREG(st.st_mode) and st.st_size == len(UNWRITTEN_TRACE):
+            os.remove(trace_path)
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
     pid = int(argv[0])
+    trace_path = ""
+    if len(argv) > 2 and argv[1] == "--trace":
+        trace_path, argv = argv[2], argv[:1] + argv[3:]
     gdb_command = argv[2:] if len(argv) > 1 and argv[1] == "--" else []
     guard = Guard(pid, gdb_command)
 
@@ -182,10 +199,12 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, stop)
     outcome = "none"
     try:
-        guard.say("workdir " + guard.workdir)
+        guard.say("workdir " + json.dumps(guard.workdir))  # one line whatever the temp dir is called
         guard.serve()
     finally:
         outcome = guard.finish()
+        if trace_path and outcome != "started":
+            drop_unwritten(trace_path)
         guard.say("done " + outcome)
     return 0
 

@@ -10,6 +10,7 @@ for it, and says what was left in the target (nothing, or a probe that had alrea
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -82,7 +83,7 @@ class CancelSignals:
 class Injection:
     """The guard and its directory, for one attach. Use as a context manager; `outcome` is set on exit."""
 
-    def __init__(self, pid: int, gdb_command: list[str] | None, cancel: CancelSignals) -> None:
+    def __init__(self, pid: int, gdb_command: list[str] | None, cancel: CancelSignals, trace_path: str = "") -> None:
         self.pid = pid
         self.cancel = cancel
         self.outcome = ""  # the guard's last word: cancelled, started or none
@@ -91,7 +92,8 @@ class Injection:
         self._finished = False
         self._buffer = b""
         self._lines: list[str] = []
-        command = [sys.executable, "-I", "-S", GUARD_PATH, str(pid)] + (["--", *gdb_command] if gdb_command else [])
+        command = [sys.executable, "-I", "-S", GUARD_PATH, str(pid)] + (["--trace", trace_path] if trace_path else [])
+        command += ["--", *gdb_command] if gdb_command else []
         try:
             self.guard = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
@@ -100,7 +102,7 @@ class Injection:
         if not said.startswith("workdir "):
             self.finish()
             raise KvdoctorError(f"cannot attach to pid {pid}: kvdoctor's attach guard did not start ({said or 'no answer'})")
-        self.workdir = said[len("workdir ") :]
+        self.workdir = str(json.loads(said[len("workdir ") :]))
 
     def path(self, name: str) -> str:
         return os.path.join(self.workdir, name)

@@ -191,7 +191,7 @@ def test_the_code_gdb_hands_over_runs_the_script_whatever_the_temp_dir_is_called
     exec(compile(code, "<gdb>", "exec"), {})
     assert marker.read_text() == "__kvdoctor_attach__"
     # gdb reads the code as a C string literal: undo its escapes, get the same code back
-    literal = re.search(r'PyRun_SimpleString\("((?:[^"\\]|\\.)*)"\)', gdb_script_for(str(script))).group(1)
+    literal = re.search(r'PyRun_SimpleString\("((?:[^"\\]|\\.)*)"\)', gdb_script_for(str(script), "gdb-armed")).group(1)
     assert re.sub(r"\\(.)", r"\1", literal) == code
 
 
@@ -231,7 +231,7 @@ def test_attach_from_a_temp_dir_with_quotes_runs_the_probe_in_the_target(tmp_pat
     try:
         assert child.stdout.readline().strip() == "ready"
 
-        def hand_over(pid, script_path, timeout_s):
+        def hand_over(pid, injection, script_path, timeout_s):
             assert script_path.startswith(str(temp))
             with open(drop + ".tmp", "w") as fh:
                 fh.write(run_script_code(script_path))

@@ -199,7 +199,7 @@ class _WatchAttached:
         from kvdoctor.collect import attach as attach_module
         from kvdoctor.runner.watch import run_watch
 
-        self.monkeypatch.setattr(attach_module, "attach", lambda pid, path, fixes, attribution=True: server.attach_now(path))
+        self.monkeypatch.setattr(attach_module, "attach", lambda pid, path, fixes, **_: server.attach_now(path))
         pid = server.scheduler_pid()
         self.thread = threading.Thread(
             target=lambda: setattr(self, "result", run_watch(pid, interval_s=1.0, trace_path=self.path, attach=True))

@@ -176,7 +176,7 @@ def child():
 def test_watch_with_the_probe_reports_what_replay_of_its_trace_does(child, tmp_path, capsys, monkeypatch):
     probe_trace = str(tmp_path / "probe.kvtrace.json")
     _write(probe_trace, _probe_events(child.pid, T0_S))
-    monkeypatch.setattr(watch_runner, "attach_for_watch", lambda pid, path: probe_trace)
+    monkeypatch.setattr(watch_runner, "attach_for_watch", lambda pid, path, **_: probe_trace)
     trace = str(tmp_path / "w.kvtrace.json")
     code = watch(child.pid, interval_s=0.2, duration_s=10, trace_path=trace, output_format="json", attach=True)
     report = json.loads(capsys.readouterr().out)
