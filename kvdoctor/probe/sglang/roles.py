@@ -24,6 +24,7 @@ from kvdoctor.probe.sglang.requests import (
     ReqWriteRole,
 )
 from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
+from kvdoctor.probe.shutdown import ShutdownRole
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -286,41 +287,6 @@ class LastLocSourceRole(SlotRole):
             hook.arg(args, kwargs, "req_to_token"),
             hook.arg(args, kwargs, "prefix_lens_tensor"),
         )
-
-
-class ShutdownRole(Role):
-    """`kill_process_tree(parent_pid, ...)`: SGLang's launcher is about to SIGKILL its scheduler
-    processes, where no exit census can run. Their probes are asked for a census first, and the
-    kill waits for their answers (bounded: `probe/shutdown.py`)."""
-
-    runs_first = True
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        rendezvous = probe.rendezvous
-        if rendezvous is None or rendezvous.asked_others:
-            return None
-        outcome = rendezvous.ask_and_wait()
-        if not outcome["asked"]:
-            return None
-        answered = outcome["answered"]
-        censuses = ", ".join(f"pid {pid}: {a.get('census')}" for pid, a in sorted(answered.items()))
-        reason = f"census asked of {len(outcome['asked'])} probed process(es) before the engine's kill, waited {outcome['waited_s']} s"
-        if censuses:
-            reason += f" ({censuses})"
-        if outcome["unanswered"]:
-            reason += f"; no answer from pid(s) {', '.join(map(str, outcome['unanswered']))}: their last rolling census stands"
-        probe.emitter.emit(
-            schema.PROBE_STATUS,
-            {
-                "component": "shutdown",
-                "state": "on",
-                "reason": reason,
-                "waited_s": outcome["waited_s"],
-                "unanswered": outcome["unanswered"],
-            },
-        )
-        probe.emitter.flush()  # the kill may take this process too (include_parent=True ends in SIGKILL)
-        return None
 
 
 ROLES: dict[str, Role] = {
