@@ -50,6 +50,35 @@ def engine_view(target: Any) -> Any:
     return next(engine_callers(target), None)
 
 
+def part_name(allocator: Any) -> str:
+    """The part `allocator` plays in a composite allocator ('full' and 'swa' in an SWA pool, from
+    the composite's `full_attn_allocator` / `swa_attn_allocator`), found from the callers' `self`
+    (the composite whose call reached it, or an engine object whose allocator holds it); '' when
+    no caller holds it as a part. Read once, when its ledger is made."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return ""
+        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if obj is not None and obj is not allocator:
+            for holder in (obj, own(obj, "token_to_kv_pool_allocator")):
+                if holder is None or holder is allocator:
+                    continue
+                for key, value in values_by_name(holder):
+                    if value is allocator:
+                        return _part_label(key)
+        frame = frame.f_back
+    return ""
+
+
+def _part_label(attribute: str) -> str:
+    label = attribute.strip("_")
+    for suffix in ("_attn_allocator", "_allocator"):
+        if label.endswith(suffix) and len(label) > len(suffix):
+            return label[: -len(suffix)]
+    return label
+
+
 def class_names(obj: Any) -> set[str]:
     return {c.__name__ for c in type(obj).__mro__}
 

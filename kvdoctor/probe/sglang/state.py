@@ -83,7 +83,7 @@ class SglangState:
         if ledger is not None:
             return ledger
         size, page_size = positive_ints(allocator, "size", "page_size")
-        name = ledger_name(type(allocator).__name__, len(self.ledgers))
+        name = ledger_name(type(allocator).__name__, len(self.ledgers), coverage.part_name(allocator))
         device = getattr(allocator, "device", "cpu")
         probe = self.probe
         ledger = SlotLedger(
