@@ -3,8 +3,9 @@
 Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a request and check the
 `last_loc` they are given; free roles return slots (or whole pages); tree roles move slots to
 and from the radix tree; request-pool roles say which rows are live and which slots each row
-points at. `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale
-one can be named and, with `recompute-last-loc`, read again.
+points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel).
+`last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
+named and, with `recompute-last-loc`, read again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvdoctor.probe.sglang.requests import (
     ReqFreeRowsRole,
     ReqWriteRole,
 )
+from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole
 from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
 from kvdoctor.probe.shutdown import ShutdownRole
 from kvdoctor.trace import schema
@@ -313,6 +315,7 @@ ROLES: dict[str, Role] = {
     "req_free_index": ReqFreeIndexRole(),
     "req_free_rows": ReqFreeRowsRole(),
     "req_write": ReqWriteRole(),
+    "req_write_spans": ReqWriteSpansRole(),
     "req_clear": ReqClearRole(),
     "last_loc_source": LastLocSourceRole(),
     "shutdown": ShutdownRole(),

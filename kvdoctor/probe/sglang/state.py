@@ -60,6 +60,7 @@ class SglangState:
         # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
         self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
         self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
+        self.speculative = coverage.SpeculativeRows()  # the engine's speculative algorithm, once an object names it
         self._untracked_said = ""  # the pools no ledger counts, as last said on stderr
         self._judging_dirty = False  # a ledger or an engine's pools came since the last judgement
         self._calls_last_round = -1
@@ -74,7 +75,11 @@ class SglangState:
     @census_pending.setter
     def census_pending(self, value: bool) -> None:
         self._census_pending = value
-        hotpath.set_divert(value)
+        self._divert()
+
+    def _divert(self) -> None:
+        """Allocations take the Python path while a census is due or the engine is still sought."""
+        hotpath.set_divert(self._census_pending or self.speculative.seeks_left > 0)
 
     # ----- ledgers -----
 
@@ -122,6 +127,8 @@ class SglangState:
         view = coverage.engine_view(allocator)
         if view is not None:
             self.note_engine(view)
+        if self.speculative.start():
+            self._divert()
         self.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
@@ -147,6 +154,9 @@ class SglangState:
 
     def note_engine(self, holder: Any) -> None:
         """A scheduler, batch or tree: it names an allocator of the engine and the request pool beside it."""
+        if self.speculative.note(holder):
+            self._judging_dirty = True
+            self.judge_ledgers(force_report=True)
         allocator = objects.own(holder, "token_to_kv_pool_allocator")
         if allocator is None:
             return
@@ -161,6 +171,18 @@ class SglangState:
         self._judging_dirty = True
         self.judge_ledgers(force_report=True)
 
+    def seek_engine(self) -> None:
+        """At an allocation, while the engine's speculative algorithm is not known: its callers."""
+        speculative = self.speculative
+        speculative.seeks_left -= 1
+        for holder in coverage.engine_callers(None):
+            self.note_engine(holder)
+            if speculative.algorithm is not None:
+                break
+        if speculative.seeks_left <= 0:
+            speculative.seeks_left = 0
+            self._divert()
+
     def judge_ledgers(self, force_report: bool = False) -> None:
         """Marks each ledger that cannot prove it sees every holder of its slots (once each, said
         with the reason); a coverage line lists the engine's pools and the ledgers' standing. Runs
@@ -172,6 +194,9 @@ class SglangState:
         self._judging_dirty = False
         classes = {"allocator": self._map_classes("allocator")}
         methods = self._request_methods()
+        probe_map = self.probe.maps.get("sglang")
+        writers = [f"{f.module}.{f.function}" for f in probe_map.functions if f.role == "req_write_spans"] if probe_map else []
+        speculative_rows = self.speculative.unseen(writers, probe_map.speculative_rows_unhooked if probe_map else [])
         changed = force_report
         open_ledgers = [ledger for ledger in self.ledgers.values() if not ledger.not_judged]
         pending = {id(self.hosts.get(id(ledger))) for ledger in open_ledgers}
@@ -183,7 +208,7 @@ class SglangState:
         for ledger in open_ledgers:
             allocator = self.hosts.get(id(ledger))
             requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
-            reason = coverage.why_not_judged(allocator, composites.get(id(allocator)), requests, classes, methods)
+            reason = coverage.why_not_judged(allocator, composites.get(id(allocator)), requests, classes, methods, speculative_rows)
             if reason:
                 ledger.not_judged = reason
                 changed = True
@@ -215,6 +240,8 @@ class SglangState:
                 "not_judged_ledgers": len(not_judged),
                 "engine_pools": self.engine_pools,
                 "untracked_pools": unseen,
+                "speculative": self.speculative.algorithm or "",
+                "speculative_row_writers": writers,
             },
         )
 
@@ -344,7 +371,10 @@ class SglangState:
             self.census_all("idle")
 
     def census_if_due(self) -> None:
-        """Before an allocation: the idle census the last free asked for, if the rate limit allows."""
+        """Before an allocation: the idle census the last free asked for, if the rate limit allows
+        (and, for the first few, the search for the engine's speculative algorithm)."""
+        if self.speculative.seeks_left:
+            self.seek_engine()
         if not self.census_pending:
             return
         self.census_pending = False
