@@ -70,10 +70,22 @@ def part_name(allocator: Any) -> str:
                 if holder is None or holder is allocator:
                     continue
                 for key, value in values_by_name(holder):
-                    if value is allocator:
+                    if value is allocator and key not in ENGINE_ATTRS:  # the engine's own allocator is no part
                         return _part_label(key)
         frame = frame.f_back
     return ""
+
+
+def constructing(obj: Any) -> bool:
+    """`obj`'s own `__init__` is among the callers: the object is being built."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is obj:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _part_label(attribute: str) -> str:

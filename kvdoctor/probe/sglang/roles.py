@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.probe import fixes, hotpath
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.requests import (
     ReqAllocCountRole,
     ReqAllocRole,
@@ -186,7 +187,12 @@ class ClearRole(SlotRole):
     composite = True
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        ledger = sglang_state(probe).ledger_for(obj)
+        state = sglang_state(probe)
+        if id(obj) not in state.ledgers and coverage.constructing(obj):
+            # a pool clearing itself as it is built: its ledger, made at its first use, starts all
+            # free as this would, and by then a composite holding it (an SWA pool) names its part
+            return
+        ledger = state.ledger_for(obj)
         with ledger.lock:
             ledger.reset_all_free()
 
