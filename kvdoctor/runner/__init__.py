@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import time
 
-from kvdoctor.analysis.analyzer import Analysis, analyze_trace
+from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.collect.procfs import machine_memory_limit_bytes
 from kvdoctor.errors import KvdoctorError
 

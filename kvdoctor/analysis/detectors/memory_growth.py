@@ -15,7 +15,7 @@ from typing import Any, cast
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
 from kvdoctor.trace import schema
-from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
 
 MAX_POINTS_PER_SERIES = 20_000
@@ -59,6 +59,7 @@ class MemoryGrowthDetector:
     """
 
     consumes = frozenset({schema.HEADER, schema.RUN_HEADER, schema.MEMORY_COUNTER})
+    counter_state_apart = False  # its headers and its samples reach it in trace order
 
     def __init__(
         self,
