@@ -1,6 +1,6 @@
 """The services the commands call: start a command under the probe (launch), watch a live process
-tree (watch), and the pieces they share: where a trace goes by default, and how a recorded trace
-is analysed on this machine."""
+tree (watch), a trace's counters as a table (counter_table), and the pieces they share: where a
+trace goes by default, and how a recorded trace is analysed on this machine."""
 
 from __future__ import annotations
 

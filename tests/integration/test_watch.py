@@ -29,7 +29,7 @@ from kvdoctor.collect.procfs import check_process, find_process_tree, guess_role
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.commands.watch import watch
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.reporters.live import LiveView, sparkline
+from kvdoctor.live.view import LiveView, sparkline
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 
