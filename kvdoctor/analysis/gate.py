@@ -40,7 +40,7 @@ def _rate_text(bytes_per_s: float) -> str:
 
 
 ANY_ENGINE = "any"
-ENGINES = (ANY_ENGINE, "sglang", "vllm")
+ENGINE_CHOICES = (ANY_ENGINE, *schema.SERVING_ENGINES)  # what `gate --engine` takes
 BUDGETED_KINDS = (schema.ORPHAN_SLOTS, schema.MEMORY_GROWTH)  # judged by their own budgets
 
 

@@ -17,7 +17,7 @@ from kvdoctor.analysis.gate import (
     ANY_ENGINE,
     DEFAULT_FAIL_ON,
     DEFAULT_MAX_GROWTH,
-    ENGINES,
+    ENGINE_CHOICES,
     Budgets,
     check_baseline_engines,
     finding_kinds,
@@ -61,8 +61,8 @@ def _is_trace_path(args: list[str]) -> bool:
 def budgets_from(max_growth: str, max_orphan_slots: int, fail_on: str, allow: str, engine: str) -> Budgets:
     if int(max_orphan_slots) < 0:
         raise KvdoctorError("--max-orphan-slots must be 0 or more")
-    if engine not in ENGINES:
-        raise KvdoctorError(f"--engine {engine!r} is not one kvdoctor probes", "choose " + ", ".join(ENGINES))
+    if engine not in ENGINE_CHOICES:
+        raise KvdoctorError(f"--engine {engine!r} is not one kvdoctor probes", "choose " + ", ".join(ENGINE_CHOICES))
     return Budgets(
         max_growth_bytes_per_s=parse_rate(max_growth),
         max_orphan_slots=int(max_orphan_slots),

@@ -20,6 +20,7 @@ from typing import Any
 SCHEMA_NAME = "kvdoctor.trace"
 SCHEMA_VERSION = 1
 SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+SERVING_ENGINES = ("sglang", "vllm")  # the serving engines kvdoctor probes: what a header's `engine` names
 
 # Event names (the `name` field) that carry meaning for detectors.
 HEADER = "kvdoctor_header"  # ph M: schema, engine, engine_version, pid, process_title
