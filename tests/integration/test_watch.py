@@ -2,7 +2,7 @@
 
 The process tests start small Python programs that print "ready" once set up and then grow,
 plateau, exit, or hold a /dev/zero shared mapping (how cudaHostAlloc pinned memory looks from
-outside). The growth tests drive kvdoctor.growth with synthetic series on a fake clock.
+outside). The growth tests drive kvdoctor.analysis.growth with synthetic series on a fake clock.
 """
 
 from __future__ import annotations

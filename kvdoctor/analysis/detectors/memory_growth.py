@@ -51,7 +51,7 @@ _MIN_SERIES_POINTS = 4
 class MemoryGrowthDetector:
     """Collects MEMORY_COUNTER events and reports each (process, memory class) that grows.
 
-    `params` tunes the growth test (warm-up, windows, minimum rate; see kvdoctor.growth).
+    `params` tunes the growth test (warm-up, windows, minimum rate; see kvdoctor.analysis.growth).
     Warm-up is counted from the process's start when its header gives it, so a server that has
     run for hours is analysed from the first sample. The host limit used for the time to OOM is
     `memory_limit_bytes` when given, else the one the sampler recorded in the trace, else
