@@ -92,6 +92,7 @@ TRACE_WRITE_FAILED = "trace_write_failed"
 LEDGER_DISAGREES = "ledger_disagrees"
 CONNECTOR_HELD_BLOCKS = "connector_held_blocks"
 CONTAINER_GROWTH = "container_growth"
+STATUS_KINDS = (PROBE_OFF, PROBE_PARTIAL, TRACE_WRITE_FAILED)  # findings that tell a state, and count nothing
 
 FINDING_KINDS = (
     ORPHAN_SLOTS,
