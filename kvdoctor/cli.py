@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 import kvdoctor
-from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
+from kvdoctor.analysis.budgets import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import tolerant_streams
 

@@ -13,16 +13,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.analysis.gate import (
-    ANY_ENGINE,
-    DEFAULT_FAIL_ON,
-    DEFAULT_MAX_GROWTH,
-    ENGINE_CHOICES,
-    Budgets,
-    check_baseline_engines,
-    finding_kinds,
-    judge,
-)
+from kvdoctor.analysis.budgets import ANY_ENGINE, DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, ENGINE_CHOICES, Budgets, finding_kinds
+from kvdoctor.analysis.gate import check_baseline_engines, judge
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError, TraceError
 from kvdoctor.outputs import claim_output, printable, reader_may_leave, same_file, write_private
