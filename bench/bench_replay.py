@@ -44,7 +44,7 @@ finish_trace(path, pid)
 
 REPLAY = r"""
 import resource, sys, time, json
-from kvdoctor.analysis.analyzer import analyze_trace
+from kvdoctor.analysis.replay import analyze_trace
 t0 = time.perf_counter()
 analysis = analyze_trace(sys.argv[1])
 dt = time.perf_counter() - t0
@@ -70,7 +70,7 @@ def main() -> None:
         [
             sys.executable,
             "-c",
-            "import resource; import kvdoctor.analysis.analyzer; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)",
+            "import resource; import kvdoctor.analysis.replay; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)",
         ],
         capture_output=True,
         text=True,

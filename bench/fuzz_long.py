@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fuzz_long.py --examples 100000
 
-Feeds the same hostile inputs as tests/test_hostile_input.py (arbitrary bytes, mutated valid
+Feeds the same hostile inputs as tests/unit/test_hostile_input.py (arbitrary bytes, mutated valid
 traces, truncated traces, odd header schemas) through iter_events + analyze, and prints the
 number of inputs, the exceptions by type (only TraceError is acceptable), and the slowest input.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import random
 import sys
 import tempfile
 import time
@@ -20,7 +21,9 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "unit"))
 
+import hostile_events  # noqa: E402
 import test_hostile_input as h  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -59,15 +62,17 @@ def main() -> int:
         if elapsed > state["max_s"]:
             state["max_s"], state["max_size"] = elapsed, len(data)
 
-    def mutated(events, damage):
-        return h.mutate(h.build_trace(path, events), damage.draw)
+    def mutated(seed):
+        rng = random.Random(seed)  # the events and their damage, as the test draws them
+        return hostile_events.mutate(h.build_trace(path, hostile_events.events(rng)), rng)
 
-    def truncated(events, cut):
-        data = h.build_trace(path, events)
+    def truncated(seed, cut):
+        data = h.build_trace(path, hostile_events.clean_events(random.Random(seed)))
         start = data.index(b"\n", 2) + 1
         return data[: cut.draw(st.integers(min_value=start, max_value=len(data)))]
 
-    def header(value, events):
+    def header(value, seed):
+        events = hostile_events.clean_events(random.Random(seed))
         head = h.default_header()
         if value is h.MISSING:
             del head.args["schema"]
@@ -78,9 +83,9 @@ def main() -> int:
     inputs = st.one_of(
         st.binary(max_size=2048),
         st.binary(max_size=2048).map(lambda b: b"[\n" + b),
-        st.builds(mutated, h.events_strategy(), st.data()),
-        st.builds(truncated, h.clean_events(), st.data()),
-        st.builds(header, st.one_of(h.SCHEMAS, st.just(h.MISSING)), h.clean_events()),
+        st.builds(mutated, h.SEEDS),
+        st.builds(truncated, h.SEEDS, st.data()),
+        st.builds(header, st.one_of(h.SCHEMAS, st.just(h.MISSING)), h.SEEDS),
     )
 
     @settings(max_examples=opts.examples, deadline=None, database=None, derandomize=False, suppress_health_check=list(HealthCheck))

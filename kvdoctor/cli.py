@@ -7,14 +7,16 @@ the exit code. Options more than one command takes (--trace, --fix) are defined 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import typer
 
 import kvdoctor
-from kvdoctor.analysis.gate import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
+from kvdoctor.analysis.budgets import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import tolerant_streams
 
@@ -45,8 +47,19 @@ ATTRIBUTION_ENGINE_OPTION: Any = typer.Option(
 )
 
 
+DEBUG_ENV = "KVDOCTOR_DEBUG"
+_debug_option = False  # `kvdoctor --debug COMMAND`
+
+
+def _debugging() -> bool:
+    """Whether an internal error prints its traceback: `--debug`, or KVDOCTOR_DEBUG set (not to 0)."""
+    return _debug_option or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
-    """Every command ends in an exit code; a KvdoctorError is one line on stderr, no traceback."""
+    """Every command ends in an exit code; a KvdoctorError is one line on stderr, no traceback.
+    An internal error (kvdoctor's own bug) is one line too, with its traceback before it when
+    debugging, so a report of it can say where."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
@@ -62,7 +75,12 @@ def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
         except (typer.Exit, SystemExit):
             raise
         except Exception as exc:  # our bug: still one line, and the exit code for "could not judge"
-            print(f"kvdoctor: internal error: {type(exc).__name__}: {exc} (please report it with the command you ran)", file=sys.stderr)
+            if _debugging():
+                traceback.print_exc(file=sys.stderr)
+                how = "please report it with the command you ran and the traceback above"
+            else:
+                how = f"please report it with the command you ran; {DEBUG_ENV}=1 or --debug prints its traceback"
+            print(f"kvdoctor: internal error: {type(exc).__name__}: {exc} ({how})", file=sys.stderr)
             raise typer.Exit(EXIT_UNUSABLE) from None
         raise typer.Exit(code or 0)
 
@@ -78,8 +96,11 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _options(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    debug: bool = typer.Option(False, "--debug", help=f"print the traceback of an internal error (as {DEBUG_ENV}=1 does)"),
 ) -> None:
     """A memory-leak and memory-safety doctor for LLM serving processes (SGLang, vLLM)."""
+    global _debug_option
+    _debug_option = debug
 
 
 @app.command(context_settings=PASS_THROUGH)

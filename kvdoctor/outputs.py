@@ -14,17 +14,22 @@
   (`spreadsheet_cell`): a request id or allocator name is data, never `=HYPERLINK(...)`.
 - Reports and exports hold command lines and request ids: they are written 0600, like traces,
   through a temporary name, so a failed write leaves no half file.
+- JSON is strict (`strict`): a number that is not finite (a NaN or an infinity a damaged trace
+  carried into the evidence) is written as null, since strict parsers (JavaScript's, jq's) reject
+  `NaN`/`Infinity`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import stat
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from kvdoctor.errors import KvdoctorError
 
@@ -184,3 +189,14 @@ def tolerant_streams() -> None:
                 reconfigure(errors="backslashreplace")
             except (ValueError, OSError):
                 pass
+
+
+def strict(value: Any) -> Any:
+    """`value` with every non-finite float as None, through dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value

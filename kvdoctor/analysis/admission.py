@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvdoctor.trace import schema
-from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
 
 MAX_PROCESSES = 4096  # processes analysed at once; a trace naming more is a fleet or crafted: the rest is noted

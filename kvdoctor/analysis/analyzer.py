@@ -1,32 +1,28 @@
 """Runs every detector over one event stream, live or recorded, and collects the findings.
 
 `Analyzer` takes one event at a time (a watch feeds it as it samples), `analyze` feeds it a whole
-stream, and `analyze_trace` streams a recorded trace through it: all three end in the same
-`Analysis`, so a live watch and a replay of its trace make the same findings.
+stream, and `analyze_trace` (kvdoctor.analysis.replay) streams a recorded trace through it: all
+three end in the same `Analysis`, so a live watch and a replay of its trace make the same findings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from kvdoctor.analysis.admission import COUNTED, MAX_PROCESSES, Admission, level_of, level_of_block
+from kvdoctor.analysis.admission import COUNTED, MAX_PROCESSES, Admission, level_of
 from kvdoctor.analysis.detectors import all_detectors
-from kvdoctor.analysis.detectors.base import Detector
+from kvdoctor.analysis.detectors.base import Detector, Sink, reads
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams
 from kvdoctor.analysis.record import ProbeRecord
-from kvdoctor.analysis.replay import replay_blocks
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.trace import schema
-from kvdoctor.trace.blocks import CounterBlock
-from kvdoctor.trace.reader import ReadStats
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import BoundedSeries
 
-__all__ = ["MAX_PROCESSES", "Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "analyze_trace", "exit_code_for"]
+__all__ = ["MAX_PROCESSES", "Analysis", "Analyzer", "REPORT_SCHEMA_ID", "all_detectors", "analyze", "exit_code_for"]
 
 REPORT_SCHEMA_NAME = "kvdoctor.report"
 REPORT_SCHEMA_VERSION = 1
@@ -34,20 +30,10 @@ REPORT_SCHEMA_ID = f"{REPORT_SCHEMA_NAME}/{REPORT_SCHEMA_VERSION}"  # the JSON r
 
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
 LEDGERS_NAMED = 64  # damaged or unjudged ledgers named apiece; the rest is counted
-PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024  # smaller traces replay too fast to need a bar
 
 D = TypeVar("D")
 _HEADERS = (schema.HEADER, schema.RUN_HEADER)
-
-
-class _Sink(Protocol):
-    def feed(self, event: schema.Event) -> None: ...
-
-
-def _reads(sink: _Sink, name: str) -> bool:
-    """A sink reads the event names in its `consumes` set; one without the set reads everything."""
-    consumes: frozenset[str] | None = getattr(sink, "consumes", None)
-    return consumes is None or name in consumes
+READ_BY_ANALYZER = frozenset({*_HEADERS, schema.PROCESS_NAME, schema.CENSUS, schema.TRACE_END})  # besides its sinks
 
 
 @dataclasses.dataclass
@@ -119,6 +105,7 @@ class SeriesCollector:
     than one naming 128, and the rest is counted for the notes."""
 
     consumes = frozenset({schema.LEDGER_COUNTER, schema.MEMORY_COUNTER, schema.HICACHE_COUNTER})
+    counter_state_apart = False
 
     MAX_POINTS = 3999
     MAX_SERIES = 128  # per counter name (kv_slots, memory, hicache)
@@ -207,9 +194,9 @@ class Analyzer:
         self.events = 0
         self._series = SeriesCollector()
         self._record = ProbeRecord()
-        self._sinks: list[_Sink] = [self._series, self._record, *self.detectors]
+        self.sinks: tuple[Sink, ...] = (self._series, self._record, *self.detectors)
         self._routes: dict[str, list[Callable[[schema.Event], None]]] = {}
-        self._admission = Admission(self._forget)
+        self.admission = Admission(self._forget)  # which processes' events are analysed
         self.censuses = 0
         self.last_censuses: dict[int, dict[str, Any]] = {}
         self.not_judged: dict[str, str] = {}
@@ -224,8 +211,8 @@ class Analyzer:
 
     def feed_all(self, events: Iterable[schema.Event]) -> None:
         """The hot loop of every replay: the sinks of an event name are looked up once."""
-        routes, processes, sinks = self._routes, self.processes, self._sinks
-        levels, take = self._admission.levels, self._admission.take
+        routes, processes, sinks = self._routes, self.processes, self.sinks
+        levels, take = self.admission.levels, self.admission.take
         count = 0
         for event in events:
             count += 1
@@ -235,7 +222,7 @@ class Analyzer:
                 continue  # the trace's end is the whole trace's, whichever process wrote it
             feeds = routes.get(name)
             if feeds is None:
-                feeds = routes[name] = [s.feed for s in sinks if _reads(s, name)]
+                feeds = routes[name] = [s.feed for s in sinks if reads(s, name)]
             if name in _HEADERS:
                 info = processes.setdefault(event.pid, {})
                 info.update({k: str(event.args[k]) for k in ("engine", "engine_version", "process_title", "probe") if event.args.get(k)})
@@ -271,57 +258,13 @@ class Analyzer:
         else:
             self._unnamed_ledgers[table is self.damaged_censuses] += 1
 
-    def block_feeds(self, name: str) -> list[Callable[[CounterBlock], None]] | None:
-        """The bulk feeds of every sink that reads counter `name`, or None when one of them
-        takes events only one at a time (its lines then go through `feed`)."""
-        if name in _HEADERS or name in (schema.PROCESS_NAME, schema.CENSUS, schema.TRACE_END):  # the reader or the analyzer reads these
-            return None
-        feeds = []
-        for sink in self._sinks:
-            if _reads(sink, name):
-                bulk = getattr(sink, "feed_counter_block", None)
-                if bulk is None:
-                    return None
-                feeds.append(bulk)
-        return feeds
-
-    def block_names_before(self, name: str) -> frozenset[str] | None:
-        """The counter names whose gathered blocks must be fed before an event `name`: those a
-        sink reads along with `name`, unless that sink keeps its counter state apart from what
-        other events change (`counter_state_apart`). None: every name."""
-        names: set[str] = set()
-        for sink in self._sinks:
-            if not _reads(sink, name):
-                continue
-            consumes: frozenset[str] | None = getattr(sink, "consumes", None)
-            if consumes is None:
-                return None
-            if getattr(sink, "counter_state_apart", False):
-                names.update(consumes & {name})
-            else:
-                names.update(consumes)
-        return frozenset(names)
-
-    def knows_pid(self, pid: int) -> bool:
-        return pid in self._admission.levels
-
     def _forget(self, pid: int) -> None:
         """A process set aside to make room for one that tells more: every sink drops it."""
         self.processes.pop(pid, None)
-        for sink in self._sinks:
+        for sink in self.sinks:
             forget = getattr(sink, "forget", None)
             if forget is not None:
                 forget(pid)
-
-    def feed_counter_block(self, block: CounterBlock, feeds: list[Callable[[CounterBlock], None]]) -> None:
-        """`feed_all` for the block's lines, the counter lines of one (name, pid, allocator)."""
-        count = len(block)
-        self.events += count
-        known = self._admission.levels.get(block.pid)
-        if (known is None or known < COUNTED) and not self._admission.take(block.pid, level_of_block(block), count):
-            return
-        for feed in feeds:
-            feed(block)
 
     def detector(self, kind: type[D]) -> D | None:
         """The detector of this class, for views that read its state as it goes (the live table)."""
@@ -336,7 +279,7 @@ class Analyzer:
         return findings
 
     def finish(self, notes: Iterable[str] = (), *, damaged_lines: int = 0) -> Analysis:
-        notes = [*notes, *self._admission.notes(), *self._series.notes()]
+        notes = [*notes, *self.admission.notes(), *self._series.notes()]
         for count, what in zip(self._unnamed_ledgers, ("not judged", "damaged"), strict=True):
             if count:
                 notes.append(f"{count} more census(es) of ledgers {what} are not named one by one (the first {LEDGERS_NAMED} are)")
@@ -355,7 +298,7 @@ class Analyzer:
             command_exit=self.command_exit,
             damaged_censuses=self.damaged_censuses,
             not_judged=self.not_judged,
-            unanalysed_verdict_events=self._admission.not_analysed[COUNTED],
+            unanalysed_verdict_events=self.admission.not_analysed[COUNTED],
             stopped_early=self._record.stopped_early(),
             uncounted_ledgers=self._record.uncounted(),
             unheaded_pids=self._record.unheaded(self.processes),
@@ -371,26 +314,6 @@ def analyze(
     analyzer = Analyzer(source=source, detectors=detectors, host_memory_limit_bytes=host_memory_limit_bytes)
     analyzer.feed_all(events)
     return analyzer.finish()
-
-
-def analyze_trace(
-    path: str, *, progress: bool = False, host_memory_limit_bytes: int | None = None, growth_params: GrowthParams | None = None
-) -> Analysis:
-    """Streams a recorded trace (never loaded whole) through the detectors; the reader's notes
-    (a cut tail, skipped lines) end up in the analysis. `progress` shows a bar on a TTY for
-    large traces."""
-    stats = ReadStats()
-    analyzer = Analyzer(source=path, host_memory_limit_bytes=host_memory_limit_bytes, growth_params=growth_params)
-    size = os.path.getsize(path) if os.path.isfile(path) else 0
-    if progress and size >= PROGRESS_BAR_MIN_BYTES and sys.stderr.isatty():
-        from rich.progress import BarColumn, Progress, TransferSpeedColumn
-
-        with Progress("replaying", BarColumn(), TransferSpeedColumn(), transient=True) as bar:
-            task = bar.add_task("trace", total=size)
-            replay_blocks(path, analyzer, stats, lambda: bar.update(task, completed=stats.bytes_read))
-    else:
-        replay_blocks(path, analyzer, stats)
-    return analyzer.finish(notes=stats.notes(), damaged_lines=stats.corrupt_lines + stats.oversized_lines)
 
 
 def exit_code_for(analysis: Analysis) -> int:

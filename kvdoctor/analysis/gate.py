@@ -1,4 +1,5 @@
-"""Judging an analysis against budgets, for CI: every budget is one check that passes or fails.
+"""Judging an analysis against budgets (kvdoctor.analysis.budgets), for CI: every budget is one
+check that passes or fails.
 
 A gate that passes a crashed benchmark is worse than none, so it fails when the command failed,
 when no probe reported from the engine it was meant to watch, and on any error finding the user
@@ -15,60 +16,26 @@ warning line, never a failure.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.analysis.admission import MAX_PROCESSES
+from kvdoctor.analysis.budgets import ANY_ENGINE, BUDGETED_KINDS, Budgets
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import one_line
 from kvdoctor.trace import schema
-from kvdoctor.units import HOUR_S, MIB, as_float, as_int, format_rate
+from kvdoctor.units import as_float, as_int, format_rate
 
-if TYPE_CHECKING:  # the CLI reads the defaults below without loading the detectors
+if TYPE_CHECKING:  # `run` reads outlived_sentence without loading the detectors
     from kvdoctor.analysis.analyzer import Analysis
 
-DEFAULT_MAX_GROWTH = "500MiB/h"
-DEFAULT_FAIL_ON = (schema.DOUBLE_FREE, schema.DOUBLE_ALLOC, schema.STALE_LAST_LOC, schema.INDEX_OUT_OF_RANGE)
 DEFAULT_TOLERANCE = 0.2  # a baseline regression is a rise of more than this fraction
 RATE_DIGITS = 1  # growth rates in check details: "512.0 MiB/h"
 
 
 def _rate_text(bytes_per_s: float) -> str:
     return format_rate(bytes_per_s, digits=RATE_DIGITS)
-
-
-ANY_ENGINE = "any"
-ENGINES = (ANY_ENGINE, "sglang", "vllm")
-BUDGETED_KINDS = (schema.ORPHAN_SLOTS, schema.MEMORY_GROWTH)  # judged by their own budgets
-
-
-@dataclasses.dataclass
-class Budgets:
-    max_growth_bytes_per_s: float = 500 * MIB / HOUR_S
-    max_orphan_slots: int = 0
-    fail_on: set[str] = dataclasses.field(default_factory=lambda: set(DEFAULT_FAIL_ON))
-    allow: set[str] = dataclasses.field(default_factory=set)  # error kinds the user waived by name
-    engine: str = ANY_ENGINE  # the engine whose probe must report
-
-
-def finding_kind(name: str) -> str:
-    """A finding kind from what a user typed: `double-free` is `double_free`; a name that is no
-    kind is refused with the nearest one suggested."""
-    kind = name.strip().replace("-", "_")
-    if kind in schema.FINDING_KINDS:
-        return kind
-    near = difflib.get_close_matches(kind, schema.FINDING_KINDS, n=1)
-    hint = f"did you mean {near[0]}?" if near else "choose from " + ", ".join(schema.FINDING_KINDS)
-    raise KvdoctorError(f"{name.strip()!r} is not a finding kind", hint)
-
-
-def finding_kinds(text: str, option: str) -> set[str]:
-    names = [n for n in (text or "").split(",")]
-    if not any(n.strip() for n in names):
-        raise KvdoctorError(f"{option} names no finding kind", f"give one or more, e.g. {option} double_free,stale_last_loc")
-    return {finding_kind(n) for n in names if n.strip()}
 
 
 @dataclasses.dataclass

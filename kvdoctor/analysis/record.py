@@ -14,7 +14,7 @@ from typing import Any
 
 from kvdoctor.analysis.detectors.probe_health import WHOLE_PROBE
 from kvdoctor.trace import schema
-from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
 
 KNOWN_ENGINES = ("sglang", "vllm")

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvdoctor.collect.nvml import NVML
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.trace import schema
 from kvdoctor.trace.writer import redact_args
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -40,7 +41,6 @@ ROLE_BY_TITLE = (
     ("vllm::enginecore", "engine"),
     ("vllm::worker", "worker"),
 )
-ENGINES = ("sglang", "vllm")
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ def guess_engine(title: str) -> str:
             name = word.split(".", 1)[0]
         else:
             name = os.path.basename(word)
-        if name in ENGINES:
+        if name in schema.SERVING_ENGINES:
             return name
     return ""
 

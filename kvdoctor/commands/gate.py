@@ -13,16 +13,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.analysis.gate import (
-    ANY_ENGINE,
-    DEFAULT_FAIL_ON,
-    DEFAULT_MAX_GROWTH,
-    ENGINES,
-    Budgets,
-    check_baseline_engines,
-    finding_kinds,
-    judge,
-)
+from kvdoctor.analysis.budgets import ANY_ENGINE, DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, ENGINE_CHOICES, Budgets, finding_kinds
+from kvdoctor.analysis.gate import check_baseline_engines, judge
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError, TraceError
 from kvdoctor.outputs import claim_output, printable, reader_may_leave, same_file, write_private
@@ -61,8 +53,8 @@ def _is_trace_path(args: list[str]) -> bool:
 def budgets_from(max_growth: str, max_orphan_slots: int, fail_on: str, allow: str, engine: str) -> Budgets:
     if int(max_orphan_slots) < 0:
         raise KvdoctorError("--max-orphan-slots must be 0 or more")
-    if engine not in ENGINES:
-        raise KvdoctorError(f"--engine {engine!r} is not one kvdoctor probes", "choose " + ", ".join(ENGINES))
+    if engine not in ENGINE_CHOICES:
+        raise KvdoctorError(f"--engine {engine!r} is not one kvdoctor probes", "choose " + ", ".join(ENGINE_CHOICES))
     return Budgets(
         max_growth_bytes_per_s=parse_rate(max_growth),
         max_orphan_slots=int(max_orphan_slots),

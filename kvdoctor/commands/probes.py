@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
-from kvdoctor.runner.support import ENGINES, installed_line, installed_pools, map_rows, markdown_table, uncovered
+from kvdoctor.runner.support import installed_line, installed_pools, map_rows, markdown_table, uncovered
+from kvdoctor.trace.schema import SERVING_ENGINES
 
 
 def probes(table: bool = False) -> int:
     if table:
-        to_stdout("\n\n".join(markdown_table(engine) for engine in ENGINES))
+        to_stdout("\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES))
         return EXIT_OK
     lines = ["installed here:"]
-    for engine in ENGINES:
+    for engine in SERVING_ENGINES:
         lines.append(f"  {installed_line(engine)}")
         lines += [f"    pools {line}" for line in installed_pools(engine)]
-    for engine in ENGINES:
+    for engine in SERVING_ENGINES:
         lines.append(f"{engine} maps:")
         for row in map_rows(engine):
             tested = sum(r.tested for r in row.releases)

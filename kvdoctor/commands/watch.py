@@ -15,10 +15,10 @@ from kvdoctor.analysis.findings import ERROR
 from kvdoctor.analysis.growth import GrowthParams
 from kvdoctor.collect.procfs import check_process
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.live.prometheus import parse_address
+from kvdoctor.live.summary import write_watch_json, write_watch_text
 from kvdoctor.outputs import reader_may_leave
 from kvdoctor.reporters import check_format
-from kvdoctor.reporters.live import write_watch_json, write_watch_text
-from kvdoctor.reporters.prometheus import parse_address
 from kvdoctor.runner.watch import run_watch
 
 WATCH_FORMATS = ("auto", "text", "json")
@@ -46,7 +46,7 @@ def watch(
 
     `growth_params` tunes the growth test (warm-up, windows, minimum rate); the defaults suit
     watches of minutes to days. `prometheus` ("HOST:PORT") serves the live metrics there while
-    the watch runs (see kvdoctor.reporters.prometheus). `force` lets `trace_path` replace a file.
+    the watch runs (see kvdoctor.live.prometheus). `force` lets `trace_path` replace a file.
     """
     check_format(output_format, WATCH_FORMATS)
     _check_seconds("interval", interval_s, finite=True)

@@ -10,6 +10,7 @@ from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
 from kvdoctor.outputs import one_line, printable
 from kvdoctor.reporters.bounded import PROCESSES_SHOWN, first_processes, shown_findings
+from kvdoctor.trace.schema import STATUS_KINDS
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
 EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")
@@ -41,7 +42,8 @@ def render_text(analysis: Analysis) -> str:
     shown, left = shown_findings(analysis.findings)
     for finding in shown:
         mark = MARK.get(finding.severity, one_line(finding.severity))
-        lines.append(f"{mark} {one_line(finding.kind)} x{finding.count}: {one_line(finding.message)}")
+        counted = "" if finding.kind in STATUS_KINDS or not finding.count else f" x{finding.count}"  # "x0" would read as "none"
+        lines.append(f"{mark} {one_line(finding.kind)}{counted}: {one_line(finding.message)}")
         for key in EVIDENCE_KEYS:
             value = finding.evidence.get(key)
             if value in (None, "", [], {}):

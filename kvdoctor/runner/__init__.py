@@ -1,14 +1,15 @@
 """The services the commands call: start a command under the probe (launch), watch a live process
-tree (watch), and the pieces they share: where a trace goes by default, and how a recorded trace
-is analysed on this machine."""
+tree (watch), a trace's counters as a table (counter_table), and the pieces they share: where a
+trace goes by default, and how a recorded trace is analysed on this machine."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from kvdoctor.analysis.analyzer import Analysis, analyze_trace
+from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.collect.procfs import machine_memory_limit_bytes
 from kvdoctor.errors import KvdoctorError
 

@@ -15,8 +15,6 @@ from kvdoctor.probe.releases import Release, ci_sentence, release, releases
 from kvdoctor.probe.runtime import ENGINE_LABELS
 from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
 
-ENGINES = ("sglang", "vllm")
-
 
 @dataclasses.dataclass
 class MapRow:

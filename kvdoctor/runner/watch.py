@@ -17,7 +17,6 @@ It stops at `duration_s`, on Ctrl-C, or when the watched process exits.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -31,36 +30,19 @@ from kvdoctor.analysis import growth
 from kvdoctor.analysis.analyzer import Analyzer
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
-from kvdoctor.analysis.findings import Finding
 from kvdoctor.collect.attach import attach_for_watch
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.live.prometheus import PrometheusExporter
+from kvdoctor.live.summary import WatchResult
+from kvdoctor.live.view import LIVE_GROWTH_EVERY_S, LiveView, attribution_line
 from kvdoctor.outputs import claim_output, remove_claimed
-from kvdoctor.reporters.live import LIVE_GROWTH_EVERY_S, LiveView, attribution_line
-from kvdoctor.reporters.prometheus import PrometheusExporter
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import TraceTail
 from kvdoctor.trace.writer import TraceWriter, finish_trace, now_us
 
 D = TypeVar("D")
-
-
-@dataclasses.dataclass
-class WatchResult:
-    """What a finished watch saw: the reporters in kvdoctor.reporters.live render it."""
-
-    root_pid: int
-    trace_path: str
-    findings: list[Finding]
-    processes: list[dict[str, Any]]
-    rounds: int
-    elapsed_s: float
-    root_exited: bool
-
-    @property
-    def samples(self) -> int:
-        return sum(int(p["samples"]) for p in self.processes)
 
 
 def watch_analyzer(growth_params: growth.GrowthParams | None = None, host_memory_limit_bytes: int | None = None) -> Analyzer:

@@ -20,6 +20,7 @@ from typing import Any
 SCHEMA_NAME = "kvdoctor.trace"
 SCHEMA_VERSION = 1
 SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+SERVING_ENGINES = ("sglang", "vllm")  # the serving engines kvdoctor probes: what a header's `engine` names
 
 # Event names (the `name` field) that carry meaning for detectors.
 HEADER = "kvdoctor_header"  # ph M: schema, engine, engine_version, pid, process_title
@@ -91,6 +92,7 @@ TRACE_WRITE_FAILED = "trace_write_failed"
 LEDGER_DISAGREES = "ledger_disagrees"
 CONNECTOR_HELD_BLOCKS = "connector_held_blocks"
 CONTAINER_GROWTH = "container_growth"
+STATUS_KINDS = (PROBE_OFF, PROBE_PARTIAL, TRACE_WRITE_FAILED)  # findings that tell a state, and count nothing
 
 FINDING_KINDS = (
     ORPHAN_SLOTS,

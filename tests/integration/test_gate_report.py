@@ -8,8 +8,9 @@ import pytest
 from conftest import REPO
 from support.browser import CHROMIUM, chromium
 
-from kvdoctor.analysis.analyzer import analyze_trace
-from kvdoctor.analysis.gate import Budgets, judge
+from kvdoctor.analysis.budgets import Budgets
+from kvdoctor.analysis.gate import judge
+from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.commands.gate import gate
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.reporters.html import render_html

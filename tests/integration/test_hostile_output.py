@@ -72,7 +72,7 @@ def test_absurd_memory_values_leave_the_report_whole(tmp_path, values, counter):
     whole report down (internal error, exit 2); such points are no machine's memory and are left
     out of the fit, and the census's leak is still reported. (In one process: the fit is the
     analysis's; the command line is the next test's.)"""
-    from kvdoctor.analysis.analyzer import analyze_trace
+    from kvdoctor.analysis.replay import analyze_trace
     from kvdoctor.reporters import render
 
     events = memory(values)

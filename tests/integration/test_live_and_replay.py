@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from kvdoctor.analysis.analyzer import analyze_trace
 from kvdoctor.analysis.findings import Finding
+from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.commands.watch import watch
 from kvdoctor.runner import watch as watch_runner
 from kvdoctor.runner.watch import WatchRecorder, watch_analyzer

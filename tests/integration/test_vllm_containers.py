@@ -20,8 +20,8 @@ sys.path.insert(0, SUPPORT)
 
 import vllm_server
 
-from kvdoctor.analysis.analyzer import analyze_trace
 from kvdoctor.analysis.detectors.container_growth import ContainerGrowthDetector
+from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.probe import containers
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events

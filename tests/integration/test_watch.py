@@ -2,7 +2,7 @@
 
 The process tests start small Python programs that print "ready" once set up and then grow,
 plateau, exit, or hold a /dev/zero shared mapping (how cudaHostAlloc pinned memory looks from
-outside). The growth tests drive kvdoctor.growth with synthetic series on a fake clock.
+outside). The growth tests drive kvdoctor.analysis.growth with synthetic series on a fake clock.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvdoctor.collect.procfs import check_process, find_process_tree, guess_role
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.commands.watch import watch
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.reporters.live import LiveView, sparkline
+from kvdoctor.live.view import LiveView, sparkline
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 

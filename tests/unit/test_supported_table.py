@@ -3,7 +3,8 @@ maps and the release list, so it cannot drift from what the matrix tests."""
 
 import os
 
-from kvdoctor.runner.support import ENGINES, installed_line, markdown_table
+from kvdoctor.runner.support import installed_line, markdown_table
+from kvdoctor.trace.schema import SERVING_ENGINES
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BEGIN, END = "<!-- kvdoctor probes --table -->\n", "\n<!-- end of generated table -->"
@@ -12,7 +13,7 @@ BEGIN, END = "<!-- kvdoctor probes --table -->\n", "\n<!-- end of generated tabl
 def test_readme_table_is_generated():
     readme = open(os.path.join(REPO, "README.md")).read()
     copy = readme[readme.index(BEGIN) + len(BEGIN) : readme.index(END)]
-    assert copy == "\n\n".join(markdown_table(engine) for engine in ENGINES)
+    assert copy == "\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES)
 
 
 def test_the_table_names_why_a_release_is_not_run():

@@ -1,11 +1,13 @@
-"""The detector protocol, and the shared shape of detectors that read the probe's violations."""
+"""The protocols of what an analysis feeds (sinks, detectors, the bulk feed of counter lines), and
+the shared shape of detectors that read the probe's violations."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.trace import schema
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
 
 MAX_LEDGER_ENTRIES = 1024  # (process, allocator[, call site]) entries one table keeps; a trace naming more is crafted
@@ -36,10 +38,39 @@ class LeftOut:
         return self.events > 0
 
 
-class Detector(Protocol):
+class Sink(Protocol):
+    """What an analysis feeds events to: every detector, and the series and probe record beside
+    them. A sink with a `consumes` set (frozenset of event names) is fed only those; one with a
+    `forget(pid)` drops a process the analysis sets aside (kvdoctor.analysis.admission)."""
+
     def feed(self, event: schema.Event) -> None: ...
 
+
+class Detector(Sink, Protocol):
     def findings(self) -> list[Finding]: ...
+
+
+@runtime_checkable
+class CounterBlockSink(Sink, Protocol):
+    """A sink that also takes counter lines in bulk. A replay gathers the counter lines of one
+    (name, pid, allocator) that come between the other events the sink reads and hands them over
+    unparsed (kvdoctor.trace.counter_block): `feed_counter_block(block)` must leave the sink as
+    `feed` of each line in turn would, parsing only what it keeps. A counter name goes in bulk only
+    when every sink that reads it is one of these.
+
+    `counter_state_apart`: what the sink keeps of counters changes nothing its other events read
+    (maxima, firsts), so gathered lines need not be handed over before those events."""
+
+    consumes: frozenset[str]
+    counter_state_apart: bool
+
+    def feed_counter_block(self, block: CounterBlock) -> None: ...
+
+
+def reads(sink: Sink, name: str) -> bool:
+    """A sink reads the event names in its `consumes` set; one without the set reads everything."""
+    consumes: frozenset[str] | None = getattr(sink, "consumes", None)
+    return consumes is None or name in consumes
 
 
 class ViolationDetector:

@@ -15,7 +15,7 @@ from typing import Any, cast
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
 from kvdoctor.trace import schema
-from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
 
 MAX_POINTS_PER_SERIES = 20_000
@@ -51,7 +51,7 @@ _MIN_SERIES_POINTS = 4
 class MemoryGrowthDetector:
     """Collects MEMORY_COUNTER events and reports each (process, memory class) that grows.
 
-    `params` tunes the growth test (warm-up, windows, minimum rate; see kvdoctor.growth).
+    `params` tunes the growth test (warm-up, windows, minimum rate; see kvdoctor.analysis.growth).
     Warm-up is counted from the process's start when its header gives it, so a server that has
     run for hours is analysed from the first sample. The host limit used for the time to OOM is
     `memory_limit_bytes` when given, else the one the sampler recorded in the trace, else
@@ -59,6 +59,7 @@ class MemoryGrowthDetector:
     """
 
     consumes = frozenset({schema.HEADER, schema.RUN_HEADER, schema.MEMORY_COUNTER})
+    counter_state_apart = False  # its headers and its samples reach it in trace order
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from typing import Any
 from kvdoctor.analysis.detectors.base import MAX_LEDGER_ENTRIES, LeftOut, as_list, left_out_finding
 from kvdoctor.analysis.findings import INFO, WARNING, Finding
 from kvdoctor.trace import schema
-from kvdoctor.trace.blocks import CounterBlock
+from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
 
 # Components whose turning off is the whole probe's; any other (attribution, memory classes, the

@@ -1,4 +1,5 @@
-"""What `kvdoctor watch` shows: the live table on a TTY, and the summary (text or JSON) at the end.
+"""What `kvdoctor watch` shows while it samples: the live table on a TTY, or a line for each
+host-growth attribution without one.
 
 The table is redrawn at most twice a second and runs the (costlier) growth test at most every few
 seconds, so drawing never slows the sampling down.
@@ -6,20 +7,15 @@ seconds, so drawing never slows the sampling down.
 
 from __future__ import annotations
 
-import json
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import Any, Protocol
 
 from kvdoctor.analysis import growth
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.outputs import one_line
-from kvdoctor.reporters.json_report import strict
 from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
-
-if TYPE_CHECKING:
-    from kvdoctor.runner.watch import WatchResult
 
 
 class _Process(Protocol):
@@ -38,7 +34,6 @@ class SampledTree(Protocol):
     processes: dict[int, Any]
 
 
-WATCH_SCHEMA_ID = "kvdoctor.watch/1"
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 LIVE_REFRESH_S = 0.5  # the live table is redrawn at most this often
 LIVE_GROWTH_EVERY_S = 5.0  # the (costlier) growth test for the table runs at most this often
@@ -171,44 +166,6 @@ class LiveView:
             ]
             table.add_row(*cells, style="bold red" if flagged is not None else "")
         return table
-
-
-def write_watch_text(result: WatchResult, out: TextIO) -> None:
-    """The summary a person reads after a watch: one line per process, then the findings."""
-    print(
-        f"kvdoctor watch {result.root_pid}: {len(result.processes)} process(es), {result.rounds} samples over "
-        f"{format_duration(result.elapsed_s)}; trace: {result.trace_path}",
-        file=out,
-    )
-    for proc in result.processes:
-        state = "exited" if proc["exited"] else "running"
-        print(
-            f"  {proc['pid']:>7}  {proc['role']:<11} rss {format_optional_bytes(proc['rss_bytes']):>9} "
-            f"(peak {format_optional_bytes(proc['peak_rss_bytes'])})  {state:<7} {display_title(proc['title'])[:60]}",
-            file=out,
-        )
-    if not result.findings:
-        print("no memory growth found", file=out)
-        return
-    for finding in result.findings:
-        print(f"{finding.severity.upper()} {finding.kind}: {one_line(finding.message)}", file=out)
-
-
-def watch_report(result: WatchResult) -> dict[str, Any]:
-    """The JSON a script reads after a watch (versioned: `schema` is "kvdoctor.watch/1")."""
-    return {
-        "schema": WATCH_SCHEMA_ID,
-        "findings": [f.to_dict() for f in result.findings],
-        "trace": result.trace_path,
-        "samples": result.rounds,
-        "duration_s": result.elapsed_s,
-        "root_exited": result.root_exited,
-        "processes": result.processes,
-    }
-
-
-def write_watch_json(result: WatchResult, out: TextIO) -> None:
-    print(json.dumps(strict(watch_report(result)), default=str, allow_nan=False), file=out)
 
 
 def attribution_line(finding: Finding) -> str:
