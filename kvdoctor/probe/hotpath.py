@@ -1,4 +1,5 @@
-"""The compiled hot path (`_hotpath`, a C extension), and the pure-Python fallback beside it.
+"""The compiled hot path (`_hotpath`, a C extension: kvdoctor/probe/csrc/), and the pure-Python
+fallback beside it.
 
 The probe's wrappers, re-entry bookkeeping and the slot ledger's healthy-case updates run in C
 when the extension is importable: a Python wrapper reading index tensors through torch's Python
