@@ -1,6 +1,7 @@
 """`kvdoctor run -- CMD...`: start CMD with the probe in every Python process it starts, then
 analyse the trace it left and exit with CMD's own exit code (the summary goes to stderr, so
-CMD's output stays its own)."""
+CMD's output stays its own). The first line on stderr names the probe's hot path (compiled, or
+pure Python and why): the pure-Python path costs several times more per hooked call."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes
 from kvdoctor.runner.launch import run_command
+from kvdoctor.runner.support import hot_path_line
 
 
 def run(
@@ -29,8 +31,12 @@ def run(
     engine = check_attribution(attribution)
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):
         raise KvdoctorError(f"--sample-interval must be 0 (off) or a positive number of seconds, not {sample_interval_s}")
-    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine)
+    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine, on_start=say_hot_path)
     analysis = analyze_recorded(trace_path)
     print(printable(render(analysis, output_format)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
     return code
+
+
+def say_hot_path() -> None:
+    print(f"kvdoctor: hot path {hot_path_line()}", file=sys.stderr, flush=True)
