@@ -196,6 +196,11 @@ difference turns this reader off for good. KVDOCTOR_HOTPATH_DIRECT=0 never uses 
 
 #define DIRECT_CHECK_EVERY 1024
 #define DIRECT_MAX_KEYSETS 4
+/* How far past the sizes and strides the learning reads: the storage offset, numel, dtype, device
+ * and dispatch keys fill these 32 bytes in torch's TensorImpl, and the object may end right after
+ * them (a plain CPU tensor's is 176 bytes on torch 2.14, its keys the last 8): a wider scan reads
+ * past the object, as AddressSanitizer showed. */
+#define FIELDS_SPAN 32
 
 typedef struct {
     int on;
@@ -442,16 +447,19 @@ learn_direct(PyObject *samples)
     }
     if (max_ndim < 2)
         return 0;
-    /* past the sizes and strides: storage offset, then dtype, device and dispatch keys */
-    Py_ssize_t past = L.strides + 8 * L.inline_dims;
+    /* past the sizes and strides: storage offset, then dtype, device and dispatch keys, all read
+     * inside the FIELDS_SPAN bytes there (the object may end soon after them) */
+    Py_ssize_t past = L.strides + 8 * L.inline_dims, end = past + FIELDS_SPAN;
     L.storage_offset = only_offset(s, n, past, past + 32, 8, fits_storage_offset);
     if (L.storage_offset < 0)
         return 0;
-    L.dtype = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 2, fits_dtype);
-    L.device = only_offset(s, n, L.storage_offset + 8, L.storage_offset + 48, 1, fits_device);
+    L.dtype = only_offset(s, n, L.storage_offset + 8, end - 2 + 1, 2, fits_dtype);
+    L.device = only_offset(s, n, L.storage_offset + 8, end - 3 + 1, 1, fits_device);
     if (L.dtype < 0 || L.device < 0)
         return 0;
     L.keys = (L.device + 3 + 7) / 8 * 8;
+    if (L.keys + 8 > end)
+        return 0;
     int have64 = 0, have32 = 0;
     for (int i = 0; i < n; i++) {
         if (s[i].meta)
