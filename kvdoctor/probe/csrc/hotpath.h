@@ -28,6 +28,13 @@
 #error "the hot path's state is guarded by the GIL"
 #endif
 
+/* What the units declare here is hidden too (-fvisibility=hidden covers only definitions): the
+ * state, the thread's record and the calls between units are then reached directly, as a single
+ * unit's statics were, not through the GOT, the PLT or __tls_get_addr's general model. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(hidden)
+#endif
+
 /* Failure and violation paths: out of line, in the cold section, so the healthy path's code stays
  * dense (the host's own code evicts ours from the instruction cache between two hooked calls). */
 #if defined(__GNUC__)
@@ -370,5 +377,9 @@ PyObject *m_sglang_context(PyObject *m, PyObject *a);
 PyObject *m_set_primary(PyObject *m, PyObject *allocator);
 PyObject *m_set_row_extent(PyObject *m, PyObject *arr);
 PyObject *m_set_divert(PyObject *m, PyObject *flag);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #endif
