@@ -1,18 +1,18 @@
 """`kvdoctor probes`: the releases each map covers and CI tests, and what the probe would do with
-the engine installed here."""
+the engine installed here (its hot path, compiled or pure Python, included)."""
 
 from __future__ import annotations
 
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
-from kvdoctor.runner.support import ENGINES, installed_line, installed_pools, map_rows, markdown_table, uncovered
+from kvdoctor.runner.support import ENGINES, hot_path_line, installed_line, installed_pools, map_rows, markdown_table, uncovered
 
 
 def probes(table: bool = False) -> int:
     if table:
         to_stdout("\n\n".join(markdown_table(engine) for engine in ENGINES))
         return EXIT_OK
-    lines = ["installed here:"]
+    lines = ["installed here:", f"  hot path: {hot_path_line()}"]
     for engine in ENGINES:
         lines.append(f"  {installed_line(engine)}")
         lines += [f"    pools {line}" for line in installed_pools(engine)]
