@@ -47,6 +47,8 @@ class ProbeMap:
     functions: list[FunctionHook]
     source: str
     dist_names: list[str] = dataclasses.field(default_factory=list)
+    # speculative decoding algorithms whose request rows a kernel writes in place, past the hooked row writer
+    speculative_rows_unhooked: list[str] = dataclasses.field(default_factory=list)
 
     def modules(self) -> set[str]:
         return {c.module for c in self.classes} | {f.module for f in self.functions}
@@ -99,6 +101,7 @@ def load_map(path: str) -> ProbeMap:
         functions,
         os.path.basename(path),
         dist_names=list(raw.get("dist_names", [raw["engine"]])),
+        speculative_rows_unhooked=[str(name) for name in raw.get("speculative_rows_unhooked", [])],
     )
 
 

@@ -30,7 +30,8 @@ def this_rank() -> str:
         return ""
 
 
-def ledger_name(kind: str, number: int) -> str:
-    """A ledger's name: the pool's class and its number in the process, after the rank if any."""
-    rank = this_rank()
-    return f"{rank}/{kind}#{number}" if rank else f"{kind}#{number}"
+def ledger_name(kind: str, number: int, part: str = "") -> str:
+    """A ledger's name: the pool's class and its number in the process, after the rank and the
+    part the pool plays in a composite ('full', 'swa'), if any: `tp1/swa/TokenToKVPoolAllocator#1`."""
+    prefix = "/".join(p for p in (this_rank(), part) if p)
+    return f"{prefix}/{kind}#{number}" if prefix else f"{kind}#{number}"

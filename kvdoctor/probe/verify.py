@@ -52,7 +52,8 @@ class MapCheck:
         return out
 
     def ledgers(self) -> list[str]:
-        return sorted({h.ledger for h in self.hooks})
+        """The ledgers the map's hooks feed; a hook that feeds none (the shutdown one) is not one."""
+        return sorted({h.ledger for h in self.hooks if h.ledger})
 
 
 def module_source(dotted: str) -> str | None:

@@ -54,6 +54,9 @@ def test_a_clean_sliding_window_server_is_not_accused_and_says_why(tmp_path):
     assert sorted(parts.values()) == ["TokenToKVPoolAllocator", "TokenToKVPoolAllocator"], coverage["engine_pools"]
     assert all(text != "judged" for text in coverage["ledgers"].values()), coverage["ledgers"]
     assert any("a part of SWATokenToKVPoolAllocator" in text for text in coverage["ledgers"].values())
+    # each part's ledger says which part it is: the full-attention and the sliding-window pool
+    parts_named = sorted(name.split("/", 1)[0] for name in coverage["ledgers"] if name.count("/") == 1)
+    assert parts_named == ["full", "swa"], list(coverage["ledgers"])
     assert "orphans not judged" in server.log_tail(20000)  # said on the server's stderr too
 
 

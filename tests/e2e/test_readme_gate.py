@@ -178,8 +178,11 @@ def test_the_vllm_example_passes_a_clean_run_on_the_exit_census(vllm_clean):
     assert "kvdoctor gate: PASS" in proc.stdout and "command exited 0" in proc.stdout, _output(vllm_clean)
     assert "Successful requests:" in proc.stdout, _output(vllm_clean)  # vLLM's own benchmark ran
     censuses = [e["args"] for e in trace_events(vllm_clean["trace"], "census")]
-    assert censuses and censuses[-1]["reason"] == "exit" and censuses[-1]["orphan_blocks"] == 0, censuses[-1:]
-    assert "the exit census" in proc.stdout, proc.stdout
+    # the census the API server asked for before its SIGTERM, then the exit census where the engine
+    # core reached its shutdown within the 5 s vLLM gives it: either one ends the trace
+    assert censuses and censuses[-1]["reason"] in ("exit", "shutdown") and censuses[-1]["orphan_blocks"] == 0, censuses[-1:]
+    assert [c["reason"] for c in censuses].count("shutdown") == 1, [c["reason"] for c in censuses]
+    assert re.search(r"the (exit|shutdown) census", proc.stdout), proc.stdout
 
 
 @needs_vllm

@@ -79,8 +79,7 @@ def test_the_fresh_pool_check_counts_distinct_pages_as_unique_does(page_size):
     and on lists no allocator makes (repeats, numbers past the pool, floats, empty)."""
     import numpy as np
 
-    from kvdoctor.probe.sglang.adopt import needs_adoption
-    from kvdoctor.probe.sglang.state import host_free_pages
+    from kvdoctor.probe.sglang.adopt import host_free_pages, needs_adoption
 
     def by_unique(ledger, pages):
         return pages is not None and len(np.unique(np.asarray(pages))) < ledger.num_pages

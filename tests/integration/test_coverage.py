@@ -1,12 +1,12 @@
 """A ledger judges only what it proves it sees, on SGLang 0.5.23's real allocator, radix tree and
 request pool, with the probe in a fresh process.
 
-Speculative decoding writes request rows with a kernel (`assign_req_to_token_pool_func`), not with
-`ReqToTokenPool.write`: a request pool whose row writer is its own leaves every slot of a live
-request looking orphaned. The probe must say so (a `coverage` probe_status, partial, with the
+A request pool whose row writer is its own (a subclass overriding `write`) leaves every slot of a
+live request looking orphaned. The probe must say so (a `coverage` probe_status, partial, with the
 reason) and name no orphan; with the real, hooked pool the same workload is judged and a real drop
 is named, so the check is not a blanket silence. The process ends while its requests are live (a
-server stopped under load), so the rolling census is the verdict.
+server stopped under load), so the rolling census is the verdict. Speculative decoding's row
+writer (a kernel, not `write`) has its own tests: test_spec_decode.py.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ probe = runtime.activate(sys.argv[1])
 from kvdoctor.demo.engine import Engine, Request
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-class KernelRowsPool(ReqToTokenPool):
-    def write(self, indices, values):  # rows filled the way a kernel fills them: no hooked call
+class OwnRowWriterPool(ReqToTokenPool):
+    def write(self, indices, values):  # rows filled without passing through a hooked call
         self.req_to_token[indices] = values
 
 engine = Engine(pool_tokens=512, page_size=1)
-if sys.argv[2] == "kernel-rows":
-    engine.req_pool = KernelRowsPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
+if sys.argv[2] == "own-writer":
+    engine.req_pool = OwnRowWriterPool(size=64, max_context_len=4096, device="cpu", enable_memory_saver=False)
     engine.tree = engine._make_tree("radix", 1)  # the tree names the engine's request pool
 
 def finish(rid, tokens):
@@ -73,11 +73,11 @@ def _run(tmp_path, mode: str) -> tuple[list, dict]:
 
 
 def test_a_request_pool_with_its_own_row_writer_is_said_and_not_judged(tmp_path):
-    events, _ = _run(tmp_path, "kernel-rows")
+    events, _ = _run(tmp_path, "own-writer")
     coverage = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
     assert coverage and coverage[-1]["state"] == "partial", coverage
-    assert "KernelRowsPool.write" in coverage[-1]["reason"] and "not hooked" in coverage[-1]["reason"], coverage[-1]
-    assert coverage[-1]["engine_pools"]["req_to_token_pool"] == "KernelRowsPool"
+    assert "OwnRowWriterPool.write" in coverage[-1]["reason"] and "not hooked" in coverage[-1]["reason"], coverage[-1]
+    assert coverage[-1]["engine_pools"]["req_to_token_pool"] == "OwnRowWriterPool"
     censuses = [e.args for e in events if e.name == schema.CENSUS]
     assert censuses and all(c.get("judged") is False for c in censuses)
     # what the ledger would have said: every slot of the live requests looks orphaned
@@ -85,7 +85,7 @@ def test_a_request_pool_with_its_own_row_writer_is_said_and_not_judged(tmp_path)
     analysis = analyze(iter(events))
     assert not [f for f in analysis.findings if f.severity == "error"], [f.message for f in analysis.findings][:3]
     partial = [f for f in analysis.findings if f.kind == schema.PROBE_PARTIAL]
-    assert any("KernelRowsPool" in f.message for f in partial)
+    assert any("OwnRowWriterPool" in f.message for f in partial)
 
 
 def test_the_same_workload_on_the_hooked_pool_is_judged_and_names_the_real_drop(tmp_path):

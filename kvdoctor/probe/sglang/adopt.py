@@ -337,3 +337,29 @@ def _tree_values(tree: Any) -> Any:
         return tree.all_values_flatten()
     except (RuntimeError, ValueError):  # an empty RadixCache: torch.cat of nothing
         return None
+
+
+def host_free_pages(allocator: Any) -> Any:
+    """The allocator's own free list (pages), for the census cross-check; None if unreadable."""
+    if allocator is None:
+        return None
+    try:
+        getter = getattr(allocator, "get_all_free_pages", None)
+        if getter is not None:
+            pages = getter()
+        else:
+            parts = [
+                p
+                for p in (getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None))
+                if p is not None and p.numel() > 0
+            ]
+            if not parts:
+                return []
+            import torch
+
+            pages = torch.cat(parts)
+        if pages is None:
+            return []
+        return pages.detach().cpu().numpy()
+    except Exception:
+        return None

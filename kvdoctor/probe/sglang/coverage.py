@@ -10,8 +10,12 @@ engine's `req_to_token_pool` is a hooked request pool. It does not hold for:
 - an allocator inside such a composite (the full and SWA token allocators of an SWA pool): its slots
   are also held through the composite's own mappings, which the probe does not follow;
 - a request pool that is not a hooked class (PD decode's `DecodeReqToTokenPool`), or one whose row
-  writer is its own (a subclass overriding `write`, as a kernel that fills rows would be): which
-  request owns a slot is not seen, so slots in use would look orphaned.
+  writer is its own (a subclass overriding `write`): which request owns a slot is not seen, so slots
+  in use would look orphaned;
+- an engine decoding speculatively (its scheduler's, a batch's or a model runner's `spec_algorithm`)
+  where the map hooks no speculative row writer (`req_write_spans`: SGLang launches a kernel,
+  `assign_req_to_token_pool`, through `assign_req_to_token_pool_func` from 0.5.4.post2, inline before),
+  or names the algorithm as one whose kernel is launched in place (NGRAM before 0.5.14).
 
 Such a ledger keeps counting (double frees and out-of-range indices are still its own), says why
 it is not judged, and names no orphan. The engine's objects are found from the calls the probe sees:
@@ -30,6 +34,7 @@ from typing import Any
 from kvdoctor.probe.objects import instance_dict, own
 
 MAX_FRAMES = 64
+MAX_SPECULATIVE_SEEKS = 8  # allocations whose callers are searched for the engine's speculative algorithm
 ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
 
 
@@ -50,15 +55,64 @@ def engine_view(target: Any) -> Any:
     return next(engine_callers(target), None)
 
 
+def part_name(allocator: Any) -> str:
+    """The part `allocator` plays in a composite allocator ('full' and 'swa' in an SWA pool, from
+    the composite's `full_attn_allocator` / `swa_attn_allocator`), found from the callers' `self`
+    (the composite whose call reached it, or an engine object whose allocator holds it); '' when
+    no caller holds it as a part. Read once, when its ledger is made."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return ""
+        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if obj is not None and obj is not allocator:
+            for holder in (obj, own(obj, "token_to_kv_pool_allocator")):
+                if holder is None or holder is allocator:
+                    continue
+                for key, value in values_by_name(holder):
+                    if value is allocator and key not in ENGINE_ATTRS:  # the engine's own allocator is no part
+                        return _part_label(key)
+        frame = frame.f_back
+    return ""
+
+
+def constructing(obj: Any) -> bool:
+    """`obj`'s own `__init__` is among the callers: the object is being built."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is obj:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _part_label(attribute: str) -> str:
+    label = attribute.strip("_")
+    for suffix in ("_attn_allocator", "_allocator"):
+        if label.endswith(suffix) and len(label) > len(suffix):
+            return label[: -len(suffix)]
+    return label
+
+
 def class_names(obj: Any) -> set[str]:
     return {c.__name__ for c in type(obj).__mro__}
 
 
-def why_not_judged(allocator: Any, holder: Any, requests: Any, classes: dict[str, set[str]], request_methods: dict[str, list[str]]) -> str:
+def why_not_judged(
+    allocator: Any,
+    holder: Any,
+    requests: Any,
+    classes: dict[str, set[str]],
+    request_methods: dict[str, list[str]],
+    speculative_rows: str = "",
+) -> str:
     """'' when the ledger of `allocator` can judge orphans, else the reason, in one sentence.
     `holder`: another allocator that holds it as a part (None if none is known); `requests`: the
     request pool named beside it (None until seen); `request_methods`: the map's request pool
-    classes and their hooked methods."""
+    classes and their hooked methods; `speculative_rows`: why speculative decoding's row writes are
+    not seen ('' when they are, or the engine does not decode speculatively)."""
     name = type(allocator).__name__
     if name not in classes["allocator"]:
         return f"{name} is a pool the probe map does not describe (only the methods it inherits are hooked)"
@@ -69,6 +123,32 @@ def why_not_judged(allocator: Any, holder: Any, requests: Any, classes: dict[str
         return (
             f"the request pool {type(requests).__name__} is not hooked ({', '.join(unhooked[:4])}): which request holds a slot is not seen"
         )
+    if speculative_rows:
+        return f"{speculative_rows}: which request holds a slot is not seen"
+    return ""
+
+
+def speculative_algorithm(holder: Any) -> str | None:
+    """The speculative decoding algorithm an engine object names (`spec_algorithm`: the scheduler,
+    a batch, a model runner): '' for none, None when it names none. An enum member's name is read
+    from its own attributes (no host code runs); a plugin's algorithm object by its class."""
+    value = own(holder, "spec_algorithm")
+    if value is None:
+        return None
+    name = own(value, "_name_")
+    name = name if isinstance(name, str) else type(value).__name__
+    return "" if name == "NONE" else name
+
+
+def speculative_rows_unseen(algorithm: str | None, writers: list[str], launched_in_place: list[str]) -> str:
+    """Why the rows speculative decoding writes are not seen, or '': `writers`, the row writers the
+    map hooks; `launched_in_place`, the algorithms whose kernel the map says is launched past them."""
+    if not algorithm:
+        return ""
+    if not writers:
+        return f"speculative decoding ({algorithm}) writes request rows with a kernel the probe map for this release does not hook"
+    if algorithm in launched_in_place:
+        return f"speculative decoding ({algorithm}) writes request rows with a kernel launched in place, not through {writers[0]}"
     return ""
 
 
@@ -125,3 +205,36 @@ def untracked(pools: dict[str, str]) -> dict[str, str]:
     """The engine's pools that no ledger counts: the state pools a hybrid request pool holds beside
     its rows (Mamba and short-conv state slots, n-gram tables), by role."""
     return {role: kind for role, kind in pools.items() if role.startswith("req_to_token_pool.")}
+
+
+class SpeculativeRows:
+    """Which speculative algorithm the engine runs, as its objects name it. SGLang builds its pools
+    (where the first ledger is made) before any object that names them exists, so the callers of
+    the first few allocations are searched (`seeks_left`) until one names it."""
+
+    def __init__(self) -> None:
+        self.algorithm: str | None = None  # None: not known yet; '': the engine does not decode speculatively
+        self.seeks_left = 0
+        self._started = False
+
+    def start(self) -> bool:
+        """Once, at the first ledger: search the next allocations' callers. True if searching."""
+        if not self._started and self.algorithm is None:
+            self._started = True
+            self.seeks_left = MAX_SPECULATIVE_SEEKS
+        return self.seeks_left > 0
+
+    def note(self, holder: Any) -> bool:
+        """Reads the algorithm `holder` names; True when that changes what is known (a speculative
+        algorithm, once named, is not taken back by another object naming none)."""
+        algorithm = speculative_algorithm(holder)
+        if algorithm is None:
+            return False
+        self.seeks_left = 0
+        if algorithm == self.algorithm or (not algorithm and self.algorithm):
+            return False
+        self.algorithm = algorithm
+        return True
+
+    def unseen(self, writers: list[str], launched_in_place: list[str]) -> str:
+        return speculative_rows_unseen(self.algorithm, writers, launched_in_place)

@@ -3,8 +3,9 @@
 Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a request and check the
 `last_loc` they are given; free roles return slots (or whole pages); tree roles move slots to
 and from the radix tree; request-pool roles say which rows are live and which slots each row
-points at. `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale
-one can be named and, with `recompute-last-loc`, read again.
+points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel).
+`last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
+named and, with `recompute-last-loc`, read again.
 
 Kept in step with kvdoctor/probe/csrc/sglang_paths.c: a role with a `fast_kind` has its healthy
 case done there in C, so a change to what such a role reads or records is made there too
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.probe import fixes, hotpath
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.requests import (
     ReqAllocCountRole,
     ReqAllocRole,
@@ -27,7 +29,9 @@ from kvdoctor.probe.sglang.requests import (
     ReqFreeRowsRole,
     ReqWriteRole,
 )
+from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole
 from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
+from kvdoctor.probe.shutdown import ShutdownRole
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -187,7 +191,12 @@ class ClearRole(SlotRole):
     composite = True
 
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        ledger = sglang_state(probe).ledger_for(obj)
+        state = sglang_state(probe)
+        if id(obj) not in state.ledgers and coverage.constructing(obj):
+            # a pool clearing itself as it is built: its ledger, made at its first use, starts all
+            # free as this would, and by then a composite holding it (an SWA pool) names its part
+            return
+        ledger = state.ledger_for(obj)
         with ledger.lock:
             ledger.reset_all_free()
 
@@ -292,41 +301,6 @@ class LastLocSourceRole(SlotRole):
         )
 
 
-class ShutdownRole(Role):
-    """`kill_process_tree(parent_pid, ...)`: SGLang's launcher is about to SIGKILL its scheduler
-    processes, where no exit census can run. Their probes are asked for a census first, and the
-    kill waits for their answers (bounded: `probe/shutdown.py`)."""
-
-    runs_first = True
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        rendezvous = probe.rendezvous
-        if rendezvous is None or rendezvous.asked_others:
-            return None
-        outcome = rendezvous.ask_and_wait()
-        if not outcome["asked"]:
-            return None
-        answered = outcome["answered"]
-        censuses = ", ".join(f"pid {pid}: {a.get('census')}" for pid, a in sorted(answered.items()))
-        reason = f"census asked of {len(outcome['asked'])} probed process(es) before the engine's kill, waited {outcome['waited_s']} s"
-        if censuses:
-            reason += f" ({censuses})"
-        if outcome["unanswered"]:
-            reason += f"; no answer from pid(s) {', '.join(map(str, outcome['unanswered']))}: their last rolling census stands"
-        probe.emitter.emit(
-            schema.PROBE_STATUS,
-            {
-                "component": "shutdown",
-                "state": "on",
-                "reason": reason,
-                "waited_s": outcome["waited_s"],
-                "unanswered": outcome["unanswered"],
-            },
-        )
-        probe.emitter.flush()  # the kill may take this process too (include_parent=True ends in SIGKILL)
-        return None
-
-
 ROLES: dict[str, Role] = {
     "alloc": AllocRole(),
     "alloc_extend": ExtendRole(),
@@ -351,6 +325,7 @@ ROLES: dict[str, Role] = {
     "req_free_index": ReqFreeIndexRole(),
     "req_free_rows": ReqFreeRowsRole(),
     "req_write": ReqWriteRole(),
+    "req_write_spans": ReqWriteSpansRole(),
     "req_clear": ReqClearRole(),
     "last_loc_source": LastLocSourceRole(),
     "shutdown": ShutdownRole(),

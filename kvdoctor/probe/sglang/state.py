@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvdoctor.probe import hotpath, objects
+from kvdoctor.probe import hotpath
 from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.rank import ledger_name
 from kvdoctor.probe.sglang import coverage
-from kvdoctor.probe.sglang.adopt import adopt, needs_adoption
+from kvdoctor.probe.sglang.adopt import adopt, host_free_pages, needs_adoption
+from kvdoctor.probe.sglang.judging import CoverageJudging
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -34,13 +35,13 @@ MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the 
 # each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
 # (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
-MAX_LEDGERS_LISTED = 16  # in a coverage line (a bench builds a pool a loop)
-MAX_ENGINE_POOLS = 16  # allocators learned from the engine's objects (one per scheduler; a few engines in a test)
 QUIET_S = 0.5  # an idle engine this long without a release gets its census from the writer thread
 SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet, then the rolling one stands
 
 
-class SglangState:
+class SglangState(CoverageJudging):
+    """See the module's docstring; which of its ledgers may judge orphans: `CoverageJudging`."""
+
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
         self.requests = RequestTable()
@@ -60,6 +61,7 @@ class SglangState:
         # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
         self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
         self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
+        self.speculative = coverage.SpeculativeRows()  # the engine's speculative algorithm, once an object names it
         self._untracked_said = ""  # the pools no ledger counts, as last said on stderr
         self._judging_dirty = False  # a ledger or an engine's pools came since the last judgement
         self._calls_last_round = -1
@@ -74,7 +76,11 @@ class SglangState:
     @census_pending.setter
     def census_pending(self, value: bool) -> None:
         self._census_pending = value
-        hotpath.set_divert(value)
+        self._divert()
+
+    def _divert(self) -> None:
+        """Allocations take the Python path while a census is due or the engine is still sought."""
+        hotpath.set_divert(self._census_pending or self.speculative.seeks_left > 0)
 
     # ----- ledgers -----
 
@@ -83,7 +89,7 @@ class SglangState:
         if ledger is not None:
             return ledger
         size, page_size = positive_ints(allocator, "size", "page_size")
-        name = ledger_name(type(allocator).__name__, len(self.ledgers))
+        name = ledger_name(type(allocator).__name__, len(self.ledgers), coverage.part_name(allocator))
         device = getattr(allocator, "device", "cpu")
         probe = self.probe
         ledger = SlotLedger(
@@ -122,6 +128,8 @@ class SglangState:
         view = coverage.engine_view(allocator)
         if view is not None:
             self.note_engine(view)
+        if self.speculative.start():
+            self._divert()
         self.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
@@ -142,96 +150,6 @@ class SglangState:
             schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": name, "reason": reason, "books": books}
         )
         say(reason)
-
-    # ----- which ledgers may judge orphans (see coverage.py) -----
-
-    def note_engine(self, holder: Any) -> None:
-        """A scheduler, batch or tree: it names an allocator of the engine and the request pool beside it."""
-        allocator = objects.own(holder, "token_to_kv_pool_allocator")
-        if allocator is None:
-            return
-        requests = objects.own(holder, "req_to_token_pool")
-        known = self.engine_pools_by_allocator.get(id(allocator))
-        if known is not None and (requests is None or known[1] is requests):
-            return  # nothing new
-        if known is None and len(self.engine_pools_by_allocator) >= MAX_ENGINE_POOLS:
-            return
-        self.engine_pools_by_allocator[id(allocator)] = (allocator, requests)
-        self.engine_pools = coverage.describe(holder)
-        self._judging_dirty = True
-        self.judge_ledgers(force_report=True)
-
-    def judge_ledgers(self, force_report: bool = False) -> None:
-        """Marks each ledger that cannot prove it sees every holder of its slots (once each, said
-        with the reason); a coverage line lists the engine's pools and the ledgers' standing. Runs
-        only when a ledger or an engine's pools were added since (a bench builds a pool a loop)."""
-        if not (self._judging_dirty or force_report):
-            return
-        from kvdoctor.probe.runtime import say  # the probe's one line on stderr (local, as the roles import the runtime only for typing)
-
-        self._judging_dirty = False
-        classes = {"allocator": self._map_classes("allocator")}
-        methods = self._request_methods()
-        changed = force_report
-        open_ledgers = [ledger for ledger in self.ledgers.values() if not ledger.not_judged]
-        pending = {id(self.hosts.get(id(ledger))) for ledger in open_ledgers}
-        composites: dict[int, Any] = {}  # id(allocator) -> the allocator that holds it as a part
-        for other in [*self.hosts.values(), *(pair[0] for pair in self.engine_pools_by_allocator.values())]:
-            for value in coverage.values(other):
-                if id(value) in pending and value is not other:
-                    composites.setdefault(id(value), other)
-        for ledger in open_ledgers:
-            allocator = self.hosts.get(id(ledger))
-            requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
-            reason = coverage.why_not_judged(allocator, composites.get(id(allocator)), requests, classes, methods)
-            if reason:
-                ledger.not_judged = reason
-                changed = True
-                say(f"{ledger.name}: orphans not judged: {reason}")
-        if not changed:
-            return
-        not_judged = {ledger.name: ledger.not_judged for ledger in self.ledgers.values() if ledger.not_judged}
-        total = len(self.ledgers)
-        unseen = coverage.untracked(self.engine_pools)
-        reason = f"coverage: {total - len(not_judged)} of {total} slot ledger(s) judge orphans" + (
-            "; not judged: " + "; ".join(f"{name}: {text}" for name, text in list(not_judged.items())[:MAX_LEDGERS_LISTED])
-            if not_judged
-            else ""
-        )
-        if unseen:
-            uncounted = ", ".join(f"{kind} ({role})" for role, kind in unseen.items())
-            reason += f"; not counted by any ledger (their slots are neither tracked nor judged): {uncounted}"
-            if uncounted != self._untracked_said:
-                self._untracked_said = uncounted
-                say(f"pools kvdoctor does not count (their slots are neither tracked nor judged): {uncounted}")
-        listed = list(self.ledgers.values())[-MAX_LEDGERS_LISTED:]
-        self.probe.emitter.emit(
-            schema.PROBE_STATUS,
-            {
-                "component": "coverage",
-                "state": "partial" if not_judged or unseen else "on",
-                "reason": reason,
-                "ledgers": {ledger.name: ledger.not_judged or "judged" for ledger in listed},
-                "not_judged_ledgers": len(not_judged),
-                "engine_pools": self.engine_pools,
-                "untracked_pools": unseen,
-            },
-        )
-
-    def _request_methods(self) -> dict[str, list[str]]:
-        probe_map = self.probe.maps.get("sglang")
-        return {c.cls: list(c.methods) for c in probe_map.classes if c.kind == "requests"} if probe_map is not None else {}
-
-    def _map_classes(self, kind: str) -> set[str]:
-        probe_map = self.probe.maps.get("sglang")
-        return {c.cls for c in probe_map.classes if c.kind == kind} if probe_map is not None else set()
-
-    def _request_index_attr(self) -> str:
-        probe_map = self.probe.maps.get("sglang")
-        for spec in probe_map.classes if probe_map is not None else []:
-            if spec.kind == "requests":
-                return str(spec.options.get("req_index_attr", "req_pool_idx"))
-        return "req_pool_idx"
 
     def tree_ledger(self, tree: Any) -> SlotLedger | None:
         """The ledger of the allocator a radix tree frees into (None if the tree names none)."""
@@ -344,7 +262,10 @@ class SglangState:
             self.census_all("idle")
 
     def census_if_due(self) -> None:
-        """Before an allocation: the idle census the last free asked for, if the rate limit allows."""
+        """Before an allocation: the idle census the last free asked for, if the rate limit allows
+        (and, for the first few, the search for the engine's speculative algorithm)."""
+        if self.speculative.seeks_left:
+            self.seek_engine()
         if not self.census_pending:
             return
         self.census_pending = False
@@ -455,29 +376,3 @@ def group_open(allocator: Any, options: dict[str, Any]) -> bool:
 
 def sglang_state(probe: Probe) -> SglangState:
     return probe.state("sglang", SglangState)
-
-
-def host_free_pages(allocator: Any) -> Any:
-    """The allocator's own free list (pages), for the census cross-check; None if unreadable."""
-    if allocator is None:
-        return None
-    try:
-        getter = getattr(allocator, "get_all_free_pages", None)
-        if getter is not None:
-            pages = getter()
-        else:
-            parts = [
-                p
-                for p in (getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None))
-                if p is not None and p.numel() > 0
-            ]
-            if not parts:
-                return []
-            import torch
-
-            pages = torch.cat(parts)
-        if pages is None:
-            return []
-        return pages.detach().cpu().numpy()
-    except Exception:
-        return None

@@ -13,7 +13,9 @@ The roles (what a hooked method means to the block ledger, `ledger.blocks.BlockL
   the request is no longer live, and when none is left the engine is idle: a census;
 - `vllm_req_pop`   `KVCacheManager.pop_blocks_for_free(request)`: the request is no longer live (its
   blocks come back later through `free_blocks`);
-- `vllm_exit`      `EngineCore.shutdown()`: the exit census.
+- `vllm_exit`      `EngineCore.shutdown()`: the exit census;
+- `vllm_stop_engines` `shutdown(procs)` in the API server: under `kvdoctor run`, each engine core is
+  asked for a census before its SIGTERM (`probe/shutdown.py`).
 
 Blocks a KV connector keeps after their request finished have their own ledger and roles
 (`connector.py`); a census counts them apart from orphans.
@@ -21,9 +23,10 @@ Blocks a KV connector keeps after their request finished have their own ledger a
 The census runs when the last live request is freed (at most one per
 `KVDOCTOR_IDLE_CENSUS_INTERVAL_S`; one that was due but rate-limited runs before the next
 allocation, or from the writer thread once the engine has been quiet for a second) and at exit.
-vLLM's API server sends its engine core SIGTERM and force-kills it moments later, so the exit
-census runs (and is flushed to the trace) when `EngineCore.shutdown` begins; multiprocessing's
-finalizers and `atexit` run it too where the process gets that far.
+vLLM's API server sends its engine core SIGTERM and force-kills it 5 s later, so the exit census
+runs (and is flushed to the trace) when `EngineCore.shutdown` begins; multiprocessing's finalizers
+and `atexit` run it too where the process gets that far. A busy machine can take longer than those
+5 s: under `kvdoctor run` the API server asks for a census before it sends SIGTERM at all.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvdoctor.probe import containers
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, positive_ints
 from kvdoctor.probe.ledger.blocks import BlockLedger
 from kvdoctor.probe.rank import ledger_name
+from kvdoctor.probe.shutdown import ShutdownRole
 from kvdoctor.probe.vllm.adopt import Holders, read_holders
 from kvdoctor.probe.vllm.connector import ConnectorHolds
 from kvdoctor.trace import schema
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from kvdoctor.probe.runtime import Probe
 
 QUIET_S = 1.0  # the writer thread takes a due idle census only after this long without a hooked call
+SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet (of the 5 s the API server is held)
 
 
 class _Current(threading.local):
@@ -115,6 +120,8 @@ class VllmState:
         )
         if adopted:
             self._prove_adoption(ledger, pool, in_flight, adopted)
+        if probe.rendezvous is not None:
+            probe.rendezvous.register()  # under `run`: the API server asks for a census before its SIGTERM
         return ledger
 
     def _prove_adoption(self, ledger: BlockLedger, pool: Any, in_flight: Any, adopted: int) -> None:
@@ -218,6 +225,24 @@ class VllmState:
                 probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
         except Exception as exc:
             probe.fail("vllm_poll", exc)
+
+    def census_at_shutdown(self, probe: Probe, waited_s: float) -> dict[str, Any] | None:
+        """From the writer thread, the API server waiting to stop this engine core (it SIGKILLs
+        what has not exited 5 s after its SIGTERM, before `EngineCore.shutdown` may have run): a
+        census once the engine is quiet, so it never races the engine's thread; None while it is
+        not, for up to SHUTDOWN_BUSY_WAIT_S; then no census, and the exit census runs if the
+        engine core reaches its shutdown."""
+        if not self.ledgers or not probe.ledger_is_on("blocks"):
+            return {"census": "none", "reason": "no block ledger"}
+        if not self.live and time.monotonic() - self.last_call >= QUIET_S:
+            started = time.monotonic()
+            self.census("shutdown")
+            for ledger in list(self.ledgers.values()):
+                probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())
+            return {"census": "shutdown", "census_s": round(time.monotonic() - started, 3)}
+        if waited_s < SHUTDOWN_BUSY_WAIT_S:
+            return None
+        return {"census": "none", "reason": f"busy at shutdown ({len(self.live)} live request(s))"}
 
     def exit_census(self) -> None:
         if self.exit_done:
@@ -423,4 +448,5 @@ ROLES: dict[str, Role] = {
     "vllm_req_free": ReqFreeRole(),
     "vllm_req_pop": ReqPopRole(),
     "vllm_exit": ExitRole(),
+    "vllm_stop_engines": ShutdownRole(),
 }
