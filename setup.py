@@ -1,8 +1,83 @@
-"""The compiled hot path (kvdoctor/probe/_hotpath.c). Optional: where it does not build, the
-package installs without it and the probe runs its pure-Python path."""
+"""The compiled hot path: one extension, `kvdoctor.probe._hotpath`, from the C units in
+kvdoctor/probe/csrc/ (module.c says what each does). Optional: where it does not build, the
+package installs without it and the probe runs its pure-Python path, and says so: the build's
+failure is kept beside the package (BUILD_ERROR_NOTE) for the probe to name."""
+
+import os
+import re
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNITS = "kvdoctor/probe/csrc"
+SOURCES = [
+    f"{UNITS}/module.c",
+    f"{UNITS}/generic.c",
+    f"{UNITS}/sglang_paths.c",
+    f"{UNITS}/ledger.c",
+    f"{UNITS}/tensors.c",
+    f"{UNITS}/callsites.c",
+    f"{UNITS}/lock.c",
+]
+BUILD_ERROR_NOTE = "_hotpath.build-error"  # read by kvdoctor/probe/hotpath_loader.py
+
+
+class BuildHotPath(build_ext):
+    """build_ext that leaves a note where the extension would have gone when its build fails (and
+    removes it when the build succeeds), in the build output and, for an in-place or editable
+    build, in the source package."""
+
+    def run(self) -> None:
+        self._in_place = bool(self.inplace)
+        super().run()
+
+    def build_extension(self, ext: Extension) -> None:
+        notes = [os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), BUILD_ERROR_NOTE)]
+        if getattr(self, "_in_place", False):
+            notes.append(os.path.join(HERE, "kvdoctor", "probe", BUILD_ERROR_NOTE))
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # the compiler's or the linker's failure: optional=True goes on without it
+            _write_notes(notes, _summary(exc))
+            raise
+        _write_notes(notes, None)
+
+
+def _summary(exc: Exception) -> str:
+    """`gcc exited with status 1 on kvdoctor/probe/csrc/tensors.c`, not the whole command line."""
+    found = re.search(r"Command '\[(.*)\]' returned non-zero exit status (\d+)", str(exc))
+    if found is None:
+        return f"{type(exc).__name__}: {exc}"
+    words = [w.strip("'\" ") for w in found.group(1).split(", ")]
+    source = next((w for w in words if w.endswith(".c")), "")
+    return f"{words[0]} exited with status {found.group(2)}" + (f" on {source}" if source else " linking it")
+
+
+def _write_notes(paths: list, text: str | None) -> None:
+    for path in paths:
+        try:
+            if text is None:
+                if os.path.exists(path):
+                    os.remove(path)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as fh:
+                    fh.write(text.strip().splitlines()[0] if text.strip() else "the build failed")
+        except OSError:
+            pass  # a read-only tree: the probe then says "not built"
+
 
 setup(
-    ext_modules=[Extension("kvdoctor.probe._hotpath", ["kvdoctor/probe/_hotpath.c"], optional=True, extra_compile_args=["-O2", "-std=c11"])]
+    ext_modules=[
+        Extension(
+            "kvdoctor.probe._hotpath",
+            SOURCES,
+            depends=[f"{UNITS}/hotpath.h"],
+            optional=True,
+            # hidden: the units share symbols with each other, not with the host's libraries
+            extra_compile_args=["-O2", "-std=c11", "-fvisibility=hidden"],
+        )
+    ],
+    cmdclass={"build_ext": BuildHotPath},
 )

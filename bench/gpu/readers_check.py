@@ -3,7 +3,7 @@ the tensors a GPU server hands the probe. CPU and pinned host index tensors must
 every reader; CUDA and meta tensors must be left by the in-place reader to DLPack (which declines
 device memory). Prints one JSON line; exit 1 on any disagreement.
 
-    gcc -O2 -std=c11 -shared -fPIC $(python3-config --includes) kvdoctor/probe/_hotpath.c \
+    gcc -O2 -std=c11 -fvisibility=hidden -shared -fPIC $(python3-config --includes) kvdoctor/probe/csrc/*.c \
         -o kvdoctor/probe/_hotpath$(python3-config --extension-suffix)
     PYTHONPATH=. python3 bench/gpu/readers_check.py
 """

@@ -1,11 +1,11 @@
 """`kvdoctor probes`: the releases each map covers and CI tests, and what the probe would do with
-the engine installed here."""
+the engine installed here (its hot path, compiled or pure Python, included)."""
 
 from __future__ import annotations
 
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
-from kvdoctor.runner.support import installed_line, installed_pools, map_rows, markdown_table, uncovered
+from kvdoctor.runner.support import hot_path_line, installed_line, installed_pools, map_rows, markdown_table, uncovered
 from kvdoctor.trace.schema import SERVING_ENGINES
 
 
@@ -13,7 +13,7 @@ def probes(table: bool = False) -> int:
     if table:
         to_stdout("\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES))
         return EXIT_OK
-    lines = ["installed here:"]
+    lines = ["installed here:", f"  hot path: {hot_path_line()}"]
     for engine in SERVING_ENGINES:
         lines.append(f"  {installed_line(engine)}")
         lines += [f"    pools {line}" for line in installed_pools(engine)]

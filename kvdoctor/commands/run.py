@@ -1,6 +1,7 @@
 """`kvdoctor run -- CMD...`: start CMD with the probe in every Python process it starts, then
 analyse the trace it left and exit with CMD's own exit code (the summary goes to stderr, so
-CMD's output stays its own)."""
+CMD's output stays its own). The first line on stderr names the probe's hot path (compiled, or
+pure Python and why): the pure-Python path costs several times more per hooked call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes
 from kvdoctor.runner.launch import run_command
+from kvdoctor.runner.support import hot_path_line
 
 MIN_SAMPLE_INTERVAL_S = 0.01  # a round over the tree reads /proc for every process: more often than this is a core
 
@@ -38,7 +40,7 @@ def run(
             "takes most of a CPU core from the run it measures",
             f"give {MIN_SAMPLE_INTERVAL_S:g} s or more, or 0 to turn sampling off; the default is 1 s",
         )
-    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine)
+    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine, on_start=say_hot_path)
     try:
         analysis = analyze_recorded(trace_path)
     except KvdoctorError as exc:  # nothing of the trace is usable (a full disk): the command's status stands
@@ -49,3 +51,7 @@ def run(
         print(printable("kvdoctor: " + outlived_sentence(analysis.outlived)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)
     return code
+
+
+def say_hot_path() -> None:
+    print(f"kvdoctor: hot path {hot_path_line()}", file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""The compiled hot path (`_hotpath`, a C extension), and the pure-Python fallback beside it.
+"""The compiled hot path (`_hotpath`, a C extension: kvdoctor/probe/csrc/), and the pure-Python
+fallback beside it.
 
 The probe's wrappers, re-entry bookkeeping and the slot ledger's healthy-case updates run in C
 when the extension is importable: a Python wrapper reading index tensors through torch's Python
@@ -11,8 +12,9 @@ and checked against DLPack's answers, every 1024th read compared again), else th
 DLPack C table, else through its getters; `KVDOCTOR_HOTPATH_DIRECT=0` and `KVDOCTOR_HOTPATH_DLPACK=0`
 step down the first one or two.
 
-`KVDOCTOR_HOTPATH=0` keeps a process on the Python path (the tests compare the two). Nothing here
-raises: a missing or mismatched extension means the Python path.
+`KVDOCTOR_HOTPATH=0` keeps a process on the Python path (the tests compare the two); which path a
+process runs, and why, is `CHOICE` (hotpath_loader.py). Nothing here raises: a missing or
+mismatched extension means the Python path.
 """
 
 from __future__ import annotations
@@ -20,35 +22,22 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.ledger.states import FREE, OWNED, RESERVED, TREE
+from kvdoctor.probe.hotpath_loader import HotPathChoice, load
 
 if TYPE_CHECKING:
     from kvdoctor.probe.hooks import Hook, Role
     from kvdoctor.probe.runtime import Probe
 
-ENV_HOTPATH = "KVDOCTOR_HOTPATH"
 ENV_DLPACK = "KVDOCTOR_HOTPATH_DLPACK"  # 0: index tensors read through torch's Python getters only
 ENV_DIRECT = "KVDOCTOR_HOTPATH_DIRECT"  # 0: never read torch's tensor fields in place (DLPack only)
 MAX_LEDGER_BITS = 32
 MAX_ROLE_BITS = 64
 
-
-def _load() -> ModuleType | None:
-    if os.environ.get(ENV_HOTPATH, "1").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    try:
-        from kvdoctor.probe import _hotpath  # type: ignore[attr-defined]
-    except Exception:
-        return None
-    if (_hotpath.FREE, _hotpath.OWNED, _hotpath.TREE, _hotpath.RESERVED) != (FREE, OWNED, TREE, RESERVED):
-        return None  # built from another ledger vocabulary: never mix the two
-    return _hotpath  # type: ignore[no-any-return]
-
-
-NATIVE: Any = _load()
+NATIVE: Any
+CHOICE: HotPathChoice  # which path this process runs, and why (said in the trace header)
+NATIVE, CHOICE = load()
 
 # The fast path each role kind takes (`Role.fast_kind`); "" is the generic path.
 KINDS = (

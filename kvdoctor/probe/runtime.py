@@ -61,7 +61,7 @@ class Probe:
         self.trace_path = trace_path
         self._fixes = list(fixes or [])
         self._inject = set(inject or ())
-        self.emitter = Emitter(trace_path, header_args={"engine": "", "engine_version": "", "probe": "kvdoctor"})
+        self.emitter = Emitter(trace_path, header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()})
         self.sites = CallSites()
         self._ledger_on = True
         self.off_reason = ""

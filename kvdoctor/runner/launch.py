@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -206,9 +206,11 @@ def run_command(
     force: bool = False,
     attribution: str = "",
     inputs: Sequence[str | None] = (),
+    on_start: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
     """Runs `command` under the probe (and the sampler unless `sample_interval_s` is 0); returns
-    its exit code (128 + N for a signal, as a shell reports it) and the trace's path."""
+    its exit code (128 + N for a signal, as a shell reports it) and the trace's path. `on_start`
+    runs once the command and the trace are known good, right before the command starts."""
     if not command:
         raise KvdoctorError("no command given", "usage: kvdoctor run [--trace PATH] -- CMD ...")
     if shutil.which(command[0]) is None:
@@ -240,6 +242,8 @@ def run_command(
     failures: list[str] = []  # what could not be written to the trace
     rendezvous = tempfile.mkdtemp(prefix="kvdoctor-run-")  # 0700: only this user's processes answer there
     try:
+        if on_start is not None:
+            on_start()
         try:
             child = subprocess.Popen(
                 command,

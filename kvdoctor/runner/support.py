@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvdoctor.probe.hotpath import CHOICE as HOT_PATH
 from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
 from kvdoctor.probe.pools import pool_classes, summary
 from kvdoctor.probe.releases import Release, ci_sentence, release, releases
@@ -55,6 +56,12 @@ def installed_line(engine: str) -> str:
         line += "; " + ", ".join(f"{ledger} ledger off" for ledger in sorted(off))
     ci = ci_sentence(engine, version) or ("not in the release list" if tested is None else "")
     return f"{line}, {ci}" if ci else line
+
+
+def hot_path_line() -> str:
+    """The probe's hot path in this installation: compiled, or pure Python and why (several times
+    the cost per hooked call: it must never go unsaid)."""
+    return HOT_PATH.describe()
 
 
 def installed_pools(engine: str) -> list[str]:

@@ -1,6 +1,7 @@
 """What SGLang's request pool (`ReqToTokenPool`) tells the slot ledger: which rows are live, which
 request holds each, and which slots each row points at. Releases before 0.5.9 allocate rows by
-count and free them by index; from 0.5.9 the pool takes the requests themselves.
+count and free them by index; from 0.5.9 the pool takes the requests themselves. The roles with
+a `fast_kind` are kept in step with kvdoctor/probe/csrc/sglang_paths.c, as roles.py's are.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ and from the radix tree; request-pool roles say which rows are live and which sl
 points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel).
 `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
 named and, with `recompute-last-loc`, read again.
+
+Kept in step with kvdoctor/probe/csrc/sglang_paths.c: a role with a `fast_kind` has its healthy
+case done there in C, so a change to what such a role reads or records is made there too
+(tests/integration/test_hotpath.py compares the two paths).
 """
 
 from __future__ import annotations

@@ -1,0 +1,385 @@
+/* What the compiled hot path's units share: the process state (H), a thread's hooked calls in
+ * progress, the integer view of an index tensor (Ints), a host ledger (Ledger), a hooked method
+ * (Hooked), and the calls every fast path makes into the host.
+ *
+ * One concern a unit (module.c says what the extension does, and why):
+ *   lock.c          FastLock, the ledger's lock
+ *   tensors.c       index tensors read without a copy: torch's own fields at places learned at
+ *                   start, torch's DLPack C table, torch's getters
+ *   callsites.c     the call site of a hooked call (the only unit built with Py_BUILD_CORE)
+ *   ledger.c        the slot ledger's rules: when an update is healthy, and the update itself
+ *   sglang_paths.c  SGLang's fast paths, kept in step with kvdoctor/probe/sglang/roles.py
+ *   generic.c       the generic path (hooks.wrap_method's wrapper in C), hooked module functions,
+ *                   and where the hot path's own failures go
+ *   module.c        the Hooked type, the fast path of each kind, the module's functions
+ *
+ * Everything here is hidden from other libraries (setup.py builds with -fvisibility=hidden): the
+ * one exported symbol is PyInit__hotpath. The GIL guards all of it.
+ */
+#ifndef KVDOCTOR_HOTPATH_H
+#define KVDOCTOR_HOTPATH_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef Py_GIL_DISABLED
+#error "the hot path's state is guarded by the GIL"
+#endif
+
+/* What the units declare here is hidden too (-fvisibility=hidden covers only definitions): the
+ * state, the thread's record and the calls between units are then reached directly, as a single
+ * unit's statics were, not through the GOT, the PLT or __tls_get_addr's general model. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(hidden)
+#endif
+
+/* Failure and violation paths: out of line, in the cold section, so the healthy path's code stays
+ * dense (the host's own code evicts ours from the instruction cache between two hooked calls). */
+#if defined(__GNUC__)
+#define COLD __attribute__((cold, noinline))
+#else
+#define COLD
+#endif
+
+/* The ledger's vocabulary (kvdoctor/probe/ledger/states.py; hotpath_loader.py checks they agree). */
+#define ST_FREE 1
+#define ST_OWNED 2
+#define ST_TREE 4
+#define ST_RESERVED 8
+
+/* What the fast path knows how to do for a hooked method (hotpath.KINDS names them). */
+enum {
+    K_GENERIC = 0,   /* dispatch only: the Python role does the rest */
+    K_NOTE,          /* changes no slot: call through */
+    K_ALLOC,         /* alloc / alloc_extend / alloc_decode */
+    K_FREE,          /* free / free_segment / free_pages */
+    K_TREE_INSERT,   /* RadixCache.insert */
+    K_TREE_EVICT,    /* RadixCache.evict */
+    K_TREE_UNLOCK,   /* RadixCache.dec_lock_ref */
+    K_REQ_WRITE,     /* ReqToTokenPool.write */
+    K_REQ_ALLOC,     /* ReqToTokenPool.alloc(reqs) */
+    K_REQ_FREE,      /* ReqToTokenPool.free(req) */
+    K_REQ_FREE_ROWS, /* ReqToTokenPool.free_rows(indices) */
+    K_LAST_LOC,      /* get_last_loc(req_to_token, req_pool_indices, prefix_lens): a module function */
+    K_COUNT
+};
+
+#define MAX_DEPTH 32        /* nested hooked calls remembered per thread */
+#define MAX_LEDGERS 64      /* allocators with a host ledger (more stay on the Python path) */
+#define MAX_SITE_KEYS 65536 /* (caller, caller's caller) keys remembered */
+
+/* ------------------------------------------------------------------ per-thread re-entry */
+
+typedef struct {
+    void *obj;
+    int role_id;
+    int composite;
+} Entry;
+
+typedef struct {
+    int depth;
+    int evicting; /* tree evictions in progress: frees inside one leave the tree bit alone */
+    Entry e[MAX_DEPTH];
+} ThreadState;
+
+extern _Thread_local ThreadState this_thread;
+
+/* A call that must pass straight through: the same role on the same object is in progress, or
+ * (composite roles) any composite role on that object is: free_segment -> free_page_ids -> free
+ * is recorded once, by the outermost. */
+static inline int
+blocked(void *obj, int role_id, int composite)
+{
+    int depth = this_thread.depth < MAX_DEPTH ? this_thread.depth : MAX_DEPTH;
+    for (int i = 0; i < depth; i++) {
+        Entry *e = &this_thread.e[i];
+        if (e->obj == obj && (e->role_id == role_id || (composite && e->composite)))
+            return 1;
+    }
+    return 0;
+}
+
+static inline void
+push(void *obj, int role_id, int composite)
+{
+    if (this_thread.depth < MAX_DEPTH) {
+        Entry *e = &this_thread.e[this_thread.depth];
+        e->obj = obj;
+        e->role_id = role_id;
+        e->composite = composite;
+    }
+    this_thread.depth++;
+}
+
+static inline void
+pop(void)
+{
+    if (this_thread.depth > 0)
+        this_thread.depth--;
+}
+
+/* ------------------------------------------------------------------ index tensors (tensors.c) */
+
+typedef struct {
+    Py_ssize_t n;
+    const void *data; /* int32 or int64 elements; from read_ints with n == 1, &one (int64) */
+    int itemsize;
+    int64_t one; /* n == 1 */
+} Ints;          /* never copied: `data` may point into it */
+
+static inline int64_t
+ints_at(const Ints *v, Py_ssize_t i)
+{
+    if (v->n == 1)
+        return v->one;
+    if (v->itemsize == 8)
+        return ((const int64_t *)v->data)[i];
+    return ((const int32_t *)v->data)[i];
+}
+
+/* A CPU integer tensor's values, without a copy: 1 read, 0 not a tensor read here (no error set),
+ * -1 an error (set). Only exact torch.Tensor objects on the CPU, int32/int64, contiguous. */
+int read_ints(PyObject *t, Ints *out);
+void ints_clear(Ints *out);
+
+typedef struct {
+    int dlpack_reader, direct_reader;
+    unsigned long direct_reads, direct_checked, direct_mismatches;
+} TensorReaderStats;
+
+TensorReaderStats tensor_reader_stats(void);
+PyObject *m_set_torch(PyObject *m, PyObject *a);
+PyObject *m_readers_agree(PyObject *m, PyObject *t);
+PyObject *m_direct_misread(PyObject *m, PyObject *unused);
+PyObject *m_read_in_place(PyObject *m, PyObject *t);
+PyObject *m_direct_check_every(PyObject *m, PyObject *every);
+
+/* ------------------------------------------------------------------ the ledger's lock (lock.c) */
+
+typedef struct {
+    PyObject_HEAD
+    unsigned long owner;
+    long count;
+    PyObject *weakrefs;
+} FastLock;
+
+extern PyTypeObject FastLockType;
+int fastlock_take(FastLock *self, int blocking);
+int fastlock_give(FastLock *self);
+
+/* ------------------------------------------------------------------ host ledgers (ledger.c) */
+
+typedef struct {
+    PyObject *allocator; /* strong: the key, compared by identity */
+    PyObject *ledger;    /* the Python SlotLedger (slow path, evidence) */
+    PyObject *lock;      /* its lock */
+    Py_buffer b_state, b_owner, b_site;
+    int8_t *state;
+    int32_t *owner;
+    int32_t *alloc_site;
+    Py_ssize_t n;
+    long rows, page_size, num_pages, sink;
+    int page_shift;       /* log2(page_size) when it is a power of two, else -1 */
+    PyObject *group_attr; /* its free group (NULL: none): frees staged there are judged at the group's end */
+    int group_open_when_false;
+} Ledger;
+
+Ledger *ledger_of(PyObject *allocator);
+/* Each update below checks its rule first and writes only where every element passes: 1 written,
+ * 0 not healthy (nothing written: the Python ledger method records it), -1 an error (set). */
+int ledger_alloc(Ledger *l, const Ints *v, int only_page_starts, int site);
+int ledger_free(Ledger *l, const Ints *v, int as_pages, int evicting);
+int ledger_tree_insert(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop);
+int ledger_owner(Ledger *l, const Ints *v, int32_t row);
+int last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req);
+/* Whether table[first:first+upto] names a page still owned by `row` (a release that would leak). */
+int row_still_owns(const Ledger *l, const Ints *table, Py_ssize_t first, Py_ssize_t upto, long row);
+int ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames);
+void ledgers_release(void);
+PyObject *m_register_ledger(PyObject *m, PyObject *a, PyObject *kw);
+
+/* ------------------------------------------------------------------ call sites (callsites.c) */
+
+/* The interned call site of the current call, as CallSites.at(sys._getframe(1)) gives it from the
+ * Python wrapper; -1 with an error set. */
+int current_site(void);
+void sites_clear(void);
+void call_site_stats(Py_ssize_t *keys, Py_ssize_t *slots, int *direct_frames);
+
+/* ------------------------------------------------------------------ the process state */
+
+typedef struct {
+    PyObject *probe; /* strong; NULL: every wrapper passes through */
+    int active;      /* probe set and its ledgers on */
+    uint32_t ledgers_off;
+    int fixes_on;
+    uint64_t inject;
+    unsigned long long calls;
+    int fail_after_kind;      /* tests: raise inside this kind's fast path after the host's call */
+    unsigned long generation; /* bumped by reset(): a fast path that straddles it writes nothing */
+    /* per kind: calls done here, calls sent to the generic path, calls handed to the Python ledger */
+    unsigned long long n_fast[K_COUNT], n_diverted[K_COUNT], n_slow[K_COUNT];
+
+    PyObject *site_at; /* CallSites.at(frame) */
+
+    PyObject *sg_state; /* SglangState */
+    PyObject *requests; /* its RequestTable */
+    PyObject *last_loc_sources;
+    PyObject *tree_seen; /* strong: the tree the state was last told about */
+    int divert;          /* a census is pending: allocations take the Python path */
+    Ledger ledgers[MAX_LEDGERS];
+    int n_ledgers;
+    Ledger *primary;
+    Py_buffer b_extent;
+    int64_t *extent;
+    Py_ssize_t extent_n;
+
+    PyObject *tensor_type, *dtype_int64, *dtype_int32;
+} HotPathState;
+
+extern HotPathState H; /* one per process */
+
+/* Attribute and method names, interned once (module.c). */
+#define HOTPATH_NAMES(X)                          \
+    X(numel, "numel")                             \
+    X(is_cpu, "is_cpu")                           \
+    X(dtype, "dtype")                             \
+    X(is_contiguous, "is_contiguous")             \
+    X(data_ptr, "data_ptr")                       \
+    X(acquire, "acquire")                         \
+    X(release, "release")                         \
+    X(on_alloc, "on_alloc")                       \
+    X(on_free, "on_free")                         \
+    X(on_tree_insert, "on_tree_insert")           \
+    X(evictable_size, "evictable_size")           \
+    X(protected_size, "protected_size")           \
+    X(value, "value")                             \
+    X(prefix_len, "prefix_len")                   \
+    X(kv_allocator, "token_to_kv_pool_allocator") \
+    X(lock_ref, "lock_ref")                       \
+    X(root_node, "root_node")                     \
+    X(only_page_starts, "only_page_starts")       \
+    X(evicting, "evicting")                       \
+    X(as_pages, "as_pages")                       \
+    X(tree_attr, "tree")                          \
+    X(dim, "dim")                                 \
+    X(note_row_write, "note_row_write")           \
+    X(on_owner, "on_owner")                       \
+    X(census_if_due, "census_if_due")             \
+    X(allocated, "allocated")                     \
+    X(freed, "freed")                             \
+    X(request_rows_freed, "request_rows_freed")   \
+    X(rid, "rid")                                 \
+    X(req_to_token, "req_to_token")               \
+    X(unknown_rid, "?")
+
+#define HOTPATH_DECLARE_NAME(var, text) extern PyObject *S_##var;
+HOTPATH_NAMES(HOTPATH_DECLARE_NAME)
+#undef HOTPATH_DECLARE_NAME
+
+/* ------------------------------------------------------------------ the hooked method */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *original;
+    PyObject *role;
+    PyObject *hook;
+    PyObject *name;
+    PyObject *before, *after, *rewrite, *finally_, *prepare, *rewrite_result; /* NULL: Role's no-op */
+    int role_id;
+    int composite;
+    int wants_site;
+    uint32_t ledger_mask;
+    uint64_t role_bit;
+    int kind;
+    /* fast-path parameters */
+    Py_ssize_t last_loc_pos; /* -1: none */
+    PyObject *last_loc_name;
+    int only_page_starts;
+    int as_pages;
+    PyObject *group_attr; /* NULL: no free groups */
+    int group_open_when_false;
+    Py_ssize_t value_pos;                                          /* tree insert: where params (or value) is */
+    int value_in_params;                                           /* tree insert: value is params.value */
+    Py_ssize_t node_pos;                                           /* tree unlock */
+    Py_ssize_t indices_pos, values_pos;                            /* req write */
+    PyObject *value_name, *node_name, *indices_name, *values_name; /* the same arguments by keyword */
+    Py_ssize_t req_pos, reqs_pos;                                  /* request pool: where the request(s) are */
+    PyObject *req_name, *reqs_name;
+    PyObject *req_index_path; /* tuple of attribute names: the request's row (`kv.req_pool_idx`) */
+    int function;             /* a module-level function: no object first, `after` on the result only */
+    Py_ssize_t table_pos, rows_pos, prefix_pos; /* get_last_loc's arguments */
+    PyObject *table_name, *rows_name, *prefix_name;
+    Py_ssize_t sources_max; /* get_last_loc results remembered */
+} Hooked;
+
+/* A fast path: the host's result, NULL with an error the host raised, or DIVERT (declined before
+ * the host's call: the generic path takes the call). */
+typedef PyObject *(*FastPath)(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+#define DIVERT ((PyObject *)1)
+
+static inline PyObject *
+call0(PyObject *obj, PyObject *name)
+{
+    return PyObject_CallMethodNoArgs(obj, name);
+}
+
+/* The host's call, with the arguments it was given. */
+static inline PyObject *
+call_original(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+}
+
+/* The call through the host's method with this hook's entry pushed (nested hooked calls on the
+ * same object see it). */
+static inline PyObject *
+call_pushed(Hooked *self, PyObject *obj, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    push(obj, self->role_id, self->composite);
+    PyObject *r = call_original(self, args, nargsf, kwnames);
+    pop();
+    return r;
+}
+
+/* ------------------------------------------------------------------ failures (generic.c) */
+
+/* The current exception goes to probe.fail(name, exc) (or fix_failed): the probe turns itself off
+ * and says why; the host never sees it. 0 handled, -1 to propagate (not an Exception). */
+int report_failure(PyObject *name, const char *method);
+/* A fast path failed after the host's call returned `result`: reported; the host gets its result. */
+PyObject *kept_after_failure(PyObject *name, PyObject *result);
+/* Tests: -1 (error set) where this kind's fast path is told to fail after the host's call. */
+int maybe_test_failure(Hooked *self);
+
+PyObject *generic(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *function_call(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
+
+/* ------------------------------------------------------------------ SGLang's fast paths (sglang_paths.c) */
+
+PyObject *fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_tree_insert(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_tree_evict(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_tree_unlock(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_req_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_req_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_req_free_rows(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+/* get_last_loc's result remembered with the rows it read (the K_LAST_LOC function path). */
+int remember_last_loc(Hooked *self, PyObject *result, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+void sglang_forget(void);
+PyObject *m_sglang_context(PyObject *m, PyObject *a);
+PyObject *m_set_primary(PyObject *m, PyObject *allocator);
+PyObject *m_set_row_extent(PyObject *m, PyObject *arr);
+PyObject *m_set_divert(PyObject *m, PyObject *flag);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
+
+#endif

@@ -1,0 +1,427 @@
+/* The slot ledger's rules, on the numpy arrays the Python `SlotLedger` owns (state byte, owner row
+ * and allocation site per page), read and written through their buffers.
+ *
+ * The rules are those of kvdoctor/probe/ledger/slots.py: each update below checks first that every
+ * element is healthy (a free page handed out, a held page freed, ...) and writes only then;
+ * anything else is left to the Python ledger method (ledger_slow), which records the violation and
+ * its evidence exactly as without this extension.
+ */
+#include "hotpath.h"
+
+Ledger *
+ledger_of(PyObject *allocator)
+{
+    for (int i = 0; i < H.n_ledgers; i++)
+        if (H.ledgers[i].allocator == allocator)
+            return &H.ledgers[i];
+    return NULL;
+}
+
+static int
+lock_ledger(Ledger *l)
+{
+    if (Py_TYPE(l->lock) == &FastLockType)
+        return fastlock_take((FastLock *)l->lock, 1) < 0 ? -1 : 0;
+    PyObject *r = call0(l->lock, S_acquire);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int
+unlock_ledger(Ledger *l)
+{
+    if (Py_TYPE(l->lock) == &FastLockType)
+        return fastlock_give((FastLock *)l->lock);
+    PyObject *r = call0(l->lock, S_release);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* A fast path's update of a ledger: pure C, no Python code, the GIL held throughout. Where the
+ * ledger's FastLock is held by nobody, no other thread can take it before this thread lets go of
+ * the GIL (taking it needs the GIL), so the update is already exclusive and the lock is left alone.
+ * Held by anyone (this thread's Python role, or another thread waiting out a census), it is taken
+ * as usual. Returns 1 taken (give it back with ledger_leave), 0 not needed, -1 an error. */
+static inline int
+ledger_enter(Ledger *l)
+{
+    if (Py_TYPE(l->lock) == &FastLockType && ((FastLock *)l->lock)->count == 0)
+        return 0;
+    return lock_ledger(l) < 0 ? -1 : 1;
+}
+
+static inline int
+ledger_leave(Ledger *l, int taken)
+{
+    return taken ? unlock_ledger(l) : 0;
+}
+
+/* A ledger's shape in locals for its loops: the state array is int8, which may alias anything, so
+ * fields read through the ledger inside a loop would be read again after every store. */
+typedef struct {
+    int64_t rows, num_pages;
+    long page_size;
+    int shift; /* log2(page_size), or -1 */
+} Shape;
+
+static inline Shape
+shape_of(const Ledger *l)
+{
+    Shape s = {l->rows, l->num_pages, l->page_size, l->page_shift};
+    return s;
+}
+
+/* The page of a slot (slot >= 0): a shift for the usual power-of-two page sizes. */
+static inline int64_t
+page_at(const Shape *s, int64_t slot)
+{
+    return s->shift >= 0 ? slot >> s->shift : slot / s->page_size;
+}
+
+/* Whether a slot (>= 0) starts its page. */
+static inline int
+starts_page(const Shape *s, int64_t slot)
+{
+    return s->shift >= 0 ? (slot & ((INT64_C(1) << s->shift) - 1)) == 0 : slot % s->page_size == 0;
+}
+
+static inline int
+in_body(const Shape *s, int64_t page)
+{
+    return page >= 1 && page <= s->num_pages;
+}
+
+/* Runs the statements after `x` for each element v[start:stop] bound to `x` (int64 or int32, the
+ * type chosen once, not per element). `continue` skips an element; `return` leaves the caller. */
+#define EACH_INT(v, start, stop, x, ...)                       \
+    do {                                                       \
+        if ((v)->itemsize == 8) {                              \
+            const int64_t *each_ = (const int64_t *)(v)->data; \
+            for (Py_ssize_t i_ = (start); i_ < (stop); i_++) { \
+                const int64_t x = each_[i_];                   \
+                __VA_ARGS__                                    \
+            }                                                  \
+        }                                                      \
+        else {                                                 \
+            const int32_t *each_ = (const int32_t *)(v)->data; \
+            for (Py_ssize_t i_ = (start); i_ < (stop); i_++) { \
+                const int64_t x = each_[i_];                   \
+                __VA_ARGS__                                    \
+            }                                                  \
+        }                                                      \
+    } while (0)
+
+/* alloc: every page handed out (page starts only, with `only_page_starts`) must be free. */
+static int
+alloc_is_healthy(const Ledger *l, const Ints *v, int only_page_starts)
+{
+    const Shape s = shape_of(l);
+    const int8_t *state = l->state;
+    EACH_INT(v, 0, v->n, slot, {
+        if (slot < 0 || slot >= s.rows)
+            return 0;
+        if (only_page_starts && !starts_page(&s, slot))
+            continue;
+        int64_t page = page_at(&s, slot);
+        if (!in_body(&s, page) || state[page] != ST_FREE)
+            return 0;
+    });
+    return 1;
+}
+
+static void
+alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
+{
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    int32_t *owner = l->owner, *alloc_site = l->alloc_site;
+    EACH_INT(v, 0, v->n, slot, {
+        if (only_page_starts && !starts_page(&s, slot))
+            continue;
+        int64_t page = page_at(&s, slot);
+        state[page] = ST_OWNED;
+        owner[page] = -1;
+        alloc_site[page] = site;
+    });
+}
+
+/* free: every page named must be held (not free) and inside the pool. */
+static int
+free_is_healthy(const Ledger *l, const Ints *v, int as_pages)
+{
+    const Shape s = shape_of(l);
+    const int8_t *state = l->state;
+    EACH_INT(v, 0, v->n, x, {
+        int64_t page;
+        if (as_pages)
+            page = x;
+        else {
+            if (x < 0 || x >= s.rows)
+                return 0;
+            page = page_at(&s, x);
+        }
+        if (!in_body(&s, page) || (state[page] & ST_FREE))
+            return 0;
+    });
+    return 1;
+}
+
+static void
+free_apply(Ledger *l, const Ints *v, int as_pages, int evicting)
+{
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    EACH_INT(v, 0, v->n, x, {
+        int64_t page = as_pages ? x : page_at(&s, x);
+        state[page] = evicting ? ST_FREE : (int8_t)((state[page] & ST_TREE) | ST_FREE);
+    });
+}
+
+/* tree insert of value[start:stop]: every page must be held, not free. */
+static int
+tree_insert_is_healthy(const Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+{
+    const Shape s = shape_of(l);
+    const int8_t *state = l->state;
+    EACH_INT(v, start, stop, slot, {
+        if (slot < 0 || slot >= s.rows)
+            return 0;
+        int64_t page = page_at(&s, slot);
+        if (!in_body(&s, page) || (state[page] & ST_FREE))
+            return 0;
+    });
+    return 1;
+}
+
+static void
+tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+{
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    int32_t *owner = l->owner;
+    EACH_INT(v, start, stop, slot, {
+        int64_t page = page_at(&s, slot);
+        state[page] = ST_TREE;
+        owner[page] = -1;
+    });
+}
+
+/* ------------------------------------------------------------------ checked updates */
+
+int
+ledger_alloc(Ledger *l, const Ints *v, int only_page_starts, int site)
+{
+    int taken = ledger_enter(l);
+    if (taken < 0)
+        return -1;
+    int healthy = alloc_is_healthy(l, v, only_page_starts);
+    if (healthy)
+        alloc_apply(l, v, only_page_starts, site);
+    return ledger_leave(l, taken) < 0 ? -1 : healthy;
+}
+
+int
+ledger_free(Ledger *l, const Ints *v, int as_pages, int evicting)
+{
+    int taken = ledger_enter(l);
+    if (taken < 0)
+        return -1;
+    int healthy = free_is_healthy(l, v, as_pages);
+    if (healthy)
+        free_apply(l, v, as_pages, evicting);
+    return ledger_leave(l, taken) < 0 ? -1 : healthy;
+}
+
+int
+ledger_tree_insert(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+{
+    int taken = ledger_enter(l);
+    if (taken < 0)
+        return -1;
+    int healthy = tree_insert_is_healthy(l, v, start, stop);
+    if (healthy)
+        tree_insert_apply(l, v, start, stop);
+    return ledger_leave(l, taken) < 0 ? -1 : healthy;
+}
+
+/* A request row now points at these slots: those handed out (owned) are the row's. Always healthy:
+ * slots outside the pool or not owned are left as they are. */
+int
+ledger_owner(Ledger *l, const Ints *v, int32_t row)
+{
+    int taken = ledger_enter(l);
+    if (taken < 0)
+        return -1;
+    const Shape shape = shape_of(l);
+    const int8_t *state = l->state;
+    int32_t *owner = l->owner;
+    EACH_INT(v, 0, v->n, slot, {
+        if (slot < 0 || slot >= shape.rows)
+            continue;
+        int64_t page = page_at(&shape, slot);
+        if (state[page] == ST_OWNED)
+            owner[page] = row;
+    });
+    return ledger_leave(l, taken) < 0 ? -1 : 1;
+}
+
+int
+row_still_owns(const Ledger *l, const Ints *table, Py_ssize_t first, Py_ssize_t upto, long row)
+{
+    const Shape shape = shape_of(l);
+    const int8_t *state = l->state;
+    const int32_t *owner = l->owner;
+    EACH_INT(table, first, first + upto, slot, {
+        if (slot < 0)
+            continue;
+        int64_t page = page_at(&shape, slot);
+        if (in_body(&shape, page) && state[page] == ST_OWNED && owner[page] == row)
+            return 1;
+    });
+    return 0;
+}
+
+/* last_loc must point into a page its request still holds (-1: no prefix). */
+int
+last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req)
+{
+    const Shape s = shape_of(l);
+    for (Py_ssize_t i = 0; i < last->n; i++) {
+        int64_t v = ints_at(last, i);
+        if (v == -1)
+            continue;
+        if (v < 0 || v >= s.rows)
+            return 0;
+        int64_t page = page_at(&s, v);
+        if (!in_body(&s, page))
+            return 0;
+        int st = l->state[page];
+        if ((st & ST_FREE) || !(st & (ST_OWNED | ST_TREE)))
+            return 0;
+        if (req != NULL && st == ST_OWNED) {
+            int64_t own = l->owner[page];
+            int64_t r = ints_at(req, i);
+            if (own >= 0 && r >= 0 && own != r)
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* The Python ledger method, under the ledger's lock, for what the fast path does not record itself
+ * (a violation: its evidence is made there, exactly as without this module). */
+/* The Python ledger method, under the ledger's lock, for what the fast path does not record itself
+ * (a violation: its evidence is made there, exactly as without this module). */
+COLD int
+ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
+{
+    if (lock_ledger(l) < 0)
+        return -1;
+    PyObject *m = PyObject_GetAttr(l->ledger, method);
+    PyObject *r = m ? PyObject_Vectorcall(m, args, nargs, kwnames) : NULL;
+    Py_XDECREF(m);
+    int rc = r ? 0 : -1;
+    Py_XDECREF(r);
+    if (rc < 0) {
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        if (unlock_ledger(l) < 0)
+            PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+        return -1;
+    }
+    return unlock_ledger(l);
+}
+
+static void
+ledger_release(Ledger *l)
+{
+    PyBuffer_Release(&l->b_state);
+    PyBuffer_Release(&l->b_owner);
+    PyBuffer_Release(&l->b_site);
+    Py_CLEAR(l->allocator);
+    Py_CLEAR(l->ledger);
+    Py_CLEAR(l->lock);
+    Py_CLEAR(l->group_attr);
+}
+
+static int
+get_array(PyObject *arr, Py_buffer *buf, Py_ssize_t itemsize, const char *what, Py_ssize_t n)
+{
+    if (PyObject_GetBuffer(arr, buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (buf->itemsize != itemsize || buf->len != n * itemsize) {
+        PyBuffer_Release(buf);
+        PyErr_Format(PyExc_ValueError, "ledger array %s has the wrong shape or type", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* A host slot ledger the fast paths may update: its arrays, shape and lock (False: a shape not
+ * known here, it stays on the Python path). */
+PyObject *
+m_register_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"allocator", "ledger",    "state", "owner", "alloc_site", "rows",
+                            "page_size", "num_pages", "sink",  "lock",  "group_attr", "group_open_when_false",
+                            NULL};
+    PyObject *allocator, *ledger, *state, *owner, *site, *lock, *group_attr = Py_None;
+    long rows, page_size, num_pages, sink;
+    int group_open_when_false = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOllllO|Op", names, &allocator, &ledger, &state, &owner, &site,
+                                     &rows, &page_size, &num_pages, &sink, &lock, &group_attr, &group_open_when_false))
+        return NULL;
+    if (ledger_of(allocator) != NULL)
+        Py_RETURN_FALSE;
+    if (H.n_ledgers >= MAX_LEDGERS || page_size < 1 || num_pages < 1 || sink != num_pages + 1 ||
+        rows != (num_pages + 1) * page_size)
+        Py_RETURN_FALSE; /* not a ledger shape we know: it stays on the Python path */
+    Ledger *l = &H.ledgers[H.n_ledgers];
+    memset(l, 0, sizeof(*l));
+    Py_ssize_t n = num_pages + 2;
+    if (get_array(state, &l->b_state, 1, "state", n) < 0)
+        return NULL;
+    if (get_array(owner, &l->b_owner, 4, "owner", n) < 0) {
+        PyBuffer_Release(&l->b_state);
+        return NULL;
+    }
+    if (get_array(site, &l->b_site, 4, "alloc_site", n) < 0) {
+        PyBuffer_Release(&l->b_state);
+        PyBuffer_Release(&l->b_owner);
+        return NULL;
+    }
+    l->state = l->b_state.buf;
+    l->owner = l->b_owner.buf;
+    l->alloc_site = l->b_site.buf;
+    l->n = n;
+    l->rows = rows;
+    l->page_size = page_size;
+    l->page_shift = -1;
+    for (int b = 0; b < 62; b++)
+        if ((1L << b) == page_size)
+            l->page_shift = b;
+    l->num_pages = num_pages;
+    l->sink = sink;
+    l->allocator = Py_NewRef(allocator);
+    l->ledger = Py_NewRef(ledger);
+    l->lock = Py_NewRef(lock);
+    l->group_attr = group_attr == Py_None ? NULL : Py_NewRef(group_attr);
+    l->group_open_when_false = group_open_when_false;
+    H.n_ledgers++;
+    Py_RETURN_TRUE;
+}
+
+/* Every ledger let go of (the probe was deactivated). */
+void
+ledgers_release(void)
+{
+    for (int i = 0; i < H.n_ledgers; i++)
+        ledger_release(&H.ledgers[i]);
+    H.n_ledgers = 0;
+    H.primary = NULL;
+}
