@@ -38,16 +38,26 @@ MAX_SPECULATIVE_SEEKS = 8  # allocations whose callers are searched for the engi
 ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
 
 
-def engine_callers(target: Any) -> Iterator[Any]:
-    """Each caller's `self` (nearest first) that names an engine's allocator, `target` excepted."""
+def _caller_selves() -> Iterator[tuple[str, Any]]:
+    """(function name, its `self`) for each caller that has a `self`, nearest first, within
+    MAX_FRAMES; only frames that name `self` have their locals read."""
     frame: FrameType | None = sys._getframe(1)
     for _ in range(MAX_FRAMES):
         if frame is None:
             return
-        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if obj is not None and obj is not target and own(obj, "token_to_kv_pool_allocator") is not None:
-            yield obj
+        code = frame.f_code
+        if "self" in code.co_varnames:
+            obj = frame.f_locals.get("self")
+            if obj is not None:
+                yield code.co_name, obj
         frame = frame.f_back
+
+
+def engine_callers(target: Any) -> Iterator[Any]:
+    """Each caller's `self` (nearest first) that names an engine's allocator, `target` excepted."""
+    for _, obj in _caller_selves():
+        if obj is not target and own(obj, "token_to_kv_pool_allocator") is not None:
+            yield obj
 
 
 def engine_view(target: Any) -> Any:
@@ -60,32 +70,19 @@ def part_name(allocator: Any) -> str:
     the composite's `full_attn_allocator` / `swa_attn_allocator`), found from the callers' `self`
     (the composite whose call reached it, or an engine object whose allocator holds it); '' when
     no caller holds it as a part. Read once, when its ledger is made."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            return ""
-        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if obj is not None and obj is not allocator:
-            for holder in (obj, own(obj, "token_to_kv_pool_allocator")):
-                if holder is None or holder is allocator:
-                    continue
-                for key, value in values_by_name(holder):
-                    if value is allocator and key not in ENGINE_ATTRS:  # the engine's own allocator is no part
-                        return _part_label(key)
-        frame = frame.f_back
+    for _, obj in _caller_selves():
+        for holder in (obj, own(obj, "token_to_kv_pool_allocator")):
+            if holder is None or holder is allocator:
+                continue
+            for key, value in values_by_name(holder):
+                if value is allocator and key not in ENGINE_ATTRS:  # the engine's own allocator is no part
+                    return _part_label(key)
     return ""
 
 
 def constructing(obj: Any) -> bool:
     """`obj`'s own `__init__` is among the callers: the object is being built."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is obj:
-            return True
-        frame = frame.f_back
-    return False
+    return any(name == "__init__" and caller is obj for name, caller in _caller_selves())
 
 
 def _part_label(attribute: str) -> str:
