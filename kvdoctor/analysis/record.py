@@ -17,7 +17,6 @@ from kvdoctor.trace import schema
 from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
 
-KNOWN_ENGINES = ("sglang", "vllm")
 MAX_LEDGERS = 4096  # (pid, allocator) pairs followed; the analyzer already bounds the pids
 
 
@@ -120,7 +119,7 @@ class ProbeRecord:
         return sorted(
             pid
             for pid in self.probe_pids
-            if not ((processes.get(pid) or {}).get("probe") and (processes.get(pid) or {}).get("engine") in KNOWN_ENGINES)
+            if not ((processes.get(pid) or {}).get("probe") and (processes.get(pid) or {}).get("engine") in schema.SERVING_ENGINES)
         )
 
 

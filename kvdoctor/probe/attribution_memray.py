@@ -52,7 +52,7 @@ from kvdoctor.probe.callsites import short_path
 from kvdoctor.trace.writer import redact_args
 
 ENV_NATIVE = "KVDOCTOR_ATTRIBUTION_MEMRAY_NATIVE"
-ENGINES = ("auto", "memray", "tracemalloc")
+ATTRIBUTION_BACKENDS = ("auto", "memray", "tracemalloc")  # what KVDOCTOR_ATTRIBUTION and --attribution-engine take
 LEGACY_ON = ("1", "true", "yes", "on")  # KVDOCTOR_ATTRIBUTION=1 always meant the tracemalloc windows
 KEEP_CAPTURE_FILES = 8
 MEMORY_INTERVAL_MS = 1000  # memray's RSS samples inside a capture; the probe reads none of them
@@ -98,7 +98,7 @@ def worker_for(probe: Any, engine: str) -> Attribution:
     tracemalloc (with the reason in its probe_status line) where memray cannot run."""
     if engine == "tracemalloc":
         return Attribution(probe)
-    if engine not in ENGINES:
+    if engine not in ATTRIBUTION_BACKENDS:
         return TracemallocFallback(probe, f"KVDOCTOR_ATTRIBUTION={engine!r} names no engine (auto, memray, tracemalloc)")
     reason = memray_unavailable_reason()
     if reason is None:

@@ -40,11 +40,11 @@ def check_fixes(names: list[str]) -> list[str]:
 
 def check_attribution(asked: tuple[bool, str | None]) -> str:
     """The attribution engine from `--attribution` and `--attribution-engine` ("" when off)."""
-    from kvdoctor.probe.attribution_memray import ENGINES
+    from kvdoctor.probe.attribution_memray import ATTRIBUTION_BACKENDS
 
     on, engine = asked
     if engine is None:
         return "auto" if on else ""
-    if engine.strip().lower() not in ENGINES:
-        raise KvdoctorError(f"unknown attribution engine {engine!r}", f"--attribution-engine takes {', '.join(ENGINES)}")
+    if engine.strip().lower() not in ATTRIBUTION_BACKENDS:
+        raise KvdoctorError(f"unknown attribution engine {engine!r}", f"--attribution-engine takes {', '.join(ATTRIBUTION_BACKENDS)}")
     return engine.strip().lower()

@@ -11,9 +11,9 @@ import dataclasses
 
 from kvdoctor.probe.hotpath import CHOICE as HOT_PATH
 from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
+from kvdoctor.probe.patching import ENGINE_LABELS
 from kvdoctor.probe.pools import pool_classes, summary
 from kvdoctor.probe.releases import Release, ci_sentence, release, releases
-from kvdoctor.probe.runtime import ENGINE_LABELS
 from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe import objects
+from kvdoctor.probe.patching import say
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.trace import schema
 
@@ -73,8 +74,6 @@ class CoverageJudging:
         only when a ledger or an engine's pools were added since (a bench builds a pool a loop)."""
         if not (self._judging_dirty or force_report):
             return
-        from kvdoctor.probe.runtime import say  # the probe's one line on stderr (local, as the roles import the runtime only for typing)
-
         self._judging_dirty = False
         classes = {"allocator": self._map_classes("allocator")}
         methods = self._request_methods()

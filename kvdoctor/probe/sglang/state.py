@@ -22,6 +22,7 @@ from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.patching import say
 from kvdoctor.probe.rank import ledger_name
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.adopt import adopt, host_free_pages, needs_adoption
@@ -139,8 +140,6 @@ class SglangState(CoverageJudging):
 
     def _say_unproven(self, name: str, found: dict[str, Any]) -> None:
         """An adoption whose books did not add up: said once, with the numbers, as a partial probe."""
-        from kvdoctor.probe.runtime import say  # the probe's one line on stderr (local: the runtime imports this module)
-
         books = found["books"]
         reason = (
             f"the state of {name} adopted at attach is unproven: {books['unproven_because']}; the {found['unproven_slots']} "
