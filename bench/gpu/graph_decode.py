@@ -106,6 +106,9 @@ def main() -> int:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    if held:  # the sequences still running end, as a server's would: a clean run replays clean
+        allocator.free(torch.cat(held))
+        held.clear()
     result = {"probe": a.probe, "bs": a.bs, "steps": a.steps, "layers": a.layers, "hidden": a.hidden, "error": err}
     if err is None:
         result["gpu_ms_per_step"] = start.elapsed_time(end) / a.steps
