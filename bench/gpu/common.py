@@ -8,20 +8,26 @@ import threading
 import time
 
 
-def install_direct_transfer() -> None:
+def install_direct_transfer(async_host_to_device: bool = False) -> None:
     """Gives `sgl_kernel.kvcacheio.transfer_kv_direct` a torch implementation (index copies per
     layer) before SGLang's memory_pool_host imports it. The import-only sgl_kernel stand-in raises
-    for every kernel; HiCache's `direct` I/O backend with the `layer_first` layout calls this one."""
+    for every kernel; HiCache's `direct` I/O backend with the `layer_first` layout calls this one.
+    With `async_host_to_device`, host-to-device copies go through pinned memory without blocking
+    the host, as sgl-kernel's do (cudaMemcpyAsync on the current stream): a load then stays in
+    flight on its stream after the call returns."""
     import sgl_kernel.kvcacheio as kio
+
+    def to_device(t, device):
+        if t.device == device:
+            return t
+        if async_host_to_device and t.device.type == "cpu" and device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
 
     def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
         for src, dst in zip(src_layers, dst_layers, strict=False):
-            si = src_indices if src_indices.device == src.device else src_indices.to(src.device)
-            di = dst_indices if dst_indices.device == dst.device else dst_indices.to(dst.device)
-            rows = src.index_select(0, si)
-            if rows.device != dst.device:
-                rows = rows.to(dst.device)
-            dst.index_copy_(0, di, rows)
+            rows = src.index_select(0, to_device(src_indices, src.device))
+            dst.index_copy_(0, to_device(dst_indices, dst.device), to_device(rows, dst.device))
 
     kio.transfer_kv_direct = transfer_kv_direct
     kio.__torch_direct__ = True

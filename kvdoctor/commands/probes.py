@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
-from kvdoctor.runner.support import hot_path_line, installed_line, installed_pools, map_rows, markdown_table, uncovered
+from kvdoctor.runner.support import (
+    graph_replays_line,
+    hot_path_line,
+    installed_graph_replays,
+    installed_line,
+    installed_pools,
+    map_rows,
+    markdown_table,
+    uncovered,
+)
 from kvdoctor.trace.schema import SERVING_ENGINES
 
 
@@ -17,6 +26,9 @@ def probes(table: bool = False) -> int:
     for engine in SERVING_ENGINES:
         lines.append(f"  {installed_line(engine)}")
         lines += [f"    pools {line}" for line in installed_pools(engine)]
+        graphs = installed_graph_replays(engine)
+        if graphs:
+            lines.append(f"    {graphs}")
     for engine in SERVING_ENGINES:
         lines.append(f"{engine} maps:")
         for row in map_rows(engine):
@@ -25,6 +37,8 @@ def probes(table: bool = False) -> int:
                 f"  {row.probe_map.source:26} {str(row.probe_map.versions):26} {row.probe_map.hook_count():3} hooks, "
                 f"{tested}/{len(row.releases)} listed releases tested in CI"
             )
+            if engine == "sglang":
+                lines.append(f"      {graph_replays_line(row.probe_map)}")
             for reason in sorted({r.reason for r in row.releases if not r.tested}):
                 versions = ", ".join(r.version for r in row.releases if not r.tested and r.reason == reason)
                 lines.append(f"      not tested in CI: {versions}: {reason or 'no reason recorded'}")

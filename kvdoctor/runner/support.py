@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvdoctor.probe.hooks import REGISTRY
 from kvdoctor.probe.hotpath import CHOICE as HOT_PATH
 from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
 from kvdoctor.probe.patching import ENGINE_LABELS
 from kvdoctor.probe.pools import pool_classes, summary
 from kvdoctor.probe.releases import Release, ci_sentence, release, releases
+from kvdoctor.probe.sglang.hicache import GraphReplayRole
 from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
 
 
@@ -36,14 +38,22 @@ def uncovered(engine: str) -> list[Release]:
     return [r for r in releases(engine) if not any(m.covers(r.version) for m in maps)]
 
 
+def installed_check(engine: str) -> tuple[str, ProbeMap | None, MapCheck | None]:
+    """The installed release of `engine` ("" if none), the map tested on it (None if none) and the
+    check of the map the probe would use there against its sources."""
+    version = installed_version(engine)
+    if not version:
+        return "", None, None
+    tested = map_for(engine, version)
+    return version, tested, check_map(tested) if tested is not None else nearest_resolving_map(engine, version)
+
+
 def installed_line(engine: str) -> str:
     """What the probe would do with the installed release of `engine`, in one line."""
     label = ENGINE_LABELS.get(engine, engine)
-    version = installed_version(engine)
+    version, tested, check = installed_check(engine)
     if not version:
         return f"{label}: not installed here"
-    tested = map_for(engine, version)
-    check: MapCheck | None = check_map(tested) if tested is not None else nearest_resolving_map(engine, version)
     if check is None:
         return f"{label} {version}: no map; the probe stays off"
     how = "map" if tested is not None else "no map of its own; nearest"
@@ -56,6 +66,38 @@ def installed_line(engine: str) -> str:
         line += "; " + ", ".join(f"{ledger} ledger off" for ledger in sorted(off))
     ci = ci_sentence(engine, version) or ("not in the release list" if tested is None else "")
     return f"{line}, {ci}" if ci else line
+
+
+def graph_replay_hooks(probe_map: ProbeMap) -> list[str]:
+    """The map's graph runner hooks ("Class.method"): the replays graph_replay_during_load and
+    graph-guard see (SGLang's HiCache; none in a vLLM map)."""
+    REGISTRY.load(probe_map.engine)
+    return [
+        f"{spec.cls}.{method}"
+        for spec in probe_map.classes
+        for method, role in spec.methods.items()
+        if isinstance(REGISTRY.get(role), GraphReplayRole)
+    ]
+
+
+def graph_replays_line(probe_map: ProbeMap, check: MapCheck | None = None) -> str:
+    """Whether graph replays are watched under this map (with `check`, in the sources installed):
+    without a hook, a replay during a HiCache load is neither named nor guarded."""
+    hooks = graph_replay_hooks(probe_map)
+    if not hooks:
+        return "graph replays: not watched: no graph runner hook in this map"
+    off = check.ledgers_off().get("hicache") if check is not None else None
+    if off:
+        return f"graph replays: not watched: the hicache ledger is off ({'; '.join(off[:2])})"
+    return f"graph replays: watched ({', '.join(hooks)})"
+
+
+def installed_graph_replays(engine: str) -> str:
+    """`graph_replays_line` for the installed release of SGLang ("" for another engine or none)."""
+    if engine != "sglang":
+        return ""
+    _version, _tested, check = installed_check(engine)
+    return graph_replays_line(check.probe_map, check) if check is not None else ""
 
 
 def hot_path_line() -> str:
@@ -87,7 +129,11 @@ def _status_text(entry: Release) -> str:
 
 def markdown_table(engine: str) -> str:
     """The README's supported-releases table for `engine`."""
-    lines = ["| releases | map | hooks | in the release matrix |", "|---|---|---|---|"]
+    graphs = engine == "sglang"
+    lines = [
+        "| releases | map | hooks | in the release matrix |" + (" graph replays watched |" if graphs else ""),
+        "|---|---|---|---|" + ("---|" if graphs else ""),
+    ]
     for row in map_rows(engine):
         tested = [r for r in row.releases if r.tested]
         others = [r for r in row.releases if not r.tested]
@@ -96,5 +142,8 @@ def markdown_table(engine: str) -> str:
         reasons = sorted({r.reason for r in others if r.reason})
         if others:
             verdict += f"; not run: {', '.join(r.version for r in others)}" + (f" ({'; '.join(reasons)})" if reasons else "")
-        lines.append(f"| {listed} | `{row.probe_map.source}` | {row.probe_map.hook_count()} | {verdict} |")
+        line = f"| {listed} | `{row.probe_map.source}` | {row.probe_map.hook_count()} | {verdict} |"
+        if graphs:
+            line += f" {', '.join(f'`{hook}`' for hook in graph_replay_hooks(row.probe_map)) or 'none'} |"
+        lines.append(line)
     return "\n".join(lines)

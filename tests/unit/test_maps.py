@@ -87,7 +87,34 @@ def _installed_map():
 
 def test_every_hook_of_the_tested_map_resolves_in_the_installed_sources():
     check = check_map(_installed_map())
-    assert check.unresolved == [] and len(check.hooks) == 47
+    assert check.unresolved == [] and len(check.hooks) == 55
+
+
+def test_every_map_from_0_5_14_watches_the_graph_runners_and_the_hybrid_controller():
+    """From 0.5.14 a graph replays through a runner's execute(), and from 0.5.19 every HiCache server's
+    controller is HybridCacheController, whose load/write never reach HiCacheController's: without
+    both, graph_replay_during_load and graph-guard see nothing (issue #31)."""
+    for probe_map in available_maps("sglang"):
+        hooks = {f"{c.cls}.{m}": r for c in probe_map.classes for m, r in c.methods.items()}
+        graph = {hook for hook, role in hooks.items() if role in ("graph_replay", "graph_execute")}
+        if version_key(probe_map.versions.anchor()) < version_key("0.5.14"):
+            assert graph == {"CudaGraphRunner.replay"}, probe_map.source
+            continue
+        for runner in ("DecodeCudaGraphRunner", "PrefillCudaGraphRunner", "EAGLEDraftCudaGraphRunner", "EAGLEDraftExtendCudaGraphRunner"):
+            assert hooks.get(f"{runner}.execute") == "graph_execute", (probe_map.source, runner)
+        assert hooks.get("HybridCacheController.load") == "hicache_load", probe_map.source
+        assert hooks.get("HybridCacheController.write") == "hicache_write", probe_map.source
+
+
+def test_the_graph_runner_role_reads_the_forward_batch_where_0_5_23_passes_it():
+    """Each 0.5.23 runner's execute names its batch `forward_batch`, first after self: the role's
+    reads agree with the installed sources, by position and by name (a moved one is named)."""
+    probe_map = _installed_map()
+    decode = next(c for c in probe_map.classes if c.cls == "DecodeCudaGraphRunner")
+    decode.args["execute"] = {"forward_batch": 1}
+    (bad,) = check_map(probe_map).unresolved
+    assert bad.hook == "DecodeCudaGraphRunner.execute" and "argument 'forward_batch' is at position 0, not 1" in bad.problem
+    assert bad.ledger == "hicache"
 
 
 def test_a_renamed_method_switches_its_ledger_off_and_names_the_hook():

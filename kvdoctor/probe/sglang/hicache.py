@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
 from kvdoctor.probe.sglang.state import sglang_state
@@ -25,6 +25,7 @@ MAX_TRACKED_VIEWS = 100_000
 LONG_LIVED_S = 5.0
 SCAN_INTERVAL_S = 2.0
 VIEW_RATIO = 4  # storage at least this many times the view's own bytes
+MAX_NAMED = 16  # request ids and loaded tree nodes named in one graph-replay violation
 
 
 class HiCacheState:
@@ -249,10 +250,20 @@ class StorageGetRole(StorageRole):
     kind = "get"
 
 
-def loads_in_flight(st: HiCacheState) -> tuple[int, list[Any]]:
+class InFlight(NamedTuple):
+    """HiCache host-to-device loads not finished yet: how many, their finish events (what graph-guard
+    waits on) and the tree nodes they load (read from each ack, on the host)."""
+
+    pending: int
+    events: list[Any]
+    node_ids: list[Any]
+
+
+def loads_in_flight(st: HiCacheState) -> InFlight:
     """Loads queued or copying on the load stream; never blocks (cudaEventQuery)."""
     pending = 0
     events = []
+    node_ids: list[Any] = []
     for controller in list(st.controllers.values()):
         pending += len(getattr(controller, "load_queue", ()) or ())
         for ack in list(getattr(controller, "ack_load_queue", ()) or ()):
@@ -266,19 +277,30 @@ def loads_in_flight(st: HiCacheState) -> tuple[int, list[Any]]:
             if not done:
                 pending += 1
                 events.append(finish)
-    return pending, events
+                nodes = getattr(ack, "node_ids", None)
+                if isinstance(nodes, list) and len(node_ids) < MAX_NAMED:
+                    node_ids.extend(nodes[: MAX_NAMED - len(node_ids)])
+    return InFlight(pending, events, node_ids)
 
 
 class GraphReplayRole(HiCacheRole):
+    """A graph runner's replay (`CudaGraphRunner.replay` up to 0.5.13): a replay that starts while a
+    HiCache load is still copying is a violation; with graph-guard the current stream, the one the
+    replay runs on, waits on the loads' finish events (on the device)."""
+
     wants_site = True
+
+    def batch_evidence(self, hook: Hook, args: Args, kwargs: Kwargs) -> dict[str, Any]:
+        """What the call says of the batch being replayed ({} where the role reads no argument)."""
+        return {}
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = probe.states.get("hicache")
         if not isinstance(st, HiCacheState):
             return None
         st.counts["graph_replays"] += 1
-        pending, events = loads_in_flight(st)
-        if pending:
+        in_flight = loads_in_flight(st)
+        if in_flight.pending:
             st.counts["graph_replays_during_load"] += 1
             probe.emitter.emit(
                 schema.VIOLATION,
@@ -287,11 +309,13 @@ class GraphReplayRole(HiCacheRole):
                     "count": 1,
                     "site": probe.sites.name(site),
                     "graph_runner": type(obj).__name__,
-                    "loads_in_flight": pending,
+                    "loads_in_flight": in_flight.pending,
                     "note": "the graph reads KV rows a HiCache load is still copying on its side stream",
+                    **self.batch_evidence(hook, args, kwargs),
+                    **({"load_node_ids": in_flight.node_ids} if in_flight.node_ids else {}),
                 },
             )
-        return events
+        return in_flight.events
 
     def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         if "graph-guard" in probe.fixes and ctx:
@@ -304,6 +328,46 @@ class GraphReplayRole(HiCacheRole):
         return args, kwargs
 
 
+class GraphExecuteRole(GraphReplayRole):
+    """`execute(forward_batch, ...)` of the graph runners from 0.5.14 on (decode and target verify,
+    prefill, the EAGLE draft and draft-extend runners): the same check and the same guard, and the
+    violation names the batch from what lives on the host (no value read from the device): its
+    forward mode, size, request ids, how many KV slots it writes (`out_cache_loc`'s length, a
+    shape), the stream the replay is issued on, and the tree nodes the loads in flight bring back."""
+
+    reads = {"forward_batch": 0}
+
+    def batch_evidence(self, hook: Hook, args: Args, kwargs: Kwargs) -> dict[str, Any]:
+        batch = hook.arg(args, kwargs, "forward_batch")
+        if batch is None:
+            return {}
+        out: dict[str, Any] = {}
+        mode = getattr(batch, "forward_mode", None)
+        if mode is not None:
+            out["forward_mode"] = str(getattr(mode, "name", mode))
+        size = getattr(batch, "batch_size", None)
+        if isinstance(size, int):
+            out["batch_size"] = size
+        rids = getattr(batch, "rids", None)
+        if isinstance(rids, list) and rids:
+            out["rids"] = [str(r) for r in rids[:MAX_NAMED]]
+        slots = getattr(batch, "out_cache_loc", None)
+        shape = getattr(slots, "shape", None)
+        if shape is not None and len(shape) >= 1:
+            out["slots"] = int(shape[0])
+            if getattr(slots, "is_cuda", False):
+                out["stream"] = replay_stream(slots)
+        return out
+
+
+def replay_stream(on_device: Any) -> int:
+    """The id of the current CUDA stream of the tensor's device: the stream the replay is issued on
+    and graph-guard makes wait (a host-side lookup, no synchronisation)."""
+    import torch
+
+    return int(torch.cuda.current_stream(on_device.device).cuda_stream)
+
+
 ROLES: dict[str, Role] = {
     "host_alloc": HostAllocRole(),
     "host_free": HostFreeRole(),
@@ -314,4 +378,5 @@ ROLES: dict[str, Role] = {
     "storage_set": StorageSetRole(),
     "storage_get": StorageGetRole(),
     "graph_replay": GraphReplayRole(),
+    "graph_execute": GraphExecuteRole(),
 }
