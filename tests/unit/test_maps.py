@@ -87,7 +87,7 @@ def _installed_map():
 
 def test_every_hook_of_the_tested_map_resolves_in_the_installed_sources():
     check = check_map(_installed_map())
-    assert check.unresolved == [] and len(check.hooks) == 47
+    assert check.unresolved == [] and len(check.hooks) == 48
 
 
 def test_a_renamed_method_switches_its_ledger_off_and_names_the_hook():
