@@ -3,7 +3,8 @@
 Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a request and check the
 `last_loc` they are given; free roles return slots (or whole pages); tree roles move slots to
 and from the radix tree; request-pool roles say which rows are live and which slots each row
-points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel).
+points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel;
+`req_write_extend`: a prefill batch's, likewise).
 `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
 named and, with `recompute-last-loc`, read again.
 
@@ -20,6 +21,7 @@ from kvdoctor.probe import fixes, hotpath
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.sglang import coverage
+from kvdoctor.probe.sglang.prefill import ReqWriteExtendRole
 from kvdoctor.probe.sglang.requests import (
     ReqAllocCountRole,
     ReqAllocRole,
@@ -326,6 +328,7 @@ ROLES: dict[str, Role] = {
     "req_free_rows": ReqFreeRowsRole(),
     "req_write": ReqWriteRole(),
     "req_write_spans": ReqWriteSpansRole(),
+    "req_write_extend": ReqWriteExtendRole(),
     "req_clear": ReqClearRole(),
     "last_loc_source": LastLocSourceRole(),
     "shutdown": ShutdownRole(),
