@@ -125,9 +125,13 @@ def main() -> int:
             for led in sglang_state(probe).ledgers.values()
             for t in (led.state, led.owner, led.alloc_site, led.flags, led.violation_site, led.counters)
         )
-    from sglang.jit_kernel.kvcache import can_use_store_cache
+    try:  # 0.5.9's JIT kernel module; later releases moved it
+        from sglang.jit_kernel.kvcache import can_use_store_cache
 
-    result["set_kv_buffer_impl"] = "jit store_cache" if can_use_store_cache(heads * dim * 2) else "torch index_put fallback"
+        result["set_kv_buffer_impl"] = "jit store_cache" if can_use_store_cache(heads * dim * 2) else "torch index_put fallback"
+    except ImportError:
+        result["set_kv_buffer_impl"] = "this release's own (sglang.jit_kernel.kvcache not present)"
+    result["sglang"] = getattr(sys.modules.get("sglang"), "__version__", "?")
     print("RESULT " + json.dumps(result), flush=True)
     if probe is not None:
         from kvdoctor.probe import runtime
