@@ -57,6 +57,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -146,7 +147,11 @@ def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
     load = load_prefix_back(world, torch)
     if case == "after":
         finish_loads(a.cpu, torch)
+    in_flight_before_batch = not bool(load.ack.finish_event.query())
+    t_batch = time.perf_counter()
     batch = decode_batch(world, torch, load)
+    batch_s = time.perf_counter() - t_batch
+    in_flight_before_execute = not bool(load.ack.finish_event.query())
     waits_before, sync_error, output = CPU.waits, None, None
     if not a.cpu:
         torch.cuda.set_sync_debug_mode("error")
@@ -174,6 +179,9 @@ def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
         "controller_load_hooked_as": getattr(type(world.controller).load, "__kvdoctor_role__", None),
         "load_node_ids": load.ack.node_ids,
         "load_done_when_execute_returned": done_at_return,
+        "load_in_flight_before_batch": in_flight_before_batch,
+        "load_in_flight_before_execute": in_flight_before_execute,
+        "decode_batch_host_s": round(batch_s, 4),
         "sync_error": sync_error,
         "graph_output": read,
         "loaded_rows_sum": expected,
