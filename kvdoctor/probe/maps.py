@@ -49,6 +49,9 @@ class ProbeMap:
     dist_names: list[str] = dataclasses.field(default_factory=list)
     # speculative decoding algorithms whose request rows a kernel writes in place, past the hooked row writer
     speculative_rows_unhooked: list[str] = dataclasses.field(default_factory=list)
+    # where a prefill batch's request rows are written by a kernel launched in place, past every hook
+    # ('' when a hooked writer sees them): the caller and the kernel, said in the not-judged reason
+    prefill_rows_unhooked: str = ""
 
     def modules(self) -> set[str]:
         return {c.module for c in self.classes} | {f.module for f in self.functions}
@@ -102,6 +105,7 @@ def load_map(path: str) -> ProbeMap:
         os.path.basename(path),
         dist_names=list(raw.get("dist_names", [raw["engine"]])),
         speculative_rows_unhooked=[str(name) for name in raw.get("speculative_rows_unhooked", [])],
+        prefill_rows_unhooked=str(raw.get("prefill_rows_unhooked", "")),
     )
 
 

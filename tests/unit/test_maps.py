@@ -162,3 +162,18 @@ def test_module_source_finds_files_without_importing_them():
 def test_every_shipped_map_reads_its_ranges():
     for probe_map in available_maps():
         assert str(probe_map.versions)
+
+
+def test_every_sglang_map_hooks_the_prefill_row_writer_or_says_it_cannot():
+    """A map that hooks no `write_cache_indices` (role `req_write_extend`) names where its releases
+    launch the prefill rows' kernel in place, so that a device table's ledger is not judged (#24)."""
+    for probe_map in available_maps("sglang"):
+        hooked = any(f.role == "req_write_extend" for f in probe_map.functions)
+        assert hooked != bool(probe_map.prefill_rows_unhooked), probe_map.source
+        if not hooked:
+            assert "write_req_to_token_pool_triton" in probe_map.prefill_rows_unhooked, probe_map.source
+    assert {m.source for m in available_maps("sglang") if m.prefill_rows_unhooked} == {
+        "sglang-0.5.1.toml",
+        "sglang-0.5.2.toml",
+        "sglang-0.5.3.toml",
+    }

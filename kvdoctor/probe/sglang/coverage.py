@@ -12,6 +12,11 @@ engine's `req_to_token_pool` is a hooked request pool. It does not hold for:
 - a request pool that is not a hooked class (PD decode's `DecodeReqToTokenPool`), or one whose row
   writer is its own (a subclass overriding `write`): which request owns a slot is not seen, so slots
   in use would look orphaned;
+- a request table on a device (not the host) where the map says the release writes a prefill
+  batch's rows with a kernel launched in place (`prefill_rows_unhooked`: SGLang 0.5.1-0.5.3.post1's
+  `ScheduleBatch.prepare_for_extend` launches `write_req_to_token_pool_triton` whenever the attention
+  backend supports Triton, and calls the hooked `ReqToTokenPool.write` only on its fallback branch,
+  which a host table takes);
 - an engine decoding speculatively (its scheduler's, a batch's or a model runner's `spec_algorithm`)
   where the map hooks no speculative row writer (`req_write_spans`: SGLang launches a kernel,
   `assign_req_to_token_pool`, through `assign_req_to_token_pool_func` from 0.5.4.post2, inline before),
@@ -104,12 +109,14 @@ def why_not_judged(
     classes: dict[str, set[str]],
     request_methods: dict[str, list[str]],
     speculative_rows: str = "",
+    prefill_rows: str = "",
 ) -> str:
     """'' when the ledger of `allocator` can judge orphans, else the reason, in one sentence.
     `holder`: another allocator that holds it as a part (None if none is known); `requests`: the
     request pool named beside it (None until seen); `request_methods`: the map's request pool
     classes and their hooked methods; `speculative_rows`: why speculative decoding's row writes are
-    not seen ('' when they are, or the engine does not decode speculatively)."""
+    not seen ('' when they are, or the engine does not decode speculatively); `prefill_rows`: why
+    a prefill batch's row writes are not seen ('' when they are: `prefill_rows_unseen`)."""
     name = type(allocator).__name__
     if name not in classes["allocator"]:
         return f"{name} is a pool the probe map does not describe (only the methods it inherits are hooked)"
@@ -120,9 +127,27 @@ def why_not_judged(
         return (
             f"the request pool {type(requests).__name__} is not hooked ({', '.join(unhooked[:4])}): which request holds a slot is not seen"
         )
+    if prefill_rows:
+        return f"{prefill_rows}: which request holds a slot is not seen"
     if speculative_rows:
         return f"{speculative_rows}: which request holds a slot is not seen"
     return ""
+
+
+def prefill_rows_unseen(requests: Any, launched_in_place: str) -> str:
+    """Why a prefill batch's request rows are not seen, or '': `launched_in_place`, the map's
+    `prefill_rows_unhooked` (where the release launches the kernel that writes them, '' when a
+    hooked writer sees them); `requests`, the engine's request pool (None until seen: decided
+    then). The kernel's branch is taken for a table on a device; a host table takes the fallback,
+    which writes through the hooked `ReqToTokenPool.write`. A table whose device cannot be read is
+    not proven to be the host's. The device is a host attribute of the tensor: no value is read."""
+    if not launched_in_place or requests is None:
+        return ""
+    device = getattr(own(requests, "req_to_token"), "device", None)
+    if getattr(device, "type", None) == "cpu":
+        return ""
+    where = f"a request table on {device}" if device is not None else "a request table whose device is not known"
+    return f"prefill rows are written by a kernel this release launches in place ({launched_in_place}), which no hook sees, into {where}"
 
 
 def speculative_algorithm(holder: Any) -> str | None:

@@ -91,7 +91,10 @@ class CoverageJudging:
         for ledger in open_ledgers:
             allocator = self.hosts.get(id(ledger))
             requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
-            reason = coverage.why_not_judged(allocator, composites.get(id(allocator)), requests, classes, methods, speculative_rows)
+            prefill_rows = coverage.prefill_rows_unseen(requests, probe_map.prefill_rows_unhooked if probe_map else "")
+            reason = coverage.why_not_judged(
+                allocator, composites.get(id(allocator)), requests, classes, methods, speculative_rows, prefill_rows
+            )
             if reason:
                 ledger.not_judged = reason
                 changed = True
