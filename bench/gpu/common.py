@@ -1,4 +1,5 @@
-"""Shared set-up for the GPU scripts: SGLang 0.5.9 on a machine without sgl-kernel, and /proc sampling."""
+"""Shared set-up for the GPU scripts: SGLang 0.5.9 on a machine without sgl-kernel, its HiCache stack, and
+/proc sampling."""
 
 from __future__ import annotations
 
@@ -31,6 +32,90 @@ def install_direct_transfer(async_host_to_device: bool = False) -> None:
 
     kio.transfer_kv_direct = transfer_kv_direct
     kio.__torch_direct__ = True
+
+
+def hicache_059(
+    torch,
+    device: str,
+    *,
+    size: int,
+    page_size: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    req_slots: int,
+    max_context: int,
+    hicache_ratio: float,
+    storage_backend: str | None = None,
+    storage_extra_config: str | None = None,
+):
+    """SGLang 0.5.9's device pools and its real HiRadixCache, which builds the host pool
+    (`MHATokenToKVPoolHost`) and the `HiCacheController` as a server's scheduler does (`direct` I/O,
+    `layer_first`, write-through). The allocator is the one a server picks for the page size.
+    Glue, not SGLang's: a plain namespace stands for ServerArgs (the fields HiRadixCache and the
+    controller read; the real one needs a model), the controller's tensor-parallel rank/size lookups
+    return 0/1 (one process, SGLang's distributed state not initialised), and the tree's group is a
+    one-process gloo group. Returns the parts and `build_s`, the seconds HiRadixCache took."""
+    import tempfile
+    import types
+
+    import sglang.srt.managers.cache_controller as cc_mod
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    cc_mod.get_tensor_model_parallel_rank = lambda: 0
+    cc_mod.get_tensor_model_parallel_world_size = lambda: 1
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='gloo-')}", rank=0, world_size=1)
+    server_args = types.SimpleNamespace(
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        disable_hicache_numa_detect=True,
+        hicache_ratio=hicache_ratio,
+        hicache_size=0,
+        hicache_storage_backend=storage_backend,
+        extra_metric_labels=None,
+        hicache_storage_backend_extra_config=storage_extra_config,
+        hicache_storage_prefetch_policy="best_effort",
+        hicache_write_policy="write_through",
+        served_model_name="tiny",
+    )
+    kv = MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        device=device,
+        enable_memory_saver=False,
+    )
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(size, dtype=torch.bfloat16, device=device, kvcache=kv, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype=torch.bfloat16, device=device, kvcache=kv, need_sort=False)
+    req_pool = ReqToTokenPool(size=req_slots, max_context_len=max_context, device=device, enable_memory_saver=False)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        tp_cache_group=dist.group.WORLD,
+    )
+    t_build = time.monotonic()
+    tree = HiRadixCache(params, server_args)
+    return types.SimpleNamespace(
+        kv=kv,
+        allocator=allocator,
+        req_pool=req_pool,
+        tree=tree,
+        host=tree.token_to_kv_pool_host,
+        controller=tree.cache_controller,
+        build_s=round(time.monotonic() - t_build, 2),
+    )
 
 
 def read_status() -> dict[str, int]:

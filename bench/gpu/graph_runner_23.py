@@ -66,7 +66,9 @@ import common
 CASES = {"during": [], "guarded": ["graph-guard"], "after": []}
 
 
-def main() -> int:
+def main(layout: types.SimpleNamespace | None = None) -> int:
+    """Runs the cases on `layout`'s runner and controller (default: SGLang 0.5.23's)."""
+    layout = layout or LAYOUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=[*CASES, "all"], default="all")
     ap.add_argument("--cpu", action="store_true", help="a dry run of the plumbing with CPU stand-ins")
@@ -74,27 +76,26 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=64, help="tokens of the request's prefix that HiCache loads back")
-    ap.add_argument("--delay-cycles", type=int, default=4_000_000_000, help="SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES")
+    ap.add_argument("--delay-cycles", type=int, default=4_000_000_000, help=layout.delay_help)
     a = ap.parse_args()
-    traces = a.traces or tempfile.mkdtemp(prefix="graph23-")
+    traces = a.traces or tempfile.mkdtemp(prefix=layout.trace_prefix)
     os.makedirs(traces, exist_ok=True)
     if a.cpu:
         install_cpu_stand_ins()
-    else:
-        common.install_direct_transfer(async_host_to_device=True)
+    layout.set_up(a.cpu)
     if not a.cpu:
         # Warm-up, not reported: the first execute() in a process loads CUDA modules and kernels
         # lazily, which can take longer than the load's delay, so the load would be over before
         # the replay it was meant to overlap (seen on an H200: the first case read as "after").
-        run_case(a, "after", os.path.join(traces, "warmup.trace.json"))
+        run_case(a, "after", os.path.join(traces, "warmup.trace.json"), layout)
     results = {}
     for case in CASES if a.case == "all" else [a.case]:  # one process: each case its own probe, pools and graph
         trace = os.path.join(traces, f"{case}.trace.json")
-        results[case] = run_case(a, case, trace)
+        results[case] = run_case(a, case, trace, layout)
         results[case]["findings"] = findings(trace)
     out = {"cpu_dry_run": a.cpu, "traces": traces, "cases": results}
     if a.case == "all":
-        out["verdict"] = judge(results)
+        out["verdict"] = judge(results, layout.runner_name, layout.batch_evidence)
         # not a criterion: unguarded, the graph read the rows before the load wrote them (GPU only)
         out["unguarded_read_rows_the_load_had_not_written"] = results["during"]["graph_read_loaded_rows"] is False
     print("RESULT " + json.dumps(out), flush=True)
@@ -111,9 +112,10 @@ def findings(trace: str) -> list[dict]:
     return [{"kind": f.kind, "count": f.count, "message": f.message, "evidence": f.evidence} for f in analyze(iter_events(trace)).findings]
 
 
-def judge(results: dict) -> dict[str, bool]:
-    """Issue #31's three cases: named during the load, guarded on the device without a host
-    synchronisation, silent after the load; and nothing else found in any of them."""
+def judge(results: dict, runner: str, batch: dict) -> dict[str, bool]:
+    """Issue #31's three cases: named during the load (by `runner`, with the `batch` evidence and
+    the loaded node), guarded on the device without a host synchronisation, silent after the load;
+    and nothing else found in any of them."""
 
     def kinds(case: str) -> dict[str, dict]:
         return {f["kind"]: f for f in results[case]["findings"]}
@@ -123,8 +125,8 @@ def judge(results: dict) -> dict[str, bool]:
     guarded = results["guarded"]
     unexpected = {k for case in CASES for k in kinds(case)} - {"graph_replay_during_load", "fix_applied", "probe_partial"}
     return {
-        "during_load_is_named": named.get("count") == 1 and evidence.get("graph_runner") == "DecodeCudaGraphRunner",
-        "during_load_names_the_batch_and_the_load": evidence.get("rids") == ["req-0"] and evidence.get("load_node_ids") == [7],
+        "during_load_is_named": named.get("count") == 1 and evidence.get("graph_runner") == runner,
+        "during_load_names_the_batch_and_the_load": {k: evidence.get(k) for k in batch} == batch and evidence.get("load_node_ids") == [7],
         "guarded_waits_on_the_device": kinds("guarded").get("fix_applied", {}).get("evidence", {}).get("fix") == "graph-guard"
         and guarded["sync_error"] is None
         and guarded["load_done_when_execute_returned"] is False,
@@ -134,15 +136,17 @@ def judge(results: dict) -> dict[str, bool]:
     }
 
 
-def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
+def run_case(a: argparse.Namespace, case: str, trace: str, layout: types.SimpleNamespace) -> dict:
     from kvdoctor.probe import runtime
 
-    os.environ["SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES"] = str(0 if a.cpu or case == "after" else a.delay_cycles)
+    cycles = 0 if a.cpu or case == "after" else a.delay_cycles
+    os.environ["SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES"] = str(cycles)  # 0.5.23's knob; read by nothing before it
     probe = runtime.activate(trace, fixes=CASES[case])
     import torch
 
-    world = build_world(a, torch)
-    runner, capture = make_runner(world, torch)
+    world = layout.build_world(a, torch)
+    layout.hold_loads(world, torch, cycles)
+    runner, capture = layout.make_runner(world, torch)
     capture()
     load = load_prefix_back(world, torch)
     if case == "after":
@@ -156,7 +160,7 @@ def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
     if not a.cpu:
         torch.cuda.set_sync_debug_mode("error")
     try:
-        output = runner.execute(batch)
+        output = getattr(runner, layout.method)(batch)
     except RuntimeError as exc:  # a host synchronisation inside execute()
         sync_error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -174,7 +178,8 @@ def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
         "torch": torch.__version__,
         "sglang": __import__("sglang").__version__,
         "runner": type(runner).__name__,
-        "execute_hooked_as": getattr(type(runner).execute, "__kvdoctor_role__", None),
+        "runner_method": layout.method,
+        "execute_hooked_as": getattr(getattr(type(runner), layout.method), "__kvdoctor_role__", None),
         "controller": type(world.controller).__name__,
         "controller_load_hooked_as": getattr(type(world.controller).load, "__kvdoctor_role__", None),
         "load_node_ids": load.ack.node_ids,
@@ -367,6 +372,7 @@ def decode_batch(world: types.SimpleNamespace, torch, load: types.SimpleNamespac
 
     a, dev = world.a, world.dev
     seq_len = a.prefix + 1
+    named = {"rids": ["req-0"]} if "rids" in ForwardBatch.__dataclass_fields__ else {}  # none before 0.5.14
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=1,
@@ -377,8 +383,8 @@ def decode_batch(world: types.SimpleNamespace, torch, load: types.SimpleNamespac
         seq_lens_sum=seq_len,
         seq_lens_cpu=torch.tensor([seq_len], dtype=torch.int64),
         positions=torch.tensor([seq_len - 1], dtype=torch.int64, device=dev),
-        rids=["req-0"],
         capture_hidden_mode=CaptureHiddenMode.NULL,
+        **named,
     )
 
 
@@ -387,7 +393,6 @@ def make_runner(world: types.SimpleNamespace, torch):
     execute() reads, SGLang's own static buffers, and our graph captured into the real
     FullCudaGraphBackend under the key execute() computes. Returns (runner, capture)."""
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.cuda_graph_buffer_registry import build_decode_registry
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
@@ -405,7 +410,7 @@ def make_runner(world: types.SimpleNamespace, torch):
         def forward_decode(self, *args, **kwargs):
             raise NotImplementedError
 
-    a, kv, dev = world.a, world.kv, world.dev
+    dev = world.dev
     runner = object.__new__(DecodeCudaGraphRunner)
     hidden, vocab = 64, 8
     model_runner = types.SimpleNamespace(
@@ -478,9 +483,23 @@ def make_runner(world: types.SimpleNamespace, torch):
         setattr(runner, name, value)
     key = runner._make_graph_key(1)
 
+    forward = model_forward(world, torch, buffers, vocab)
+
+    def capture() -> None:
+        capture_graph(torch, dev, forward, backend._graphs, backend._outputs, key)
+
+    return runner, capture
+
+
+def model_forward(world: types.SimpleNamespace, torch, buffers, vocab: int):
+    """Our stand-in for the model, on a runner's static buffers: reads the request's prefix rows
+    through req_to_token (what HiCache loads back), sums them into the logits, and writes the new
+    token's K/V at out_cache_loc."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    a, kv, dev = world.a, world.kv, world.dev
+
     def forward():
-        """Our stand-in for the model: reads the request's prefix rows through req_to_token
-        (what HiCache loads back) and writes the new token's K/V at out_cache_loc."""
         rows = world.req_pool.req_to_token[buffers.req_pool_indices[:1]][:, : a.prefix].long()
         mask = (torch.arange(a.prefix, device=dev) < (buffers.seq_lens[:1, None] - 1)).float()
         total = torch.zeros(1, device=dev, dtype=torch.float32)
@@ -494,24 +513,50 @@ def make_runner(world: types.SimpleNamespace, torch):
             v.index_copy_(0, buffers.out_cache_loc[:1], new)
         return LogitsProcessorOutput(next_token_logits=total.view(1, 1).expand(1, vocab).contiguous())
 
-    def capture() -> None:
-        if dev == "cpu":
-            backend._graphs[key] = types.SimpleNamespace(replay=lambda: backend._outputs.__setitem__(key, forward()))
-            backend._outputs[key] = forward()
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
-        torch.cuda.synchronize()
-        backend._graphs[key], backend._outputs[key] = graph, out
+    return forward
 
-    return runner, capture
+
+def capture_graph(torch, dev: str, forward, graphs: dict, outputs: dict, key) -> None:
+    """Captures `forward` as a CUDA graph into the runner's tables under `key` (on CPU: a replay
+    that calls it)."""
+    if dev == "cpu":
+        graphs[key] = types.SimpleNamespace(replay=lambda: outputs.__setitem__(key, forward()))
+        outputs[key] = forward()
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    torch.cuda.synchronize()
+    graphs[key], outputs[key] = graph, out
+
+
+def hold_loads_with_sglang_knob(world: types.SimpleNamespace, torch, cycles: int) -> None:
+    """0.5.23 delays its own loads: SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES, set in run_case."""
+
+
+def set_up(cpu: bool) -> None:
+    """On a GPU, sgl-kernel's direct transfer in torch (non-blocking host-to-device copies)."""
+    if not cpu:
+        common.install_direct_transfer(async_host_to_device=True)
+
+
+LAYOUT = types.SimpleNamespace(
+    runner_name="DecodeCudaGraphRunner",
+    method="execute",
+    batch_evidence={"rids": ["req-0"]},
+    trace_prefix="graph23-",
+    delay_help="SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES",
+    set_up=set_up,
+    build_world=build_world,
+    hold_loads=hold_loads_with_sglang_knob,
+    make_runner=make_runner,
+)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ The process's RSS (anon + shmem) is sampled throughout. Run once without and onc
 `--fix clone-host-indices`, each in a fresh process.
 
 Glue written here (not SGLang's): a plain namespace stands for ServerArgs; the tensor-parallel
-rank/size lookups of cache_controller return 0/1 (one process, no SGLang distributed init);
-`sgl_kernel.kvcacheio.transfer_kv_direct` is a torch implementation (common.py).
+rank/size lookups of cache_controller return 0/1 (one process, no SGLang distributed init), both in
+`common.hicache_059`, which builds the pools and the tree; `sgl_kernel.kvcacheio.transfer_kv_direct`
+is a torch implementation (common.py).
 """
 
 from __future__ import annotations
@@ -61,54 +62,29 @@ def main() -> int:
     probe = runtime.activate(a.trace, fixes=a.fix)
     common.install_direct_transfer()
 
-    import sglang.srt.managers.cache_controller as cc_mod
     import torch
-    import torch.distributed as dist
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from kvdoctor.demo.workload import Request
 
-    cc_mod.get_tensor_model_parallel_rank = lambda: 0
-    cc_mod.get_tensor_model_parallel_world_size = lambda: 1
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='gloo-')}", rank=0, world_size=1)
-
     dev = a.device
     ps = a.page_size
-    server_args = types.SimpleNamespace(
-        hicache_io_backend="direct",
-        hicache_mem_layout="layer_first",
-        disable_hicache_numa_detect=True,
-        hicache_ratio=a.hicache_ratio,
-        hicache_size=0,
-        hicache_storage_backend="file",
-        extra_metric_labels=None,
-        hicache_storage_backend_extra_config='{"prefetch_threshold": 64}',
-        hicache_storage_prefetch_policy="best_effort",
-        hicache_write_policy="write_through",
-        served_model_name="tiny",
-    )
-    kv = MHATokenToKVPool(
+    stack = common.hicache_059(
+        torch,
+        dev,
         size=a.pool_tokens,
         page_size=ps,
-        dtype=torch.bfloat16,
-        head_num=a.heads,
+        layers=a.layers,
+        heads=a.heads,
         head_dim=a.head_dim,
-        layer_num=a.layers,
-        device=dev,
-        enable_memory_saver=False,
+        req_slots=a.batch * 2,
+        max_context=8192,
+        hicache_ratio=a.hicache_ratio,
+        storage_backend="file",
+        storage_extra_config='{"prefetch_threshold": 64}',
     )
-    allocator = PagedTokenToKVPoolAllocator(a.pool_tokens, ps, dtype=torch.bfloat16, device=dev, kvcache=kv, need_sort=False)
-    req_pool = ReqToTokenPool(size=a.batch * 2, max_context_len=8192, device=dev, enable_memory_saver=False)
-    params = CacheInitParams(
-        disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=ps, tp_cache_group=dist.group.WORLD
-    )
-    t_build = time.monotonic()
-    tree = HiRadixCache(params, server_args)
+    kv, allocator, req_pool, tree = stack.kv, stack.allocator, stack.req_pool, stack.tree
     host = tree.token_to_kv_pool_host
     ctl = tree.cache_controller
     info = {
@@ -124,7 +100,7 @@ def main() -> int:
         "fixes": a.fix,
         "page_size": ps,
         "pool_tokens": a.pool_tokens,
-        "build_s": round(time.monotonic() - t_build, 2),
+        "build_s": stack.build_s,
         "storage_dir": storage_dir,
     }
     # Touch every page of the host pool (and of a CPU device pool) once, so that RSS does not grow
