@@ -50,10 +50,11 @@ Stood in, and why:
 - Glue of ours (graph_runner_23's): the backup's ack is dropped instead of `writing_check`, the
   request's row is written with `ReqToTokenPool.write` (row 1) instead of through a scheduler.
 
-The probe hooks `CudaGraphRunner.replay` with 0.5.9's map role `graph_replay`, which reads no argument
-of the call, so the finding names the runner and the loaded node but not the batch; 0.5.9's
-ForwardBatch has no request ids at all. `BATCH` is what the verdict asks of the batch: its forward
-mode, size and slot count, all on the host (what the `graph_execute` role reads from a ForwardBatch).
+The probe hooks `CudaGraphRunner.replay` with the map's role `graph_execute`, which reads the
+batch from its host fields (forward mode, size, slot count); 0.5.9's ForwardBatch has no request
+ids, and the request's row lives on the device (reading it would be a synchronisation), so on this
+layout the finding names the batch and the loaded node, not the request. `BATCH` is what the
+verdict asks of the batch.
 
 On the device machine: `bash bench/gpu/run_graph_runner_59.sh` (README.md says what travels).
 Here, without a GPU: `python bench/gpu/graph_runner_59.py --cpu` (SGLang 0.5.9 and tests/support on

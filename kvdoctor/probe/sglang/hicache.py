@@ -330,7 +330,8 @@ class GraphReplayRole(HiCacheRole):
 
 class GraphExecuteRole(GraphReplayRole):
     """`execute(forward_batch, ...)` of the graph runners from 0.5.14 on (decode and target verify,
-    prefill, the EAGLE draft and draft-extend runners): the same check and the same guard, and the
+    prefill, the EAGLE draft and draft-extend runners), and `CudaGraphRunner.replay(forward_batch,
+    ...)` before them (0.5.2-0.5.13): the same check and the same guard, and the
     violation names the batch from what lives on the host (no value read from the device): its
     forward mode, size, request ids, how many KV slots it writes (`out_cache_loc`'s length, a
     shape), the stream the replay is issued on, and the tree nodes the loads in flight bring back."""
