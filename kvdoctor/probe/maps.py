@@ -64,6 +64,11 @@ class ProbeMap:
 
 
 def maps_dir() -> str:
+    """The maps of the kvdoctor being run: `probes/` beside the package in a source checkout (an
+    editable install's package data points at the checkout it was made from, which need not be
+    this one), else the installed package data."""
+    if os.path.isfile(os.path.join(MAPS_DIR, "releases.toml")):
+        return os.path.abspath(MAPS_DIR)
     try:
         import kvdoctor.probes as pkg  # type: ignore[import-not-found,unused-ignore]
 
