@@ -8,14 +8,20 @@ after every call, also where SGLang's fallback already wrote the rows through th
 and on the device path.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import SUPPORT  # noqa: E402
+
 from kvdoctor.probe.ledger import arrays  # noqa: E402
-from kvdoctor.probe.ledger import slots as L  # noqa: E402
 from kvdoctor.probe.sglang.prefill import joined_prefixes  # noqa: E402
+
+sys.path.insert(0, SUPPORT)
+from slot_ledgers import quiet_ledger  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -47,16 +53,7 @@ def test_counts_on_the_device_are_not_read_back():
 
 
 def _ledger(xp, page_size):
-    return L.SlotLedger(
-        name="t",
-        size=1024,
-        page_size=page_size,
-        device="cpu",
-        emit=lambda n, a: None,
-        requests=L.RequestTable(),
-        sites=L.CallSites(),
-        xp=xp,
-    )
+    return quiet_ledger(1024, page_size, xp=xp)
 
 
 def _readback(ledger):

@@ -9,15 +9,20 @@ synchronisation (the CUDA cases run where a GPU is present).
 """
 
 import random
+import sys
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import SUPPORT  # noqa: E402
+
 from kvdoctor.probe.ledger import arrays  # noqa: E402
-from kvdoctor.probe.ledger import slots as L  # noqa: E402
 from kvdoctor.probe.sglang.speculative import written_spans  # noqa: E402
+
+sys.path.insert(0, SUPPORT)
+from slot_ledgers import quiet_ledger  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -71,16 +76,7 @@ def test_only_the_first_batch_size_requests_are_written():
 
 
 def _ledger(xp, page_size):
-    return L.SlotLedger(
-        name="t",
-        size=4096,
-        page_size=page_size,
-        device="cpu",
-        emit=lambda n, a: None,
-        requests=L.RequestTable(),
-        sites=L.CallSites(),
-        xp=xp,
-    )
+    return quiet_ledger(4096, page_size, xp=xp)
 
 
 def _expected_owner(ledger, rows, starts, ends, values, batch_size):
@@ -117,9 +113,7 @@ def test_on_a_gpu_the_rows_are_taken_without_a_synchronisation(page_size):
     draw = random.Random(7)
     batch_size = 32
     rows, starts, ends, values = a_batch(draw, batch_size)
-    ledger = L.SlotLedger(
-        name="gpu", size=4096, page_size=page_size, device="cuda", emit=lambda n, a: None, requests=L.RequestTable(), sites=L.CallSites()
-    )
+    ledger = quiet_ledger(4096, page_size, device="cuda", name="gpu")
     args = [t.cuda() for t in (rows, starts, ends, values)]
     ledger.on_alloc(args[3], 1, only_page_starts=False)
     torch.cuda.synchronize()
