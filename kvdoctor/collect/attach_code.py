@@ -82,15 +82,19 @@ b PyErr_CheckSignals
 commands 1-3
   disable breakpoints
   delete breakpoints
-  shell mv -- {gdb_token} {gdb_token}.taken 2>/dev/null
-  if $_shell_exitcode == 0
-    p "KVDOCTOR: at a safe point"
-    set $kvdoctor_gil = (int)PyGILState_Ensure()
-    set $kvdoctor_rc = (int)PyRun_SimpleString("{code}")
-    call (void)PyGILState_Release($kvdoctor_gil)
-    p $kvdoctor_rc == 0 ? "KVDOCTOR: RAN" : "KVDOCTOR: FAILED"
+  if (int)Py_IsInitialized() == 0
+    p "KVDOCTOR: the interpreter is shutting down"
   else
-    p "KVDOCTOR: cancelled before the call"
+    shell mv -- {gdb_token} {gdb_token}.taken 2>/dev/null
+    if $_shell_exitcode == 0
+      p "KVDOCTOR: at a safe point"
+      set $kvdoctor_gil = (int)PyGILState_Ensure()
+      set $kvdoctor_rc = (int)PyRun_SimpleString("{code}")
+      call (void)PyGILState_Release($kvdoctor_gil)
+      p $kvdoctor_rc == 0 ? "KVDOCTOR: RAN" : "KVDOCTOR: FAILED"
+    else
+      p "KVDOCTOR: cancelled before the call"
+    end
   end
 end
 p "KVDOCTOR: waiting for a safe point"

@@ -236,6 +236,11 @@ def _raise_for_gdb_output(pid: int, output: str, timeout_s: float, ptrace_reason
         )
     if 'No symbol "PyGILState_Ensure"' in output or 'No symbol "PyRun_SimpleString"' in output or "No symbol table" in output:
         raise KvdoctorError(f"cannot attach to pid {pid}: gdb finds no Python C API in it (a stripped or static interpreter)", RUN_INSTEAD)
+    if "KVDOCTOR: the interpreter is shutting down" in output:
+        raise KvdoctorError(
+            f"cannot attach to pid {pid}: it is exiting (its interpreter was shutting down; nothing was run in it)",
+            "check the pid with `ps`",
+        )
     if "KVDOCTOR: FAILED" in output:
         raise KvdoctorError(f"cannot attach to pid {pid}: the injected code raised inside it", RUN_INSTEAD)
     if timed_out or "KVDOCTOR: at a safe point" not in output:

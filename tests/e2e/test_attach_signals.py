@@ -210,3 +210,37 @@ def test_code_that_arrives_after_a_cancel_does_nothing(tmp_path, monkeypatch):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+# A target that ends while gdb waits at its breakpoints: stdin's end gives `os.read` the empty-bytes
+# singleton (no allocation), so the next allocation it makes is its interpreter's own, shutting down.
+EXITING = textwrap.dedent(
+    """
+    import ctypes, os
+    address = ctypes.cast(ctypes.pythonapi.PyObject_Malloc, ctypes.c_void_p).value
+    print(address, ctypes.string_at(address, 64).hex(), flush=True)
+    os.read(0, 1)
+    """
+)
+
+
+def test_a_target_that_exits_while_gdb_waits_is_left_to_exit_cleanly(tmp_path):
+    """The first safe point such a target reaches is inside its own shutdown, where Python code
+    cannot run: calling into it there crashed it (SIGSEGV at exit) and left `attach` waiting two
+    minutes. Now nothing is run in it, it exits 0, and `attach` says why it did not attach."""
+    _needs_gdb()
+    child = subprocess.Popen([sys.executable, "-c", EXITING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        address, code = child.stdout.readline().split()
+        proc, temp, trace = _start_attach(child.pid, tmp_path)
+        _wait_for(lambda: _code_changed(child.pid, int(address), bytes.fromhex(code)), "gdb's breakpoint in PyObject_Malloc")
+        child.stdin.close()  # the target's read ends: it exits, through its interpreter's shutdown
+        assert child.wait(timeout=120) == 0, f"the target died of signal {-child.returncode}"
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode != 0 and f"cannot attach to pid {child.pid}: it is exiting" in err, err
+        assert "Traceback" not in err, err
+        assert not os.path.exists(trace)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
