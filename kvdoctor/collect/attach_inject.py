@@ -239,7 +239,7 @@ def _raise_for_gdb_output(pid: int, output: str, timeout_s: float, ptrace_reason
     if "KVDOCTOR: the interpreter is shutting down" in output:
         raise KvdoctorError(
             f"cannot attach to pid {pid}: it is exiting (its interpreter was shutting down; nothing was run in it)",
-            "check the pid with `ps`",
+            "to probe a process from its start, " + RUN_INSTEAD.replace("instead", "next time"),
         )
     if "KVDOCTOR: FAILED" in output:
         raise KvdoctorError(f"cannot attach to pid {pid}: the injected code raised inside it", RUN_INSTEAD)
