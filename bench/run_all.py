@@ -53,6 +53,7 @@ def main() -> None:
         ("container_walk", "bench_containers.py", ["--batches", "12" if quick else "24"]),
         ("attribution_cost", "bench_attribution_memray.py", ["--rounds", "2" if quick else "3", "--repeats", "3" if quick else "5"]),
         ("memory_classes", "bench_memory_classes.py", ["--readings", "500" if quick else "2000"]),
+        ("prefill_rows_cpu", "bench_prefill_rows.py", ["--rounds", "2" if quick else "3", "--repeats", "3" if quick else "10"]),
     ]
     for key, script, extra in steps:
         print(f"bench: {key} ...", file=sys.stderr, flush=True)
