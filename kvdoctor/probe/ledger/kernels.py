@@ -5,7 +5,8 @@ state every index had before the call and records violations (atomic counters, p
 call site, the worst out-of-range value); `_write` then applies the state change. Two launches,
 because a free of a paged request lists every token of a page and a single kernel would see its
 own writes. Every transition is idempotent for repeated indices of one call, so `_write` needs no
-ordering. Nothing is read back to the host.
+ordering. Nothing is read back to the host. After a kernel's first call its compiled form is launched
+directly (`launch.py`): Triton's Python launcher cost more host time than the ledger's work.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvdoctor.probe.ledger import states
+from kvdoctor.probe.ledger.launch import CompiledLaunch, aligned, fits_i32
 from kvdoctor.probe.ledger.states import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
 from kvdoctor.trace import schema
 
@@ -43,7 +45,12 @@ def _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES: tl.constexpr, ALLOW
     return bad, page
 
 
-@triton.jit
+# Integers are not specialised: which compiled kernel serves a call then depends only on what
+# launch.CompiledLaunch keys on, not on the values of n, site or the pool's sizes.
+_CHECK_INTS = ["n", "rows", "page_size", "num_pages", "sink", "site"]
+
+
+@triton.jit(do_not_specialize=_CHECK_INTS)
 def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
            rows, page_size, num_pages, sink, site,
            OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
@@ -82,7 +89,7 @@ def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr,
         tl.store(vsite_ptr + page, tl.full(page.shape, site, tl.int32), mask=viol)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_CHECK_INTS)
 def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
            OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
            BLOCK: tl.constexpr):
@@ -108,7 +115,7 @@ def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, nu
         tl.store(owner_ptr + page, tl.full(page.shape, -1, tl.int32), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "req_value", "rows", "page_size", "sink"])
 def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink,
            REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -131,31 +138,47 @@ class LedgerKernels:
         self.led = ledger
         self.slot = KIND_SLOT
         self.bits = KIND_BITS
+        self.check_launch = CompiledLaunch(_check)
+        self.write_launch = CompiledLaunch(_write)
+        self.owner_launch = CompiledLaunch(_owner)
+        led = ledger
+        self.device = led.state.device.index if led.state.device.index is not None else 0
+        self.sizes = (led.rows, led.page_size, led.num_pages, led.sink)
+        ledger_tensors = (led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site)
+        # the ledger's own tensors are torch's allocations (aligned); were one not, nothing is keyed on it
+        self.keyable = fits_i32(*self.sizes) and all(aligned(t) for t in ledger_tensors)
 
-    def _grid(self, n: int) -> tuple[int]:
-        return (triton.cdiv(n, BLOCK),)
+    def _key(self, constants: dict[str, Any], *tensors: Any) -> tuple:
+        return (*constants.values(), *((t.dtype, aligned(t)) for t in tensors), self.device) if self.keyable else ()
+
+    def _launch(self, launch: CompiledLaunch, n: int, args: tuple, constants: dict[str, Any], key: tuple) -> None:
+        grid = triton.cdiv(n, BLOCK)
+        if key and fits_i32(n):
+            launch(grid, args, constants, key, self.device)
+        else:
+            launch.fn[(grid,)](*args, **constants)
 
     def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
                req: Any = None, weight: int = 1) -> None:
         led = self.led
         n = idx.numel()
-        _check[self._grid(n)](
-            idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value,
-            req if req is not None else idx,
-            led.rows, led.page_size, led.num_pages, led.sink, site,
-            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, HAS_REQ=req is not None, WEIGHT=weight,
-            KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
-            OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE], OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE], BLOCK=BLOCK,
-        )
+        req_arg = req if req is not None else idx
+        constants = {
+            "OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "HAS_REQ": req is not None, "WEIGHT": weight,
+            "KIND_SLOT": self.slot[kind], "KIND_BIT": self.bits[kind],
+            "OOR_SLOT": self.slot[schema.INDEX_OUT_OF_RANGE], "OOR_BIT": self.bits[schema.INDEX_OUT_OF_RANGE], "BLOCK": BLOCK,
+        }
+        args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, req_arg,
+                *self.sizes, site)
+        self._launch(self.check_launch, n, args, constants, self._key(constants, idx, req_arg) if fits_i32(site) else ())
 
     def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False,
                evicting: bool = False) -> None:
         led = self.led
         n = idx.numel()
-        _write[self._grid(n)](
-            idx, n, led.state, led.owner, led.alloc_site, led.rows, led.page_size, led.num_pages, led.sink, site,
-            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, EVICTING=evicting, BLOCK=BLOCK,
-        )
+        constants = {"OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "EVICTING": evicting, "BLOCK": BLOCK}
+        args = (idx, n, led.state, led.owner, led.alloc_site, *self.sizes, site)
+        self._launch(self.write_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
 
     def alloc(self, idx: Any, site: int, page_starts: bool) -> None:
         if idx.numel():
@@ -183,5 +206,8 @@ class LedgerKernels:
         if not n:
             return
         tensor = not isinstance(req, int)
-        _owner[self._grid(n)](idx, n, led.state, led.owner, req if tensor else idx, 0 if tensor else req,
-                              led.rows, led.page_size, led.sink, REQ_TENSOR=tensor, BLOCK=BLOCK)
+        req_arg = req if tensor else idx
+        constants = {"REQ_TENSOR": tensor, "BLOCK": BLOCK}
+        args = (idx, n, led.state, led.owner, req_arg, 0 if tensor else req, led.rows, led.page_size, led.sink)
+        key = self._key(constants, idx, req_arg) if fits_i32(0 if tensor else req) else ()
+        self._launch(self.owner_launch, n, args, constants, key)
