@@ -68,11 +68,19 @@ def main():
                         led.on_owner(idx, torch.arange(n, device="cuda", dtype=torch.int32))
                     else:
                         led.check_last_loc(idx, site, torch.full_like(idx, 3))
-            for k in ("state", "owner", "flags", "violation_site", "counters", "oor_value"):
+            # (oor_value is kept differently by the two paths: the worst value, or the worst each side)
+            for k in ("state", "owner", "flags", "violation_site", "counters"):
                 if not torch.equal(getattr(a, k), getattr(b, k)):
                     mismatches += 1
                     out.setdefault(f"first_mismatch_{launch}", f"seed {seed} {k}")
             fast += compiled_launches(b)
+            launchers = (b.kernels.check_launch, b.kernels.write_launch, b.kernels.owner_launch)
+            out[f"launch_{launch}"] = {
+                "enabled": [x.enabled for x in launchers],
+                "declined": [x.declined for x in launchers],
+                "keyable": b.kernels.keyable,
+                "cached": [len(x.compiled) for x in launchers],
+            }
             seeds += 1
         out[f"mismatches_{launch}"] = mismatches
         out[f"compiled_launches_{launch}"] = fast

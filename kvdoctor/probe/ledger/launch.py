@@ -61,6 +61,7 @@ class CompiledLaunch:
         self.enabled = self.knobs is not None and self.stream is not None
         self.compiled: dict[tuple, tuple[Any, Any, Any]] = {}
         self.fast_launches = 0  # how many calls took the compiled path (the benchmark reports it)
+        self.declined = ""  # why a first call's kernel could not be kept, if it could not
 
     def __call__(self, grid: int, args: tuple, constants: dict[str, Any], key: tuple, device: int) -> None:
         """`args` are the kernel's runtime arguments in order; `constants` its constexprs, which come
@@ -75,8 +76,8 @@ class CompiledLaunch:
         if self.enabled and hit is None:
             try:
                 self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
-            except Exception:  # the interpreter returns no compiled kernel: stay on Triton's path
-                pass
+            except Exception as exc:  # the interpreter returns no compiled kernel: stay on Triton's path
+                self.declined = f"{type(exc).__name__}: {exc}"[:200]
 
 
 def aligned(tensor: Any) -> bool:
