@@ -6,10 +6,11 @@ hooked call launches two. The ledger's kernels take their integers unspecialised
 (`do_not_specialize`), so what selects a compiled kernel is only what this cache keys on: the
 compile-time constants, the index tensors' dtypes and whether they are 16-byte aligned, and the
 device. The first call of a key goes through Triton as before (and compiles); every later one
-calls the compiled kernel's launcher with the same arguments Triton's own `run` passes it.
+calls the compiled kernel's launcher with the same arguments, launch hooks included, that Triton's
+own `run` passes it once it has found the kernel.
 
 Whatever it does not know takes Triton's path, as before: the interpreter (`TRITON_INTERPRET`), a
-launch hook someone set (a profiler), a Triton release not checked against the torch ledger on a
+Triton release not checked against the torch ledger on a
 GPU (`CHECKED_TRITON`), an integer past 32 bits. `KVDOCTOR_LEDGER_LAUNCH=triton` always takes Triton's
 path; `=compiled` takes this one on an unchecked release too (to check it).
 """
@@ -59,23 +60,28 @@ class CompiledLaunch:
         self.knobs = _runtime_knobs()
         self.stream = _raw_stream()
         self.enabled = self.knobs is not None and self.stream is not None
-        self.compiled: dict[tuple, tuple[Any, Any, Any]] = {}
+        self.compiled: dict[tuple, Any] = {}
         self.fast_launches = 0  # how many calls took the compiled path (the benchmark reports it)
         self.declined = ""  # why a first call's kernel could not be kept, if it could not
 
     def __call__(self, grid: int, args: tuple, constants: dict[str, Any], key: tuple, device: int) -> None:
         """`args` are the kernel's runtime arguments in order; `constants` its constexprs, which come
         after them in every ledger kernel's signature; `key` what else selects the compiled kernel."""
-        hit = self.compiled.get(key) if self.enabled else None
-        if hit is not None and self.knobs.launch_enter_hook is None and self.knobs.launch_exit_hook is None:
-            run, function, packed = hit
-            run(grid, 1, 1, self.stream(device), function, packed, None, None, None, *args, *constants.values())
+        kernel = self.compiled.get(key) if self.enabled else None
+        if kernel is not None:
+            # what Triton's own run does once it has found the kernel, launch hooks included
+            everything = (*args, *constants.values())
+            stream = self.stream(device)
+            metadata = kernel.launch_metadata((grid, 1, 1), stream, *everything)
+            hooks = (self.knobs.launch_enter_hook, self.knobs.launch_exit_hook)
+            kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, *hooks, *everything)
             self.fast_launches += 1
             return
         kernel = self.fn[(grid,)](*args, **constants)
-        if self.enabled and hit is None:
+        if self.enabled:
             try:
-                self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+                kernel.run, kernel.function, kernel.packed_metadata, kernel.launch_metadata  # noqa: B018 (what a launch reads)
+                self.compiled[key] = kernel
             except Exception as exc:  # the interpreter returns no compiled kernel: stay on Triton's path
                 self.declined = f"{type(exc).__name__}: {exc}"[:200]
 
