@@ -6,6 +6,7 @@
 #    on (compiled), 2 rounds; then launch_summary.py writes the table.
 # Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, as for run_all.sh), .carry/sgl_kernel;
 # carry [".whl", ".carry"]. Builds the compiled host path here first. Writes 4 files into $OUT.
+# SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes; SKIP_CHECK=1 skips step 1.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -16,13 +17,14 @@ LOG=$OUT/launch.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $LOG
 python3 -c "import torch,sys,triton;print('torch',torch.__version__,'python',sys.version.split()[0],'triton',triton.__version__)" 2>&1 | tee -a $LOG
 ls kvdoctor/probe/_hotpath*.so 2>&1 | tee -a $LOG
-KVDOCTOR_LEDGER_LAUNCH=compiled timeout 240 python3 bench/gpu/kernels_check.py > /tmp/kc.log 2>&1
+[ -n "${SKIP_CHECK:-}" ] || KVDOCTOR_LEDGER_LAUNCH=compiled timeout 240 python3 bench/gpu/kernels_check.py > /tmp/kc.log 2>&1
 echo "kernels_check rc=$?" | tee -a $LOG
 grep RESULT /tmp/kc.log | sed 's/^RESULT //' > "$OUT/kernels_check.json" || tail -20 /tmp/kc.log | tee -a $LOG
 cat "$OUT/kernels_check.json" | tee -a $LOG
-: > "$OUT/graph_launch.jsonl"
+: >> "$OUT/graph_launch.jsonl"
 for round in 1 2; do
-  for size in "16 8192" "8 4096" "4 2048" "2 1024"; do
+  for size in ${SIZES:-"16x8192 8x4096 4x2048 2x1024"}; do
+    size=${size/x/ }
     set -- $size
     for mode in off triton compiled; do
       flag=""; [ $mode != off ] && flag="--probe"
