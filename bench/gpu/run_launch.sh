@@ -23,7 +23,7 @@ grep RESULT /tmp/kc.log | sed 's/^RESULT //' > "$OUT/kernels_check.json" || tail
 cat "$OUT/kernels_check.json" | tee -a $LOG
 : >> "$OUT/graph_launch.jsonl"
 for round in 1 2; do
-  for size in ${SIZES:-"16x8192 8x4096 4x2048 2x1024"}; do
+  for size in ${SIZES:-16x8192 8x4096 4x2048 2x1024}; do
     size=${size/x/ }
     set -- $size
     for mode in off triton compiled; do
