@@ -18,14 +18,13 @@ def make(kernels, size, ps, launch="compiled"):
         led.kernels = None
     else:
         assert led.kernels is not None
-        for launcher in (led.kernels.check_launch, led.kernels.write_launch, led.kernels.owner_launch):
+        for launcher in led.kernels.launchers():
             launcher.enabled = launcher.enabled and launch == "compiled"
     return led
 
 
 def compiled_launches(led):
-    k = led.kernels
-    return k.check_launch.fast_launches + k.write_launch.fast_launches + k.owner_launch.fast_launches
+    return sum(launcher.fast_launches for launcher in led.kernels.launchers())
 
 
 def main():
@@ -45,13 +44,15 @@ def main():
             rows = size + ps
             for step in range(80):
                 op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "ownerrows", "lastloc", "evict"])
-                n = rng.randint(1, 40)
+                n = rng.randint(1, 40) if rng.random() < 0.8 else rng.randint(500, 1200)  # one program, or several
                 base = torch.tensor(
-                    [rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(n + 1)],
+                    [rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(2 * n)],
                     dtype=rng.choice([torch.int64, torch.int32]),
                     device="cuda",
                 )
-                idx = base[1:] if rng.random() < 0.3 else base[:n]  # a view one element in: not 16-byte aligned
+                pick = rng.random()
+                # a view one element in (not 16-byte aligned), every other element (strided), or plain
+                idx = base[1 : n + 1] if pick < 0.3 else base[::2] if pick < 0.5 else base[:n]
                 site = rng.randrange(1, 50)
                 for led in (a, b):
                     if op == "alloc":
@@ -74,7 +75,7 @@ def main():
                     mismatches += 1
                     out.setdefault(f"first_mismatch_{launch}", f"seed {seed} {k}")
             fast += compiled_launches(b)
-            launchers = (b.kernels.check_launch, b.kernels.write_launch, b.kernels.owner_launch)
+            launchers = b.kernels.launchers()
             out[f"launch_{launch}"] = {
                 "enabled": [x.enabled for x in launchers],
                 "declined": [x.declined for x in launchers],
