@@ -122,9 +122,7 @@ def main() -> int:
         result["failures"] = probe.failures
         result["off_reason"] = probe.off_reason
         kernels = [led.kernels for led in sglang_state(probe).ledgers.values() if led.kernels is not None]
-        result["compiled_launches"] = sum(
-            k.check_launch.fast_launches + k.write_launch.fast_launches + k.owner_launch.fast_launches for k in kernels
-        )
+        result["compiled_launches"] = sum(launcher.fast_launches for k in kernels for launcher in k.launchers())
         result["ledger_launch"] = os.environ.get("KVDOCTOR_LEDGER_LAUNCH", "default")
         result["probe_gpu_bytes"] = sum(
             t.numel() * t.element_size()
