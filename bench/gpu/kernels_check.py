@@ -66,7 +66,9 @@ def main():
                     elif op == "owner":
                         led.on_owner(idx, 7)
                     elif op == "ownerrows":
-                        led.on_owner(idx, torch.arange(n, device="cuda", dtype=torch.int32))
+                        # a row per index, the same for every index of one page (as a request's row is):
+                        # two requests written to one page in one call would leave either, on any path
+                        led.on_owner(idx, (idx // ps % 7).to(torch.int32))
                     else:
                         led.check_last_loc(idx, site, torch.full_like(idx, 3))
             # (oor_value is kept differently by the two paths: the worst value, or the worst each side)
