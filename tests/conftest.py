@@ -43,6 +43,28 @@ def trace_events(path: str, name: str) -> list:
 TEST_MEMORY_CLASSES_BUDGET_MS = "250"
 
 
+# The files that take longest, longest first (test seconds of a whole run, two workers). The two
+# workers take files in collection order, and a long file started last leaves the other worker idle
+# for its length; xdist's own order (most tests first) put the few-test server files last. Started
+# first, the short files fill in behind them. `.ci/test` turns xdist's reordering off for this.
+LONGEST_FIRST = (
+    "tests/integration/test_release_matrix.py",
+    "tests/e2e/test_sglang_server.py",
+    "tests/integration/test_vllm_ledger.py",
+    "tests/e2e/test_readme_gate.py",
+    "tests/e2e/test_vllm_e2e.py",
+    "tests/e2e/test_attach.py",
+    "tests/e2e/test_coverage_servers.py",
+    "tests/e2e/test_attach_paths.py",
+    "tests/integration/test_vllm_containers.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: n for n, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: a file stays in one piece
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~20 s")
     as_a_terminals_foreground_job()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import types
@@ -120,6 +121,9 @@ def main() -> int:
         result["ledger_on"] = probe.ledger_on
         result["failures"] = probe.failures
         result["off_reason"] = probe.off_reason
+        kernels = [led.kernels for led in sglang_state(probe).ledgers.values() if led.kernels is not None]
+        result["compiled_launches"] = sum(launcher.fast_launches for k in kernels for launcher in k.launchers())
+        result["ledger_launch"] = os.environ.get("KVDOCTOR_LEDGER_LAUNCH", "default")
         result["probe_gpu_bytes"] = sum(
             t.numel() * t.element_size()
             for led in sglang_state(probe).ledgers.values()

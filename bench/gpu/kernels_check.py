@@ -10,7 +10,7 @@ import torch
 from kvdoctor.probe.ledger import slots as L
 
 
-def make(kernels, size, ps):
+def make(kernels, size, ps, launch="compiled"):
     led = L.SlotLedger(
         name="t", size=size, page_size=ps, device="cuda", emit=lambda n, a: None, requests=L.RequestTable(), sites=L.CallSites()
     )
@@ -18,58 +18,94 @@ def make(kernels, size, ps):
         led.kernels = None
     else:
         assert led.kernels is not None
+        for launcher in led.kernels.launchers():
+            launcher.enabled = launcher.enabled and launch == "compiled"
     return led
 
 
+def compiled_launches(led):
+    return sum(launcher.fast_launches for launcher in led.kernels.launchers())
+
+
 def main():
-    out = {"mismatches": 0, "seeds": 0}
-    for seed in range(20):
-        rng = random.Random(seed)
-        ps = rng.choice([1, 16])
-        size = 256 * ps
-        a, b = make(False, size, ps), make(True, size, ps)
-        rows = size + ps
-        for step in range(80):
-            op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "lastloc", "evict"])
-            n = rng.randint(1, 40)
-            idx = torch.tensor(
-                [rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(n)],
-                dtype=torch.int64,
-                device="cuda",
-            )
-            site = rng.randrange(1, 50)
-            for led in (a, b):
-                if op == "alloc":
-                    led.on_alloc(idx, site, only_page_starts=(step % 2 == 0))
-                elif op in ("free", "evict"):
-                    led.on_free(idx, site, evicting=op == "evict")
-                elif op == "freepages":
-                    led.on_free(idx // ps, site, evicting=False, as_pages=True)
-                elif op == "tree":
-                    led.on_tree_insert(idx, site)
-                elif op == "owner":
-                    led.on_owner(idx, 7)
-                else:
-                    led.check_last_loc(idx, site, torch.full_like(idx, 3))
-        for k in ("state", "owner", "flags", "violation_site", "counters"):
-            if not torch.equal(getattr(a, k), getattr(b, k)):
-                out["mismatches"] += 1
-                out.setdefault("first_mismatch", f"seed {seed} {k}")
-        out["seeds"] += 1
-    # cost per call, with the host waiting only at the end
-    for kernels in (False, True):
-        led = make(kernels, 65536, 1)
+    import triton
+
+    out = {"triton": triton.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    # the torch path, the kernels through Triton's launcher, the kernels launched compiled: each
+    # kernel ledger against the torch one, op for op, including unaligned index views
+    for launch in ("triton", "compiled"):
+        mismatches, seeds = 0, 0
+        fast = 0
+        for seed in range(20):
+            rng = random.Random(seed)
+            ps = rng.choice([1, 16])
+            size = 256 * ps
+            a, b = make(False, size, ps), make(True, size, ps, launch)
+            rows = size + ps
+            for step in range(80):
+                op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "ownerrows", "lastloc", "evict"])
+                n = rng.randint(1, 40) if rng.random() < 0.8 else rng.randint(500, 1200)  # one program, or several
+                base = torch.tensor(
+                    [rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(2 * n)],
+                    dtype=rng.choice([torch.int64, torch.int32]),
+                    device="cuda",
+                )
+                pick = rng.random()
+                # a view one element in (not 16-byte aligned), every other element (strided), or plain
+                idx = base[1 : n + 1] if pick < 0.3 else base[::2] if pick < 0.5 else base[:n]
+                site = rng.randrange(1, 50)
+                for led in (a, b):
+                    if op == "alloc":
+                        led.on_alloc(idx, site, only_page_starts=(step % 2 == 0))
+                    elif op in ("free", "evict"):
+                        led.on_free(idx, site, evicting=op == "evict")
+                    elif op == "freepages":
+                        led.on_free(idx // ps, site, evicting=False, as_pages=True)
+                    elif op == "tree":
+                        led.on_tree_insert(idx, site)
+                    elif op == "owner":
+                        led.on_owner(idx, 7)
+                    elif op == "ownerrows":
+                        # a row per index, the same for every index of one page (as a request's row is):
+                        # two requests written to one page in one call would leave either, on any path
+                        led.on_owner(idx, (idx // ps % 7).to(torch.int32))
+                    else:
+                        led.check_last_loc(idx, site, torch.full_like(idx, 3))
+            # (oor_value is kept differently by the two paths: the worst value, or the worst each side)
+            for k in ("state", "owner", "flags", "violation_site", "counters"):
+                if not torch.equal(getattr(a, k), getattr(b, k)):
+                    mismatches += 1
+                    out.setdefault(f"first_mismatch_{launch}", f"seed {seed} {k}")
+            fast += compiled_launches(b)
+            launchers = b.kernels.launchers()
+            out[f"launch_{launch}"] = {
+                "enabled": [x.enabled for x in launchers],
+                "declined": [x.declined for x in launchers],
+                "keyable": b.kernels.keyable,
+                "cached": [len(x.compiled) for x in launchers],
+            }
+            seeds += 1
+        out[f"mismatches_{launch}"] = mismatches
+        out[f"compiled_launches_{launch}"] = fast
+    out["seeds"] = seeds
+    out["mismatches"] = out["mismatches_triton"] + out["mismatches_compiled"]
+    # host time per hooked call (an alloc and a free of 32 slots each), the host waiting only at the end
+    for name, kernels, launch in (("torch", False, ""), ("kernels_triton", True, "triton"), ("kernels_compiled", True, "compiled")):
+        led = make(kernels, 65536, 1, launch)
         idx = torch.arange(1, 33, device="cuda")
         for _ in range(50):
             led.on_alloc(idx, 1, only_page_starts=False)
             led.on_free(idx, 1, evicting=False)
         torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
         t0 = time.perf_counter()
-        for _ in range(500):
+        for _ in range(2000):
             led.on_alloc(idx, 1, only_page_starts=False)
             led.on_free(idx, 1, evicting=False)
+        t = time.perf_counter() - t0
+        torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-        out["us_per_call_" + ("kernels" if kernels else "torch")] = round((time.perf_counter() - t0) / 1000 * 1e6, 1)
+        out["us_per_call_" + name] = round(t / 4000 * 1e6, 2)
     print("RESULT " + json.dumps(out))
 
 

@@ -36,7 +36,9 @@ for seed in range(int(sys.argv[1])):
         op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "lastloc", "evict"])
         n = rng.randint(1, 12)
         rows = size + ps
-        idx = torch.tensor([rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(n)], dtype=torch.int64)
+        idx = torch.tensor([rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(2 * n)],
+                           dtype=rng.choice([torch.int64, torch.int32]))
+        idx = idx[::2] if rng.random() < 0.3 else idx[:n]  # every other element: a strided view
         site = rng.randrange(1, 50)
         for led in (a, b):
             if op == "alloc":

@@ -3,19 +3,23 @@
 Each ledger rule is elementwise over the call's indices, so it fits one kernel: `_check` reads the
 state every index had before the call and records violations (atomic counters, per-page bits and
 call site, the worst out-of-range value); `_write` then applies the state change. Two launches,
-because a free of a paged request lists every token of a page and a single kernel would see its
-own writes. Every transition is idempotent for repeated indices of one call, so `_write` needs no
-ordering. Nothing is read back to the host.
+because a free of a paged request lists every token of a page and a kernel of several programs would
+see its own writes; a call of at most BLOCK indices runs both in one program (`_check_write`), with
+a barrier between the reads and the writes. Every transition is idempotent for repeated indices of
+one call, so `_write` needs no ordering. Nothing is read back to the host. After a kernel's first call its compiled form is launched
+directly (`launch.py`): Triton's Python launcher cost more host time than the ledger's work.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
 
 from kvdoctor.probe.ledger import states
+from kvdoctor.probe.ledger.launch import CompiledLaunch, aligned, fits_i32
 from kvdoctor.probe.ledger.states import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
 from kvdoctor.trace import schema
 
@@ -28,6 +32,7 @@ ALLOC: tl.constexpr = tl.constexpr(OP_ALLOC)
 FREEING: tl.constexpr = tl.constexpr(OP_FREE)
 LAST_LOC: tl.constexpr = tl.constexpr(OP_LAST_LOC)
 BLOCK = 512
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -43,14 +48,17 @@ def _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES: tl.constexpr, ALLOW
     return bad, page
 
 
+# Integers are not specialised: which compiled kernel serves a call then depends only on what
+# launch.CompiledLaunch keys on, not on the values of n, site or the pool's sizes.
+_CHECK_INTS = ["n", "rows", "page_size", "num_pages", "sink", "site"]
+
+
 @triton.jit
-def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
-           rows, page_size, num_pages, sink, site,
-           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
-           WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
-           OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
+def _check_body(offs, m, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+                rows, page_size, num_pages, sink, site,
+                OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
+                WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+                OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr):
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
     bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, OP == LAST_LOC)
     n_bad = tl.sum(bad.to(tl.int64), axis=0)
@@ -83,11 +91,8 @@ def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr,
 
 
 @triton.jit
-def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
-           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
-           BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
+def _write_body(offs, m, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr):
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
     bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, False)
     live = m & (page != sink)
@@ -108,7 +113,46 @@ def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, nu
         tl.store(owner_ptr + page, tl.full(page.shape, -1, tl.int32), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_CHECK_INTS)
+def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+           rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
+           WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+           OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _check_body(offs, offs < n, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+                rows, page_size, num_pages, sink, site, OP, PAGE_STARTS, AS_PAGES, HAS_REQ, WEIGHT, KIND_SLOT, KIND_BIT,
+                OOR_SLOT, OOR_BIT)
+
+
+@triton.jit(do_not_specialize=_CHECK_INTS)
+def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
+           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _write_body(offs, offs < n, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                OP, PAGE_STARTS, AS_PAGES, EVICTING)
+
+
+@triton.jit(do_not_specialize=_CHECK_INTS)
+def _check_write(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, alloc_site_ptr,
+                 rows, page_size, num_pages, sink, site,
+                 OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
+                 WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+                 OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Both passes in one program, for a call of at most BLOCK indices: every thread has read the
+    states it checks before the barrier, and writes only after it."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    _check_body(offs, m, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, idx_ptr,
+                rows, page_size, num_pages, sink, site, OP, PAGE_STARTS, AS_PAGES, False, WEIGHT, KIND_SLOT, KIND_BIT,
+                OOR_SLOT, OOR_BIT)
+    tl.debug_barrier()
+    _write_body(offs, m, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                OP, PAGE_STARTS, AS_PAGES, EVICTING)
+
+
+@triton.jit(do_not_specialize=["n", "req_value", "rows", "page_size", "sink"])
 def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink,
            REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -131,47 +175,100 @@ class LedgerKernels:
         self.led = ledger
         self.slot = KIND_SLOT
         self.bits = KIND_BITS
+        self.check_launch = CompiledLaunch(_check)
+        self.write_launch = CompiledLaunch(_write)
+        self.fused_launch = CompiledLaunch(_check_write)
+        self.owner_launch = CompiledLaunch(_owner)
+        led = ledger
+        self.device = led.state.device.index if led.state.device.index is not None else 0
+        self.torch_device = led.state.device
+        self.sizes = (led.rows, led.page_size, led.num_pages, led.sink)
+        ledger_tensors = (led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site)
+        # the ledger's own tensors are torch's allocations (aligned); were one not, nothing is keyed on it
+        self.keyable = fits_i32(*self.sizes) and all(aligned(t) for t in ledger_tensors)
+        self._constants: dict[tuple, dict[str, Any]] = {}
 
-    def _grid(self, n: int) -> tuple[int]:
-        return (triton.cdiv(n, BLOCK),)
+    def launchers(self) -> tuple[CompiledLaunch, ...]:
+        return (self.check_launch, self.write_launch, self.fused_launch, self.owner_launch)
+
+    def index(self, tensor: Any) -> Any:
+        """The call's indices as the kernels read them, one after another in memory: an index tensor
+        already on the ledger's device is read as it is (int32 or int64, the kernels widen it), a
+        strided one copied; anything else is moved."""
+        flat = tensor.reshape(-1) if getattr(tensor, "device", None) == self.torch_device and tensor.dtype in _INDEX_DTYPES else self.led.xp.index(tensor)
+        return flat if flat.is_contiguous() else flat.contiguous()
+
+    def _key(self, constants: dict[str, Any], *tensors: Any) -> tuple:
+        return (*constants.values(), *((t.dtype, aligned(t)) for t in tensors), self.device) if self.keyable else ()
+
+    def _launch(self, launch: CompiledLaunch, n: int, args: tuple, constants: dict[str, Any], key: tuple) -> None:
+        grid = triton.cdiv(n, BLOCK)
+        if key and fits_i32(n):
+            launch(grid, args, constants, key, self.device)
+        else:
+            launch.fn[(grid,)](*args, **constants)
+
+    def _rule(self, op: int, kind: str, page_starts: bool, as_pages: bool, evicting: bool, weight: int) -> dict[str, Any]:
+        """The fused kernel's constants for one kind of call, built once."""
+        rule = (op, kind, page_starts, as_pages, evicting, weight)
+        constants = self._constants.get(rule)
+        if constants is None:
+            constants = self._constants[rule] = {
+                "OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "EVICTING": evicting, "WEIGHT": weight,
+                "KIND_SLOT": self.slot[kind], "KIND_BIT": self.bits[kind],
+                "OOR_SLOT": self.slot[schema.INDEX_OUT_OF_RANGE], "OOR_BIT": self.bits[schema.INDEX_OUT_OF_RANGE], "BLOCK": BLOCK,
+            }
+        return constants
+
+    def _check_and_write(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
+                         evicting: bool = False, weight: int = 1) -> None:
+        """A state change: its rule checked against the states before the call, then applied. One
+        launch where the call fits one program (a decode step's allocation, most frees), else two."""
+        n = idx.numel()
+        if n <= BLOCK:
+            led = self.led
+            constants = self._rule(op, kind, page_starts, as_pages, evicting, weight)
+            args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site,
+                    *self.sizes, site)
+            self._launch(self.fused_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
+            return
+        self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
+        self._write(idx, site, op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
 
     def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
                req: Any = None, weight: int = 1) -> None:
         led = self.led
         n = idx.numel()
-        _check[self._grid(n)](
-            idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value,
-            req if req is not None else idx,
-            led.rows, led.page_size, led.num_pages, led.sink, site,
-            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, HAS_REQ=req is not None, WEIGHT=weight,
-            KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
-            OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE], OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE], BLOCK=BLOCK,
-        )
+        req_arg = req if req is not None else idx
+        constants = {
+            "OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "HAS_REQ": req is not None, "WEIGHT": weight,
+            "KIND_SLOT": self.slot[kind], "KIND_BIT": self.bits[kind],
+            "OOR_SLOT": self.slot[schema.INDEX_OUT_OF_RANGE], "OOR_BIT": self.bits[schema.INDEX_OUT_OF_RANGE], "BLOCK": BLOCK,
+        }
+        args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, req_arg,
+                *self.sizes, site)
+        self._launch(self.check_launch, n, args, constants, self._key(constants, idx, req_arg) if fits_i32(site) else ())
 
     def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False,
                evicting: bool = False) -> None:
         led = self.led
         n = idx.numel()
-        _write[self._grid(n)](
-            idx, n, led.state, led.owner, led.alloc_site, led.rows, led.page_size, led.num_pages, led.sink, site,
-            OP=op, PAGE_STARTS=page_starts, AS_PAGES=as_pages, EVICTING=evicting, BLOCK=BLOCK,
-        )
+        constants = {"OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "EVICTING": evicting, "BLOCK": BLOCK}
+        args = (idx, n, led.state, led.owner, led.alloc_site, *self.sizes, site)
+        self._launch(self.write_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
 
     def alloc(self, idx: Any, site: int, page_starts: bool) -> None:
         if idx.numel():
-            self._check(idx, site, OP_ALLOC, schema.DOUBLE_ALLOC, page_starts=page_starts)
-            self._write(idx, site, OP_ALLOC, page_starts=page_starts)
+            self._check_and_write(idx, site, OP_ALLOC, schema.DOUBLE_ALLOC, page_starts=page_starts)
 
     def free(self, idx: Any, site: int, evicting: bool, as_pages: bool) -> None:
         if idx.numel():
             weight = self.led.page_size if as_pages else 1
-            self._check(idx, site, OP_FREE, schema.DOUBLE_FREE, as_pages=as_pages, weight=weight)
-            self._write(idx, site, OP_FREE, as_pages=as_pages, evicting=evicting)
+            self._check_and_write(idx, site, OP_FREE, schema.DOUBLE_FREE, as_pages=as_pages, evicting=evicting, weight=weight)
 
     def tree_insert(self, idx: Any, site: int) -> None:
         if idx.numel():
-            self._check(idx, site, OP_TREE_INSERT, schema.USE_AFTER_FREE)
-            self._write(idx, site, OP_TREE_INSERT)
+            self._check_and_write(idx, site, OP_TREE_INSERT, schema.USE_AFTER_FREE)
 
     def last_loc(self, idx: Any, site: int, req: Any) -> None:
         if idx.numel():
@@ -183,5 +280,8 @@ class LedgerKernels:
         if not n:
             return
         tensor = not isinstance(req, int)
-        _owner[self._grid(n)](idx, n, led.state, led.owner, req if tensor else idx, 0 if tensor else req,
-                              led.rows, led.page_size, led.sink, REQ_TENSOR=tensor, BLOCK=BLOCK)
+        req_arg = req if tensor else idx
+        constants = {"REQ_TENSOR": tensor, "BLOCK": BLOCK}
+        args = (idx, n, led.state, led.owner, req_arg, 0 if tensor else req, led.rows, led.page_size, led.sink)
+        key = self._key(constants, idx, req_arg) if fits_i32(0 if tensor else req) else ()
+        self._launch(self.owner_launch, n, args, constants, key)

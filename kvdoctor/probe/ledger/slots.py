@@ -156,10 +156,10 @@ class SlotLedger(SlotReadback):
             one = xp.single(slots_tensor)
             if one is not None and self._alloc_one(one, site, only_page_starts):
                 return
-        slots = xp.index(slots_tensor)
         if self.kernels is not None:
-            self.kernels.alloc(slots, site, only_page_starts and self.page_size > 1)
+            self.kernels.alloc(self.kernels.index(slots_tensor), site, only_page_starts and self.page_size > 1)
             return
+        slots = xp.index(slots_tensor)
         pages = self._pages(slots, site)
         if only_page_starts and self.page_size > 1:
             pages = xp.where(slots % self.page_size == 0, pages, self.sink)
@@ -203,10 +203,10 @@ class SlotLedger(SlotReadback):
             one = xp.single(slots_tensor)
             if one is not None and self._free_one(one, evicting):
                 return
-        idx = xp.index(slots_tensor)
         if self.kernels is not None:
-            self.kernels.free(idx, site, evicting, as_pages)
+            self.kernels.free(self.kernels.index(slots_tensor), site, evicting, as_pages)
             return
+        idx = xp.index(slots_tensor)
         pages = self._pages(idx, site, as_pages=as_pages)
         weight = self.page_size if as_pages else 1
         before = self.state[pages]
@@ -221,10 +221,10 @@ class SlotLedger(SlotReadback):
     def on_tree_insert(self, slots_tensor: Any, site: int) -> None:
         """Slots the tree took over from a request (the part of the key it did not hold yet)."""
         xp = self.xp
-        slots = xp.index(slots_tensor)
         if self.kernels is not None:
-            self.kernels.tree_insert(slots, site)
+            self.kernels.tree_insert(self.kernels.index(slots_tensor), site)
             return
+        slots = xp.index(slots_tensor)
         pages = self._pages(slots, site)
         before = self.state[pages]
         freed = ((before & FREE) != 0) & (pages != self.sink)
@@ -246,14 +246,15 @@ class SlotLedger(SlotReadback):
                 if self.state[page] == OWNED:
                     self.owner[page] = req_index
                 return
-        slots = xp.index(slots_tensor)
         if self.kernels is not None:
+            slots = self.kernels.index(slots_tensor)
             if not isinstance(req_index, int):
-                req_index = xp.index(req_index)
+                req_index = self.kernels.index(req_index)
                 if req_index.shape != slots.shape:
                     return
             self.kernels.owner(slots, req_index)
             return
+        slots = xp.index(slots_tensor)
         bad = (slots < 0) | (slots >= self.rows)
         pages = xp.where(bad, self.sink, slots // self.page_size)
         owned = self.state[pages] == OWNED
@@ -281,11 +282,12 @@ class SlotLedger(SlotReadback):
                 req = -1 if one_req is None else one_req
                 if not (state & FREE) and state & (OWNED | TREE) and not (state == OWNED and owner >= 0 and req >= 0 and owner != req):
                     return  # the common, healthy case; anything else takes the general path
-        last = xp.index(last_loc_tensor)
         if self.kernels is not None:
-            req_all = xp.index(req_indices) if req_indices is not None else None
+            last = self.kernels.index(last_loc_tensor)
+            req_all = self.kernels.index(req_indices) if req_indices is not None else None
             self.kernels.last_loc(last, site, req_all if req_all is not None and req_all.shape == last.shape else None)
             return
+        last = xp.index(last_loc_tensor)
         pages = self._pages(last, site, allow_minus_one=True)
         st = self.state[pages]
         valid = (last >= 0) & (pages != self.sink)

@@ -1,0 +1,48 @@
+"""The table of bench/gpu/run_launch.sh: per step size, the decode step off and on (the ledger's
+kernels through Triton's launcher, and launched compiled), the ratios, and the host time the probe
+adds per hooked call. Medians over the rounds.
+
+    python bench/gpu/launch_summary.py graph_launch.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def main(path: str) -> None:
+    runs: dict[tuple[int, int], dict[str, list[dict]]] = {}
+    with open(path) as fh:
+        for line in fh:
+            row = json.loads(line)
+            r = row["result"]
+            runs.setdefault((r["layers"], r["hidden"]), {}).setdefault(row["mode"], []).append(r)
+    table = []
+    for (layers, hidden), modes in sorted(runs.items(), reverse=True):
+        clean = {m: [r for r in rs if r.get("error") is None] for m, rs in modes.items()}
+        med = {
+            m: {k: statistics.median(r[k] for r in rs) for k in ("gpu_ms_per_step", "host_ms_per_step")} for m, rs in clean.items() if rs
+        }
+        off = med.get("off")
+        if off is None:
+            continue
+        step_off = max(off["gpu_ms_per_step"], off["host_ms_per_step"])
+        entry = {"step": f"{layers} x {hidden}", "off_ms": round(step_off, 4), "host_off_ms": round(off["host_ms_per_step"], 4)}
+        for mode in ("triton", "compiled"):
+            if mode not in med:
+                continue
+            calls = statistics.median(r["hooked_calls_per_step"] for r in clean[mode])
+            step_on = max(med[mode]["gpu_ms_per_step"], med[mode]["host_ms_per_step"])
+            entry[f"{mode}_ms"] = round(step_on, 4)
+            entry[f"{mode}_ratio"] = round(step_on / step_off, 4)
+            entry[f"{mode}_host_us_per_call"] = round((med[mode]["host_ms_per_step"] - off["host_ms_per_step"]) * 1000 / calls, 1)
+            entry[f"{mode}_compiled_launches"] = sum(r.get("compiled_launches", 0) for r in modes[mode])
+            entry[f"{mode}_errors"] = [r["error"] for r in modes[mode] if r.get("error")]
+        table.append(entry)
+    print(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
