@@ -13,6 +13,7 @@ from kvdoctor.analysis.detectors.graph_replay import GraphReplayDuringLoadDetect
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.detectors.index_out_of_range import IndexOutOfRangeDetector
 from kvdoctor.analysis.detectors.l3_store import L3StoreDetector
+from kvdoctor.analysis.detectors.lora_ghost_uid import LoraGhostUidDetector
 from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
@@ -39,6 +40,7 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         LockUnderflowDetector(),
         GraphReplayDuringLoadDetector(),
         RefcountDisagreesDetector(),
+        LoraGhostUidDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
         ContainerGrowthDetector(),

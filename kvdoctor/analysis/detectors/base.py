@@ -81,6 +81,7 @@ class ViolationDetector:
     kind = ""
     severity = ERROR
     template = ""
+    merged_counts: tuple[str, ...] = ("requests", "sites", "allocated_at")  # evidence tables summed over a group's events
 
     def __init__(self) -> None:
         self.groups: dict[tuple[int, str, str], dict[str, Any]] = {}
@@ -103,7 +104,7 @@ class ViolationDetector:
             group["events"] += 1
             merged = as_list(group["first"].get("slot_ids")) + as_list(args.get("slot_ids"))
             group["first"]["slot_ids"] = list(dict.fromkeys(i for i in merged if isinstance(i, (int, str))))[:64]
-            for name in ("requests", "sites", "allocated_at"):
+            for name in self.merged_counts:
                 mine = group["first"].get(name)
                 if not isinstance(mine, dict):
                     mine = group["first"][name] = {}

@@ -1,8 +1,8 @@
 """SGLang's roles: what each hooked allocator, radix tree, request pool and HiCache method means
-to the slot ledger (`roles`, `hicache`) and to the L3 store's ledger (`mooncake_ledger`), and the
-per-process bookkeeping they share (`state`)."""
+to the slot ledger (`roles`, `hicache`), to the L3 store's ledger (`mooncake_ledger`) and to the
+LoRA memory pool's (`lora_pool`), and the per-process bookkeeping they share (`state`)."""
 
 from kvdoctor.probe.hooks import Role
-from kvdoctor.probe.sglang import hicache, mooncake_ledger, roles
+from kvdoctor.probe.sglang import hicache, lora_pool, mooncake_ledger, roles
 
-ROLES: dict[str, Role] = {**roles.ROLES, **hicache.ROLES, **mooncake_ledger.ROLES}
+ROLES: dict[str, Role] = {**roles.ROLES, **hicache.ROLES, **mooncake_ledger.ROLES, **lora_pool.ROLES}
