@@ -115,7 +115,18 @@ class BlockLedger:
 
     def _ids(self, blocks: list[Any], pool: Any) -> list[int]:
         """Block ids of this pool's blocks in `blocks` (the null block and other pools' blocks skipped)."""
-        return [block.block_id for block in blocks if self._counts(block, pool)]
+        out = []
+        n = self.num_blocks
+        for block in blocks:
+            if getattr(block, "is_null", False):
+                continue
+            owner = getattr(block, "pool", None)
+            if owner is not None and owner is not pool:
+                continue
+            bid = block.block_id
+            if 0 <= bid < n:
+                out.append(bid)
+        return out
 
     def _slot_ids(self, block_ids: list[int] | np.ndarray) -> list[int]:
         bs = self.block_size
@@ -227,8 +238,11 @@ class BlockLedger:
         call whose own `ref_cnt` is now 0, each queued once. More is a block queued twice (vllm#42571:
         0.22's `free_blocks` queued a block listed twice once per listing), named with the blocks
         the call listed more than once."""
-        listed = [b.block_id for b in blocks if self._counts(b, pool)]
-        released = {b.block_id for b in blocks if self._counts(b, pool) and b.ref_cnt == 0}
+        if grew <= 0 or grew <= len({id(b) for b in blocks if b.ref_cnt == 0 and not b.is_null}):
+            return  # the common case, in one pass (blocks of another pool only widen this bound)
+        listed = self._ids(blocks, pool)
+        mine = [b for b in blocks if not b.is_null and getattr(b, "pool", None) in (None, pool)]
+        released = {b.block_id for b in mine if b.ref_cnt == 0}
         if grew <= len(released):
             return
         named = sorted(bid for bid in released if listed.count(bid) > 1) or sorted(released)
@@ -237,11 +251,6 @@ class BlockLedger:
             f"free_blocks put {grew} block(s) on vLLM's free queue for {len(released)} it released: a block listed twice was queued twice"
         )
         self._violation(schema.DOUBLE_FREE, named, site, request, note)
-
-    def _counts(self, block: Any, pool: Any) -> bool:
-        """A block of this pool's ledger: not the null block, not another pool's."""
-        owner = getattr(block, "pool", None)
-        return not getattr(block, "is_null", False) and (owner is None or owner is pool) and 0 <= block.block_id < self.num_blocks
 
     def on_evict(self, evicted: bool) -> None:
         if evicted:
