@@ -8,7 +8,8 @@ block `get_new_blocks` hands out and for each block `touch` hits, -1 for each bl
 (or `unpin_blocks`) returns. Its rules:
 
 - `double_alloc`: `get_new_blocks` hands out a block whose count is not 0;
-- `double_free`: a free would take a block's count below 0 (vLLM's `free_blocks` does not check);
+- `double_free`: a free would take a block's count below 0 (vLLM's `free_blocks` does not check),
+  or vLLM's free queue grew by more blocks than the free released (a block queued twice);
 - at a census (the engine idle, or exiting): orphan blocks are blocks with a count above 0 that no
   live request holds (when idle: every such block); and vLLM's own `ref_cnt` and free queue are
   compared with the ledger (`refcount_disagrees`).
@@ -231,6 +232,25 @@ class BlockLedger:
         if bad:
             self.stats["double_free_blocks"] += len(bad)
             self._violation(schema.DOUBLE_FREE, bad, site, request, "free_blocks returned block(s) whose reference count was already 0")
+
+    def check_queued(self, blocks: list[Any], pool: Any, grew: int, site: int, request: str | None) -> None:
+        """After a free: vLLM's free queue grew by `grew`, which must be the distinct blocks of the
+        call whose own `ref_cnt` is now 0, each queued once. More is a block queued twice (vllm#42571:
+        0.22's `free_blocks` queued a block listed twice once per listing), named with the blocks
+        the call listed more than once."""
+        if grew <= 0 or grew <= len({id(b) for b in blocks if b.ref_cnt == 0 and not b.is_null}):
+            return  # the common case, in one pass (blocks of another pool only widen this bound)
+        listed = self._ids(blocks, pool)
+        mine = [b for b in blocks if not b.is_null and getattr(b, "pool", None) in (None, pool)]
+        released = {b.block_id for b in mine if b.ref_cnt == 0}
+        if grew <= len(released):
+            return
+        named = sorted(bid for bid in released if listed.count(bid) > 1) or sorted(released)
+        self.stats["double_free_blocks"] += grew - len(released)
+        note = (
+            f"free_blocks put {grew} block(s) on vLLM's free queue for {len(released)} it released: a block listed twice was queued twice"
+        )
+        self._violation(schema.DOUBLE_FREE, named, site, request, note)
 
     def on_evict(self, evicted: bool) -> None:
         if evicted:

@@ -4,7 +4,9 @@ The roles (what a hooked method means to the block ledger, `ledger.blocks.BlockL
 
 - `vllm_alloc`     `BlockPool.get_new_blocks(n)`: the returned blocks go from count 0 to 1;
 - `vllm_touch`     `BlockPool.touch(blocks)`: a prefix-cache hit, +1 per block;
-- `vllm_free`      `BlockPool.free_blocks(blocks)` / `unpin_blocks(blocks, ...)`: -1 per block;
+- `vllm_free`      `BlockPool.free_blocks(blocks)` / `unpin_blocks(blocks, ...)`: -1 per block; and
+  vLLM's free queue must grow by the blocks it released, each once (a block queued twice is a
+  double free, vllm#42571);
 - `vllm_cache`     `BlockPool.cache_full_blocks(...)`: full blocks enter the prefix cache (counted);
 - `vllm_evict`     `BlockPool._maybe_evict_cached_block(block)`: a cached block's hash dropped (counted);
 - `vllm_req_alloc` `KVCacheManager.allocate_slots(request, ...)`: the blocks touched and handed out
@@ -109,12 +111,31 @@ class TouchRole(_BlocksRole):
         ledger.on_touch(blocks, pool, request)
 
 
+def _queued(pool: Any) -> int | None:
+    """vLLM's own count of the blocks on its free queue (a host int), or None where there is none."""
+    count = getattr(getattr(pool, "free_block_queue", None), "num_free_blocks", None)
+    return count if type(count) is int else None
+
+
 class FreeRole(_BlocksRole):
+    """A free, and what vLLM did with it: its free queue must grow by exactly the blocks whose
+    count fell to 0, once each (vLLM 0.22's `free_blocks` queued a block listed twice twice)."""
+
     wants_site = True
     frees = True
 
-    def apply(self, ledger: BlockLedger, blocks: Any, pool: Any, site: int, request: str | None) -> None:
-        ledger.on_free(blocks, pool, site, request)
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        return (*super().before(probe, hook, obj, args, kwargs, site), _queued(obj))
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        st, ledger, site, queued_before = ctx
+        blocks = args[0] if args else kwargs.get("ordered_blocks", kwargs.get("blocks"))
+        if blocks:
+            queued_after = _queued(obj)
+            with ledger.lock:
+                ledger.on_free(blocks, obj, site, st.current.request)
+                if queued_before is not None and queued_after is not None:
+                    ledger.check_queued(blocks, obj, queued_after - queued_before, site, st.current.request)
 
 
 class CacheRole(VllmRole):
