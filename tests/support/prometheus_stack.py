@@ -10,11 +10,13 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from typing import Any
 
 from servers import REPO, free_port
 
-SYSROOT = os.path.join(REPO, ".venv", "prometheus-sysroot", "usr", "bin")
+SYSROOT_ROOT = os.path.join(REPO, ".venv", "prometheus-sysroot")
+SYSROOT = os.path.join(SYSROOT_ROOT, "usr", "bin")
 PROMETHEUS = os.path.join(SYSROOT, "prometheus")
 ALERTMANAGER = os.path.join(SYSROOT, "prometheus-alertmanager")
 PROMTOOL = os.path.join(SYSROOT, "promtool")
@@ -23,11 +25,36 @@ DASHBOARD = os.path.join(REPO, "kvdoctor", "fleet", "dashboard.json")
 SCRAPE_INTERVAL_S = 1
 
 
+# Debian's Alertmanager reads its default notification templates from /usr/share/prometheus/alertmanager
+# (a path built into it) and exits without them. It runs in a mount namespace of its own where the
+# package's /usr/share, unpacked beside the binaries, lies over the machine's (an overlay that no
+# other process sees); nothing is installed on the machine.
+IN_OWN_SHARE = [
+    "unshare",
+    *([] if os.getuid() == 0 else ["--user", "--map-root-user"]),
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    'mount -t overlay overlay -o lowerdir="$0"/usr/share:/usr/share /usr/share && exec "$@"',
+    SYSROOT_ROOT,
+]
+
+
 def available() -> str:
-    """'' when the binaries are here, else why not."""
+    """'' when the binaries are here and Alertmanager can be given its templates, else why not."""
     missing = [p for p in (PROMETHEUS, ALERTMANAGER, PROMTOOL) if not os.access(p, os.X_OK)]
     if missing:
         return f"{missing[0]} is missing: run .ci/setup-tests (it unpacks Debian's prometheus and prometheus-alertmanager there)"
+    try:
+        probe = subprocess.run(
+            [*IN_OWN_SHARE, "test", "-f", "/usr/share/prometheus/alertmanager/default.tmpl"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot give Alertmanager its templates in a mount namespace of its own (unshare): {exc}"
+    if probe.returncode != 0:
+        return f"cannot give Alertmanager its templates in a mount namespace of its own (unshare, overlay): {probe.stderr.decode()[-300:]}"
     return ""
 
 
@@ -65,6 +92,7 @@ class Stack:
         self._spawn(
             "alertmanager",
             [
+                *IN_OWN_SHARE,
                 ALERTMANAGER,
                 f"--config.file={am_config}",
                 f"--storage.path={os.path.join(self.workdir, 'am-data')}",
@@ -132,3 +160,20 @@ class Stack:
 
     def targets_up(self) -> bool:
         return any(r["value"][1] == "1" for r in self.query('up{job="kvdoctor"}'))
+
+    def server_time(self) -> float:
+        """Prometheus's own clock: a query's evaluation time."""
+        body = _get(self.prometheus_url + "/api/v1/query?" + urllib.parse.urlencode({"query": "time()"}))
+        return float(body["data"]["result"][0])
+
+    def evaluated_after(self, moment: float) -> bool:
+        """Whether every rule group was evaluated after `moment` (Prometheus's clock)."""
+        groups = _get(self.prometheus_url + "/api/v1/rules")["data"]["groups"]
+        return bool(groups) and all(_rfc3339(g["lastEvaluation"]) > moment for g in groups)
+
+
+def _rfc3339(text: str) -> float:
+    """Prometheus's RFC 3339 times (nanoseconds, Z) as seconds since the epoch."""
+    head, _, rest = text.rstrip("Z").partition(".")
+    fraction = float("0." + rest[:9]) if rest else 0.0
+    return datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp() + fraction
