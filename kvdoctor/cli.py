@@ -27,7 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-REPORT_FORMAT_HELP = "text, json or html"
+REPORT_FORMAT_HELP = "text, json, jsonl (one finding a line, labelled as the metrics) or html"
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # CMD after --
 TRACE_OPTION: Any = typer.Option(
     None, "--trace", metavar="PATH", help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)"

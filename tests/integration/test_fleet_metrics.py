@@ -71,11 +71,13 @@ def test_the_shipped_rules_fire_on_their_cases_in_promtool():
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_run_serves_the_ledgers_of_sglangs_own_pools(tmp_path):
-    """Real SGLang allocators under `kvdoctor run --metrics`: the planted leak's orphans, the planted
-    double free, the labels, memory and probe health, as a scrape reads them while the run goes on."""
-    trace = str(tmp_path / "fleet.kvtrace.json")
-    done = str(tmp_path / "done")
+@pytest.fixture(scope="module")
+def metrics_run(tmp_path_factory) -> dict:
+    """Real SGLang allocators under `kvdoctor run --metrics` (WORKLOAD), scraped while the run goes
+    on: once the leak's census and the double free reached /metrics, the scrape and the trace."""
+    workdir = tmp_path_factory.mktemp("fleet")
+    trace = str(workdir / "fleet.kvtrace.json")
+    done = str(workdir / "done")
     port = free_port()
     command = [sys.executable, "-m", "kvdoctor.cli", "run", "--metrics", f"127.0.0.1:{port}", "--sample-interval", "0.2", "--trace", trace]
     env = {k: v for k, v in os.environ.items() if k != "KVDOCTOR_TRACE"}
@@ -86,38 +88,102 @@ def test_run_serves_the_ledgers_of_sglangs_own_pools(tmp_path):
         assert proc.stdout is not None
         planted = json.loads(proc.stdout.readline())
         pid = next(e["pid"] for e in trace_events(trace, schema.HEADER) if e.get("cat") == schema.CAT_PROBE)
-        # the leak's orphans reach the metrics with the census after the workload (read from the trace)
         deadline = time.monotonic() + 60
         while True:
             families = _scrape(f"http://127.0.0.1:{port}/metrics")
             orphans = {s.labels["pool"]: s.value for s in families.get("kvdoctor_census_orphan_slots", [])}
-            violations = {
-                (s.labels["pool"], s.labels["kind"]): s.value for s in families.get("kvdoctor_violations", []) if s.name.endswith("_total")
-            }
-            if (orphans and max(orphans.values()) > 0 and any(k == "double_free" for _, k in violations)) or time.monotonic() > deadline:
+            kinds = {s.labels["kind"] for s in families.get("kvdoctor_violations", [])}
+            if (orphans and max(orphans.values()) > 0 and "double_free" in kinds) or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
-        (leaked_pool,) = {e["args"]["allocator"] for e in trace_events(trace, schema.CENSUS) if e["args"]["orphan_slots"] > 0}
-        assert orphans.get(leaked_pool) == planted["leak"]["orphan_slots"] > 0, (orphans, planted)
-        freed_twice = [e["args"] for e in trace_events(trace, schema.VIOLATION) if e["args"].get("kind") == "double_free"]
-        (pool,) = {v["allocator"] for v in freed_twice}
-        assert violations[(pool, "double_free")] == len(freed_twice) >= 1, violations
-        slots = {s.labels["pool"] for s in families["kvdoctor_kv_slots"]}
-        assert pool != leaked_pool and {pool, leaked_pool} <= slots  # the two engines' pools apart
-        (health,) = [s for s in families["kvdoctor_probe_health"] if s.value == 1]
-        assert health.labels["health"] == "on" and health.labels["engine"] == "sglang" and health.labels["pid"] == str(pid)
-        assert health.labels["version"] and "python -c" in health.labels["title"]
-        classes = {s.labels["class"] for s in families["kvdoctor_memory_bytes"] if s.labels["pid"] == str(pid)}
-        assert {"rss", "anon", "malloc_heap"} <= classes, classes
-        assert families["kvdoctor_census_age_seconds"] and all(s.value >= 0 for s in families["kvdoctor_census_age_seconds"])
-        series = sum(len(samples) for samples in families.values())
-        assert 0 < series <= fleet.SERIES_BOUND
-        print(f"metric families {len(families)}, series {series}")
     finally:
         open(done, "w").close()
         out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    assert f"kvdoctor: metrics on http://127.0.0.1:{port}/metrics" in err.splitlines()[1], err[:2000]
+    return {"families": families, "trace": trace, "planted": planted, "pid": pid, "port": port, "returncode": proc.returncode, "err": err}
+
+
+def _planted_pools(trace: str) -> tuple[str, str]:
+    """(the leaked pool, the pool freed twice), as the trace names them."""
+    (leaked,) = {e["args"]["allocator"] for e in trace_events(trace, schema.CENSUS) if e["args"]["orphan_slots"] > 0}
+    (freed_twice,) = {e["args"]["allocator"] for e in trace_events(trace, schema.VIOLATION) if e["args"].get("kind") == "double_free"}
+    return leaked, freed_twice
+
+
+def test_run_serves_the_ledgers_of_sglangs_own_pools(metrics_run):
+    """The planted leak's orphans, the planted double free, the labels, memory and probe health, as
+    a scrape reads them while the run goes on; the run's own exit and first lines stay as they were."""
+    families, trace, planted, pid = metrics_run["families"], metrics_run["trace"], metrics_run["planted"], metrics_run["pid"]
+    assert metrics_run["returncode"] == 0, metrics_run["err"][-3000:]
+    port = metrics_run["port"]
+    assert metrics_run["err"].splitlines()[1] == f"kvdoctor: metrics on http://127.0.0.1:{port}/metrics", metrics_run["err"][:2000]
+    leaked_pool, pool = _planted_pools(trace)
+    orphans = {s.labels["pool"]: s.value for s in families["kvdoctor_census_orphan_slots"]}
+    assert orphans.get(leaked_pool) == planted["leak"]["orphan_slots"] > 0, (orphans, planted)
+    violations = {(s.labels["pool"], s.labels["kind"]): s.value for s in families["kvdoctor_violations"] if s.name.endswith("_total")}
+    freed_twice = [e for e in trace_events(trace, schema.VIOLATION) if e["args"].get("kind") == "double_free"]
+    assert violations[(pool, "double_free")] == len(freed_twice) >= 1, violations
+    slots = {s.labels["pool"] for s in families["kvdoctor_kv_slots"]}
+    assert pool != leaked_pool and {pool, leaked_pool} <= slots  # the two engines' pools apart
+    (health,) = [s for s in families["kvdoctor_probe_health"] if s.value == 1]
+    assert health.labels["health"] == "on" and health.labels["engine"] == "sglang" and health.labels["pid"] == str(pid)
+    assert health.labels["version"] and "python -c" in health.labels["title"]
+    classes = {s.labels["class"] for s in families["kvdoctor_memory_bytes"] if s.labels["pid"] == str(pid)}
+    assert {"rss", "anon", "malloc_heap"} <= classes, classes
+    assert families["kvdoctor_census_age_seconds"] and all(s.value >= 0 for s in families["kvdoctor_census_age_seconds"])
+    series = sum(len(samples) for samples in families.values())
+    assert 0 < series <= fleet.SERIES_BOUND
+    print(f"metric families {len(families)}, series {series}")
+
+
+def test_attach_serves_the_probes_trace_until_the_process_exits(metrics_run):
+    """`attach --metrics`'s part after the attach: the probe's trace served while the process lives,
+    the server gone once it exits."""
+    import threading
+
+    from kvdoctor.commands.attach import serve_until_gone
+    from kvdoctor.live.fleet_server import FleetExporter
+
+    leaked_pool, _ = _planted_pools(metrics_run["trace"])
+    orphans = metrics_run["planted"]["leak"]["orphan_slots"]
+    target = subprocess.Popen(["sleep", "120"])
+    port = free_port()
+    server = threading.Thread(target=serve_until_gone, args=(FleetExporter(f"127.0.0.1:{port}", metrics_run["trace"]), target.pid))
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                served = {
+                    s.labels["pool"]: s.value for s in _scrape(f"http://127.0.0.1:{port}/metrics").get("kvdoctor_census_orphan_slots", [])
+                }
+            except OSError:
+                served = {}
+            if served.get(leaked_pool) == orphans or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert served.get(leaked_pool) == orphans, served
+    finally:
+        target.kill()
+        target.wait()
+    server.join(timeout=10)
+    assert not server.is_alive()
+    with pytest.raises(OSError):
+        _scrape(f"http://127.0.0.1:{port}/metrics")
+
+
+def test_findings_as_json_lines_carry_the_metrics_labels(metrics_run, tmp_path):
+    """`replay --format jsonl`: one JSON object a finding, labelled as the series are."""
+    out = tmp_path / "findings.jsonl"
+    proc = _kvdoctor("replay", metrics_run["trace"], "--format", "jsonl", "-o", str(out))
+    assert proc.returncode == 1, proc.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    leaked_pool, pool = _planted_pools(metrics_run["trace"])
+    (leak,) = [r for r in records if r["kind"] == "orphan_slots"]
+    assert leak["pool"] == leaked_pool and leak["count"] == metrics_run["planted"]["leak"]["orphan_slots"]
+    assert leak["engine"] == "sglang" and leak["version"] and leak["pid"] == metrics_run["pid"] and leak["schema"] == "kvdoctor.finding/1"
+    (double,) = [r for r in records if r["kind"] == "double_free"]
+    assert double["pool"] == pool and double["severity"] == "error"
+    assert all({"engine", "version", "pid", "title", "rank", "pool", "message", "evidence"} <= set(r) for r in records)
 
 
 @pytest.mark.parametrize(
