@@ -7,6 +7,10 @@ idle check stays on there: it would end the scheduler at a real leak). Faults pl
 (`tests/support/sglang_fault`) are counted exactly, a leak is named within seconds while the load
 goes on. A probe put into a server that has served a while (its tree full, evicting) proves what
 it adopted before it judges, and names leaks from before and after it came apart, exactly.
+
+The clean, leak and planted-fault servers run under `--metrics` too, scraped by Debian's real
+Prometheus with kvdoctor's shipped rules beside a real Alertmanager (tests/support/prometheus_stack.py):
+no alert for the clean ones, the orphan and memory-safety alerts listed for the others.
 """
 
 from __future__ import annotations

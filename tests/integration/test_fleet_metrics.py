@@ -201,6 +201,17 @@ def test_a_bad_metrics_address_is_one_line_before_anything_runs(tmp_path, addres
     assert "Traceback" not in proc.stderr and not marker.exists()
 
 
+def test_attach_refuses_a_public_metrics_address_before_it_attaches(tmp_path):
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        proc = _kvdoctor("attach", str(target.pid), "--metrics", "10.1.2.3:9400", "--trace", str(tmp_path / "t.json"))
+    finally:
+        target.kill()
+        target.wait()
+    assert proc.returncode == 2 and "--metrics 10.1.2.3 is not a loopback address" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "t.json").exists(), proc.stderr  # nothing went in
+
+
 def test_a_metrics_port_in_use_is_one_line(tmp_path):
     import socket
 
