@@ -27,7 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-REPORT_FORMAT_HELP = "text, json or html"
+REPORT_FORMAT_HELP = "text, json, jsonl (one finding a line, labelled as the metrics) or html"
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # CMD after --
 TRACE_OPTION: Any = typer.Option(
     None, "--trace", metavar="PATH", help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)"
@@ -45,6 +45,13 @@ ATTRIBUTION_ENGINE_OPTION: Any = typer.Option(
     metavar="ENGINE",
     help="auto (memray where installed, else tracemalloc), memray or tracemalloc; implies --attribution",
 )
+METRICS_OPTION: Any = typer.Option(
+    None,
+    "--metrics",
+    metavar="HOST:PORT",
+    help="serve the probed processes' ledgers as Prometheus metrics on /metrics there (HOST defaults to 127.0.0.1; port 0 picks one)",
+)
+METRICS_PUBLIC_OPTION: Any = typer.Option(False, "--metrics-public", help="allow --metrics on an address that is not loopback")
 
 
 DEBUG_ENV = "KVDOCTOR_DEBUG"
@@ -113,13 +120,23 @@ def run(
     sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
     attribution: bool = ATTRIBUTION_OPTION,
     attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
+    metrics: str | None = METRICS_OPTION,
+    metrics_public: bool = METRICS_PUBLIC_OPTION,
     force: bool = FORCE_OPTION,
 ) -> int:
     """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
     from kvdoctor.commands.run import run as run_command
 
     return run_command(
-        list(ctx.args), trace, list(fix), output_format, sample_interval, force=force, attribution=(attribution, attribution_engine)
+        list(ctx.args),
+        trace,
+        list(fix),
+        output_format,
+        sample_interval,
+        force=force,
+        attribution=(attribution, attribution_engine),
+        metrics=metrics,
+        metrics_public=metrics_public,
     )
 
 
@@ -231,12 +248,16 @@ def attach(
     fix: list[str] = FIX_OPTION,
     attribution: bool = ATTRIBUTION_OPTION,
     attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
+    metrics: str | None = METRICS_OPTION,
+    metrics_public: bool = METRICS_PUBLIC_OPTION,
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Put the probe into a running Python server without restarting it."""
+    """Put the probe into a running Python server without restarting it (with --metrics, serve its ledgers until it exits)."""
     from kvdoctor.commands.attach import attach_command
 
-    return attach_command(pid, trace, list(fix), attribution=(attribution, attribution_engine), force=force)
+    return attach_command(
+        pid, trace, list(fix), attribution=(attribution, attribution_engine), force=force, metrics=metrics, metrics_public=metrics_public
+    )
 
 
 @app.command()

@@ -6,13 +6,15 @@ pure Python and why): the pure-Python path costs several times more per hooked c
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from kvdoctor.analysis.gate import outlived_sentence
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.live.fleet_server import FleetExporter
 from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
-from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes
+from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes, default_trace_path
 from kvdoctor.runner.launch import run_command
 from kvdoctor.runner.support import hot_path_line
 
@@ -28,6 +30,8 @@ def run(
     *,
     force: bool = False,
     attribution: tuple[bool, str | None] = (False, None),
+    metrics: str | None = None,
+    metrics_public: bool = False,
 ) -> int:
     check_format(output_format)
     check_fixes(fixes)
@@ -40,7 +44,20 @@ def run(
             "takes most of a CPU core from the run it measures",
             f"give {MIN_SAMPLE_INTERVAL_S:g} s or more, or 0 to turn sampling off; the default is 1 s",
         )
-    code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine, on_start=say_hot_path)
+    trace_path = os.path.abspath(trace_path or default_trace_path("run"))
+    exporter = FleetExporter(metrics, trace_path, public=metrics_public) if metrics is not None else None
+
+    def on_start() -> None:
+        say_hot_path()
+        if exporter is not None:
+            exporter.start()
+            print(f"kvdoctor: metrics on {exporter.url}", file=sys.stderr, flush=True)
+
+    try:
+        code, trace_path = run_command(command, trace_path, fixes, sample_interval_s, force=force, attribution=engine, on_start=on_start)
+    finally:
+        if exporter is not None:
+            exporter.stop()
     try:
         analysis = analyze_recorded(trace_path)
     except KvdoctorError as exc:  # nothing of the trace is usable (a full disk): the command's status stands

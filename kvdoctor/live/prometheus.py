@@ -57,7 +57,7 @@ HELP = {
 }
 
 
-def parse_address(text: str, *, public: bool = False) -> tuple[str, int]:
+def parse_address(text: str, *, public: bool = False, option: str = "--prometheus") -> tuple[str, int]:
     """`HOST:PORT`, `:PORT` or `PORT` -> (host, port); the host defaults to 127.0.0.1.
 
     A host that is not a loopback address is refused unless `public` is set: the metrics name
@@ -75,13 +75,13 @@ def parse_address(text: str, *, public: bool = False) -> tuple[str, int]:
     try:
         port = int(port_text)
     except ValueError:
-        raise KvdoctorError(f"--prometheus needs a port, not {text!r}", "write HOST:PORT, e.g. 127.0.0.1:9400") from None
+        raise KvdoctorError(f"{option} needs a port, not {text!r}", "write HOST:PORT, e.g. 127.0.0.1:9400") from None
     if not 0 <= port <= 65535:
-        raise KvdoctorError(f"--prometheus port {port} is out of range", "use a port from 1 to 65535 (0 picks a free one)")
+        raise KvdoctorError(f"{option} port {port} is out of range", "use a port from 1 to 65535 (0 picks a free one)")
     if not public and not _is_loopback(host):
         raise KvdoctorError(
-            f"--prometheus {host} is not a loopback address; the metrics would be open to the network",
-            "use 127.0.0.1, or add --prometheus-public to serve on it anyway",
+            f"{option} {host} is not a loopback address; the metrics would be open to the network",
+            f"use 127.0.0.1, or add {option}-public to serve on it anyway",
         )
     return host, port
 

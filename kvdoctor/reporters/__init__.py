@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.errors import KvdoctorError
 
-REPORT_FORMATS = ("text", "json", "html")
+REPORT_FORMATS = ("text", "json", "jsonl", "html")
 
 
 def check_format(output_format: str, allowed: Sequence[str] = REPORT_FORMATS) -> str:
@@ -27,6 +27,10 @@ def _renderer(output_format: str) -> Callable[[Analysis], str]:
         from kvdoctor.reporters.json_report import render_json
 
         return render_json
+    if output_format == "jsonl":
+        from kvdoctor.reporters.jsonl import render_jsonl
+
+        return render_jsonl
     if output_format == "html":
         from kvdoctor.reporters.html import render_html
 

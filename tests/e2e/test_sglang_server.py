@@ -7,6 +7,10 @@ idle check stays on there: it would end the scheduler at a real leak). Faults pl
 (`tests/support/sglang_fault`) are counted exactly, a leak is named within seconds while the load
 goes on. A probe put into a server that has served a while (its tree full, evicting) proves what
 it adopted before it judges, and names leaks from before and after it came apart, exactly.
+
+The clean, leak and planted-fault servers run under `--metrics` too, scraped by Debian's real
+Prometheus with kvdoctor's shipped rules beside a real Alertmanager (tests/support/prometheus_stack.py):
+no alert for the clean ones, the orphan and memory-safety alerts listed for the others.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from conftest import SUPPORT
 
 sys.path.insert(0, SUPPORT)
 
+import prometheus_stack
 import sglang_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(sglang_server.available()), reason=sglang_server.available() or "ok")]
@@ -40,6 +45,44 @@ def _errors(report: dict) -> dict[str, int]:
     return out
 
 
+def _alerting(tmp_path, server: sglang_server.Server) -> prometheus_stack.Stack | None:
+    """Debian's real Prometheus and Alertmanager with kvdoctor's shipped rules, scraping the
+    server's `kvdoctor run --metrics` every second; None (the metrics part of the test left out)
+    where the binaries are missing."""
+    if prometheus_stack.available():
+        return None
+    workdir = tmp_path / "prometheus"
+    workdir.mkdir()
+    return prometheus_stack.Stack(str(workdir), server.metrics_address).start()
+
+
+def _listed(stack: prometheus_stack.Stack, alertname: str, timeout_s: float) -> tuple[list[dict], float]:
+    """Alertmanager's alerts named `alertname` once it lists one, and when (time.time())."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [a for a in stack.alertmanager_alerts() if a["labels"].get("alertname") == alertname]
+        if found:
+            return found, time.time()
+        time.sleep(0.2)
+    raise AssertionError(f"Alertmanager listed no {alertname} in {timeout_s:.0f} s: {stack.alertmanager_alerts()}")
+
+
+def _none_fire_once_judged(stack: prometheus_stack.Stack) -> None:
+    """A clean run under the shipped rules: once Prometheus holds two censuses of every pool, and
+    every rule was evaluated after, no alert is firing or pending, and Alertmanager lists none."""
+    deadline = time.monotonic() + 60
+    while not (stack.query("kvdoctor_censuses_total >= 2") and stack.query("kvdoctor_census_orphan_slots == 0")):
+        assert time.monotonic() < deadline, "Prometheus never scraped two censuses"
+        time.sleep(0.5)
+    judged_at = stack.server_time()
+    while not stack.evaluated_after(judged_at):
+        assert time.monotonic() < deadline, "the rules were not evaluated"
+        time.sleep(0.2)
+    assert stack.query("kvdoctor_censuses_total < 2") == []  # every pool counted twice
+    alerts = prometheus_stack._get(stack.prometheus_url + "/api/v1/alerts")["data"]["alerts"]
+    assert alerts == [] and stack.alertmanager_alerts() == [], alerts
+
+
 def _drive(server: sglang_server.Server) -> None:
     chats = server.conversations(turns=2, users=4)
     assert chats["ok"] >= 6 and chats["errors"] == 0, chats
@@ -50,6 +93,41 @@ def _drive(server: sglang_server.Server) -> None:
 # The default configuration (radix cache, page 1) runs clean in tests/e2e/test_readme_gate.py (the
 # README's gate on a real benchmark, judged on its shutdown census, the hooks counted there too) and
 # under load in the tests below, which count every finding exactly: it is not started a third time.
+ALERT_BOUND_S = 30 * prometheus_stack.SCRAPE_INTERVAL_S  # from the census that makes an alert to Alertmanager listing it
+
+
+def _check_the_orphan_alert(stack, server, named, planted, alerts, listed_at) -> None:
+    """The alert names the scheduler's pool with the planted count; no other alert fires; the
+    dashboard's queries and the README's drifting-rank query run on what was scraped."""
+    scheduler = named["pid"]
+    (alert,) = [a for a in alerts if a["labels"]["pid"] == str(scheduler)]
+    labels = alert["labels"]
+    assert labels["pool"] == "TokenToKVPoolAllocator#0" and labels["engine"] == "sglang" and labels["version"] == "0.5.23", labels
+    assert alert["annotations"]["summary"].startswith(
+        f"{planted['count']} KV slot(s) leaked in TokenToKVPoolAllocator#0 of pid {scheduler}"
+    )
+    counted = [e for e in _events(server.trace) if e["name"] == "census" and e["pid"] == scheduler and e["args"]["orphan_slots"] > 0]
+    second_census_s = counted[1]["ts"] / 1e6
+    print(f"scrape-to-alert: Alertmanager listed the orphan alert {listed_at - second_census_s:.1f} s after the second census")
+    assert listed_at - second_census_s <= ALERT_BOUND_S
+    assert {a["labels"]["alertname"] for a in stack.alertmanager_alerts()} == {"KvdoctorOrphanSlots"}
+    with open(prometheus_stack.DASHBOARD) as fh:
+        exprs = [t["expr"] for panel in json.load(fh)["panels"] for t in panel["targets"]]
+    drifting = _readme_drifting_rank()
+    for expr in [*exprs, drifting]:
+        stack.query(expr)  # each parses and runs on Prometheus itself
+    assert stack.query(drifting) == []  # one rank: none drifts from its own median
+    series = stack.query('count({__name__=~"kvdoctor_.+", job="kvdoctor"})')
+    print(f"series scraped from the run: {series[0]['value'][1]}")
+
+
+def _readme_drifting_rank() -> str:
+    """The PromQL of the README's "In a fleet" that names the rank whose ledger drifts."""
+    with open(os.path.join(os.path.dirname(SUPPORT), "..", "README.md")) as fh:
+        text = fh.read()
+    return text.split("## In a fleet", 1)[1].split("```promql\n", 1)[1].split("```", 1)[0].strip()
+
+
 CONFIGS = {
     "page 16, chunked prefill 64, fcfs": ["--page-size", "16", "--chunked-prefill-size", "64", "--schedule-policy", "fcfs"],
     "no radix cache, page 16, no overlap, lof": [
@@ -65,11 +143,18 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_clean_server_has_no_error_finding(tmp_path, config):
-    server = sglang_server.Server(str(tmp_path), flags=CONFIGS[config]).start()
+    """Also served under `--metrics` to a real Prometheus with the shipped rules: no alert fires."""
+    server = sglang_server.Server(str(tmp_path), flags=CONFIGS[config], metrics=True)
+    stack = _alerting(tmp_path, server)
     try:
+        server.start()
         _drive(server)
+        if stack is not None:
+            _none_fire_once_judged(stack)
     finally:
         code = server.stop()
+        if stack is not None:
+            stack.stop()
     assert code in (0, 130), server.log_tail()
     events = _events(server.trace)
     hooked = [e["args"]["reason"] for e in events if e["name"] == "probe_status" and "methods hooked" in e["args"].get("reason", "")]
@@ -81,7 +166,17 @@ def test_a_clean_server_has_no_error_finding(tmp_path, config):
 
 
 def test_a_leak_is_named_within_seconds_while_the_load_goes_on(tmp_path):
-    server = sglang_server.Server(str(tmp_path), flags=["--disable-radix-cache"], fault="leak", fault_at=20).start()
+    """Served under `--metrics` to a real Prometheus with the shipped rules and a real Alertmanager
+    too: the orphan alert is listed by Alertmanager within a bounded number of scrape intervals of
+    the second census that counted the leak, with the pool, engine and count."""
+    server = sglang_server.Server(str(tmp_path), flags=["--disable-radix-cache"], fault="leak", fault_at=20, metrics=True)
+    stack = _alerting(tmp_path, server)
+    try:
+        server.start()
+    except BaseException:
+        if stack is not None:
+            stack.stop()
+        raise
     stop_load = threading.Event()
 
     def load() -> None:
@@ -103,10 +198,15 @@ def test_a_leak_is_named_within_seconds_while_the_load_goes_on(tmp_path):
         assert planted and named, "the planted leak was not named"
         delay_s = named["ts"] / 1e6 - planted["time_s"]
         assert delay_s < 10.0 and loader.is_alive(), f"named {delay_s:.1f} s after the drop"
+        if stack is not None:
+            alerts, listed_at = _listed(stack, "KvdoctorOrphanSlots", ALERT_BOUND_S)
+            _check_the_orphan_alert(stack, server, named, planted, alerts, listed_at)
     finally:
         stop_load.set()
         loader.join(timeout=300)
         server.stop()
+        if stack is not None:
+            stack.stop()
     assert named["args"]["count"] == planted["count"]
     assert named["args"]["slot_ids"] == planted["slot_ids"][:64]
     rc, report = sglang_server.replay(server.trace)
@@ -114,12 +214,26 @@ def test_a_leak_is_named_within_seconds_while_the_load_goes_on(tmp_path):
 
 
 def test_planted_double_free_stale_last_loc_and_index_out_of_range_are_counted_exactly(tmp_path):
+    """Under `--metrics` too: Alertmanager lists the memory-safety alert of each kind planted."""
     faults = "double-free,stale-last-loc,index-out-of-range"
-    server = sglang_server.Server(str(tmp_path), flags=["--page-size", "16", "--disable-radix-cache"], fault=faults, fault_at=20).start()
+    flags = ["--page-size", "16", "--disable-radix-cache"]
+    server = sglang_server.Server(str(tmp_path), flags=flags, fault=faults, fault_at=20, metrics=True)
+    stack = _alerting(tmp_path, server)
     try:
+        server.start()
         _drive(server)
+        if stack is not None:
+            deadline = time.monotonic() + ALERT_BOUND_S
+            kinds: set[str] = set()
+            while kinds != {"double_free", "stale_last_loc", "index_out_of_range"} and time.monotonic() < deadline:
+                alerts, _ = _listed(stack, "KvdoctorMemorySafetyViolation", ALERT_BOUND_S)
+                kinds = {a["labels"]["kind"] for a in alerts}
+            assert kinds == {"double_free", "stale_last_loc", "index_out_of_range"}, kinds
+            assert {a["labels"]["alertname"] for a in stack.alertmanager_alerts()} == {"KvdoctorMemorySafetyViolation"}
     finally:
         server.stop()
+        if stack is not None:
+            stack.stop()
     planted = server.fault() or {}
     assert set(planted) == set(faults.split(",")), planted
     rc, report = sglang_server.replay(server.trace)

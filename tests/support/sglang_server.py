@@ -94,8 +94,10 @@ class Server(servers.ServerRun):
         max_total_tokens: int = 16384,
         model: str = MODEL_DIR,
         env: dict[str, str] | None = None,
+        metrics: bool = False,
     ) -> None:
         self.workdir = workdir
+        self.metrics_address = f"127.0.0.1:{free_port()}" if metrics else ""  # `kvdoctor run --metrics` there
         self.model = model
         self.flags = list(flags or [])
         self.probe = probe
@@ -134,7 +136,8 @@ class Server(servers.ServerRun):
         ]
         if not self.probe:
             return serve
-        return [PYTHON, "-m", "kvdoctor.cli", "run", "--trace", self.trace, "--"] + serve
+        metrics = ["--metrics", self.metrics_address] if self.metrics_address else []
+        return [PYTHON, "-m", "kvdoctor.cli", "run", "--trace", self.trace, *metrics, "--"] + serve
 
     def start(self, timeout_s: float = 240.0) -> Server:
         self._log = open(self.log_path, "wb")
