@@ -186,7 +186,7 @@ class LedgerKernels:
         ledger_tensors = (led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site)
         # the ledger's own tensors are torch's allocations (aligned); were one not, nothing is keyed on it
         self.keyable = fits_i32(*self.sizes) and all(aligned(t) for t in ledger_tensors)
-        self._constants: dict[tuple, dict[str, Any]] = {}
+        self._constants: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def launchers(self) -> tuple[CompiledLaunch, ...]:
         return (self.check_launch, self.write_launch, self.fused_launch, self.owner_launch)
@@ -198,10 +198,10 @@ class LedgerKernels:
         flat = tensor.reshape(-1) if getattr(tensor, "device", None) == self.torch_device and tensor.dtype in _INDEX_DTYPES else self.led.xp.index(tensor)
         return flat if flat.is_contiguous() else flat.contiguous()
 
-    def _key(self, constants: dict[str, Any], *tensors: Any) -> tuple:
+    def _key(self, constants: dict[str, Any], *tensors: Any) -> tuple[Any, ...]:
         return (*constants.values(), *((t.dtype, aligned(t)) for t in tensors), self.device) if self.keyable else ()
 
-    def _launch(self, launch: CompiledLaunch, n: int, args: tuple, constants: dict[str, Any], key: tuple) -> None:
+    def _launch(self, launch: CompiledLaunch, n: int, args: tuple[Any, ...], constants: dict[str, Any], key: tuple[Any, ...]) -> None:
         grid = triton.cdiv(n, BLOCK)
         if key and fits_i32(n):
             launch(grid, args, constants, key, self.device)

@@ -60,11 +60,11 @@ class CompiledLaunch:
         self.knobs = _runtime_knobs()
         self.stream = _raw_stream()
         self.enabled = self.knobs is not None and self.stream is not None
-        self.compiled: dict[tuple, Any] = {}
+        self.compiled: dict[tuple[Any, ...], Any] = {}
         self.fast_launches = 0  # how many calls took the compiled path (the benchmark reports it)
         self.declined = ""  # why a first call's kernel could not be kept, if it could not
 
-    def __call__(self, grid: int, args: tuple, constants: dict[str, Any], key: tuple, device: int) -> None:
+    def __call__(self, grid: int, args: tuple[Any, ...], constants: dict[str, Any], key: tuple[Any, ...], device: int) -> None:
         """`args` are the kernel's runtime arguments in order; `constants` its constexprs, which come
         after them in every ledger kernel's signature; `key` what else selects the compiled kernel."""
         kernel = self.compiled.get(key) if self.enabled else None
@@ -87,7 +87,7 @@ class CompiledLaunch:
 
 
 def aligned(tensor: Any) -> bool:
-    return tensor.data_ptr() % 16 == 0
+    return bool(tensor.data_ptr() % 16 == 0)
 
 
 def fits_i32(*values: int) -> bool:
