@@ -57,6 +57,8 @@ LONGEST_FIRST = (
     "tests/e2e/test_coverage_servers.py",
     "tests/e2e/test_attach_paths.py",
     "tests/integration/test_vllm_containers.py",
+    "tests/integration/test_lora_pool.py",
+    "tests/integration/test_vllm_hybrid.py",
 )
 
 
