@@ -146,12 +146,13 @@ def replay(
     trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
     output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
     output: str | None = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
+    pprof: str | None = typer.Option(None, "--pprof", help="also write the trace's attribution windows as pprof files into this folder"),
     force: bool = FORCE_OPTION,
 ) -> int:
     """Analyse a recorded trace: exit 0 clean, 1 error findings, 2 unusable input."""
     from kvdoctor.commands.replay import replay as replay_command
 
-    return replay_command(trace, output_format, output, force=force)
+    return replay_command(trace, output_format, output, force=force, pprof=pprof)
 
 
 @app.command()

@@ -8,16 +8,18 @@ from kvdoctor.analysis.analyzer import exit_code_for
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import claim_output, names_stdout, to_stdout, write_private
 from kvdoctor.reporters import check_format, render
-from kvdoctor.runner import analyze_recorded
+from kvdoctor.runner import analyze_recorded, export_pprof
 
 
-def replay(path: str, output_format: str = "text", output: str | None = None, *, force: bool = False) -> int:
+def replay(path: str, output_format: str = "text", output: str | None = None, *, force: bool = False, pprof: str | None = None) -> int:
     check_format(output_format)
     if output and names_stdout(output):
         output = None
     if output:
         claim_output(output, force=force, inputs=[path])  # refused before the analysis, not after
     analysis = analyze_recorded(path, progress=True)
+    if pprof:
+        export_pprof(path, analysis, pprof)
     text = render(analysis, output_format)
     code = exit_code_for(analysis)
     if not output:

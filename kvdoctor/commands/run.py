@@ -10,11 +10,12 @@ import os
 import sys
 
 from kvdoctor.analysis.gate import outlived_sentence
+from kvdoctor.analysis.pprof import profiles_folder
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.live.fleet_server import FleetExporter
 from kvdoctor.outputs import printable
 from kvdoctor.reporters import check_format, render
-from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes, default_trace_path
+from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes, default_trace_path, export_pprof
 from kvdoctor.runner.launch import run_command
 from kvdoctor.runner.support import hot_path_line
 
@@ -64,6 +65,8 @@ def run(
         print(f"kvdoctor: warning: no analysis: {exc.message}", file=sys.stderr)
         return code
     print(printable(render(analysis, output_format)), file=sys.stderr)
+    if engine:  # the attribution windows, beside the trace, for a profile store
+        export_pprof(trace_path, analysis, profiles_folder(trace_path))
     if analysis.outlived:
         print(printable("kvdoctor: " + outlived_sentence(analysis.outlived)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)

@@ -5,6 +5,7 @@ trace goes by default, and how a recorded trace is analysed on this machine."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from kvdoctor.analysis.analyzer import Analysis
@@ -48,3 +49,19 @@ def check_attribution(asked: tuple[bool, str | None]) -> str:
     if engine.strip().lower() not in ATTRIBUTION_BACKENDS:
         raise KvdoctorError(f"unknown attribution engine {engine!r}", f"--attribution-engine takes {', '.join(ATTRIBUTION_BACKENDS)}")
     return engine.strip().lower()
+
+
+def export_pprof(trace_path: str, analysis: Analysis, folder: str) -> None:
+    """The trace's attribution windows as pprof files in `folder`, said in one line on stderr; a
+    folder that cannot be written is said too, and the verdict stands."""
+    from kvdoctor.analysis.pprof import write_trace_profiles
+
+    try:
+        written = write_trace_profiles(trace_path, analysis.processes, folder)
+    except (OSError, KvdoctorError) as exc:
+        print(f"kvdoctor: warning: no pprof profiles written to {folder}: {exc}", file=sys.stderr)
+        return
+    if written:
+        print(f"kvdoctor: {len(written)} attribution window(s) as pprof in {folder} (go tool pprof -top FILE)", file=sys.stderr)
+    else:
+        print("kvdoctor: no attribution window in the trace: no pprof profile written (run with --attribution)", file=sys.stderr)
