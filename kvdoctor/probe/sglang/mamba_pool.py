@@ -16,7 +16,8 @@ mapping, for rows in use) and the live requests' (`mamba_pool_idx` of the waitin
 batch, chunked and last batch). Slot numbers are read only from host tensors: a pool whose free list
 lives on a GPU is not judged (reading it would synchronise), and a scheduler laid out otherwise (PD
 disaggregation, pipeline stages, HiCache, a tree without nodes) turns the ledger off; both are said
-in one `probe_status` line. A slot is named after two censuses in a row found it unaccounted, so a
+in one `probe_status` line. The KV slot ledger cannot see the KV slots a `MambaRadixCache` holds (its
+inserts are not a `RadixCache`'s): these hooks tell it, and it names no KV orphan beside this tree. A slot is named after two censuses in a row found it unaccounted, so a
 request between two of the scheduler's lists is never named.
 """
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.patching import say
+from kvdoctor.probe.sglang.state import sglang_state
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -35,6 +38,7 @@ MAX_SLOTS = 1 << 16  # a larger pool is not read at every prefill pick
 MAX_NODES = 1 << 17  # tree nodes walked at one census
 CENSUSES_TO_NAME = 2  # consecutive censuses a slot must be unaccounted before it is named
 COW_PATH = "MambaRadixCache.match_prefix (copy-on-write)"
+KV_NOT_JUDGED = "its slots are also held by a MambaRadixCache, whose inserts and evictions the probe map does not hook as a radix tree's"
 REFUSED = " kept through PrefillAdder.add_one_req -> {result} (the request went back to the waiting queue)"
 
 
@@ -65,6 +69,7 @@ class MambaSlotState:
         self.unaccounted: dict[int, int] = {}
         self.named: set[int] = set()
         self.said: tuple[int, ...] | None = None
+        self.kv_told: set[int] = set()  # KV allocators whose ledger was told it cannot see this tree
 
     def periodic(self, probe: Probe) -> None:
         return None  # counted on the scheduler's thread after each prefill pick, not from here
@@ -200,6 +205,25 @@ def request_slots(req: Any) -> list[int]:
     return [*host_slots(getattr(req, "mamba_pool_idx", None)), *host_slots(getattr(req, "mamba_ping_pong_track_buffer", None))]
 
 
+def tell_kv_ledger(probe: Probe, tree: Any) -> None:
+    """The KV slot ledger of the tree's allocator cannot see the KV slots a `MambaRadixCache` holds
+    (it is not a `RadixCache`): it names no orphan from then on, and says why. Tried at each hooked
+    call until that ledger exists (its first allocation), then never again."""
+    allocator = getattr(tree, "token_to_kv_pool_allocator", None)
+    mamba = state(probe)
+    if allocator is None or id(allocator) in mamba.kv_told:
+        return
+    kv = sglang_state(probe)
+    ledger = kv.ledgers.get(id(allocator))
+    if ledger is None:
+        return
+    mamba.kv_told.add(id(allocator))
+    if not ledger.not_judged:
+        ledger.not_judged = KV_NOT_JUDGED
+        say(f"{ledger.name}: orphans not judged: {KV_NOT_JUDGED}")
+        kv.judge_ledgers(force_report=True)
+
+
 def match_request(hook: Hook, args: Args, kwargs: Kwargs) -> Any:
     """The request a `match_prefix` copies a state for: `params.req` (0.5.8 on), or the `req` keyword."""
     params = args[0] if args else kwargs.get("params")
@@ -233,6 +257,7 @@ class MambaMatchRole(Role):
     wants_site = True
 
     def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        tell_kv_ledger(probe, obj)
         req = match_request(hook, args, kwargs)
         return None if req is None or getattr(req, "mamba_pool_idx", None) is not None else (req, site)
 
@@ -280,6 +305,8 @@ class MambaCensusRole(Role):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if not hasattr(getattr(obj, "req_to_token_pool", None), "mamba_pool"):
             return  # not a Mamba model: nothing to count
+        if type(getattr(obj, "tree_cache", None)).__name__ == "MambaRadixCache":
+            tell_kv_ledger(probe, obj.tree_cache)
         try:
             state(probe).census(probe, obj, result)
         except NotJudged as exc:
