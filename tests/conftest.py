@@ -59,6 +59,7 @@ LONGEST_FIRST = (
     "tests/integration/test_vllm_containers.py",
     "tests/integration/test_lora_pool.py",
     "tests/integration/test_vllm_hybrid.py",
+    "tests/integration/test_mamba_slots.py",
 )
 
 

@@ -44,6 +44,7 @@ FIX_APPLIED = "fix_applied"  # ph i: an optional fix changed the host's behaviou
 CONNECTOR_OVERDUE = "connector_overdue"  # ph i: a KV connector has held a finished request's blocks past the deadline
 CONNECTOR_LATE_RELEASE = "connector_late_release"  # ph i: an overdue connector hold ended at last
 CONTAINER_SIZES = "container_sizes"  # ph i: len() of the engine's containers reachable from a hooked object, by path
+MAMBA_POOL = "mamba_pool"  # ph i: a Mamba pool's census: free, tree, rows, waiting and running holders, unaccounted (when changed)
 LORA_POOL = "lora_pool"  # ph i: a LoRA memory pool's uids vs the adapters loaded (at load/unload when changed, and at exit)
 
 # The counters a trace carries, one row per event when exported as a table.
@@ -73,6 +74,7 @@ TREE_HOLDS_FREE_SLOT = "tree_holds_free_slot"
 LOCK_UNDERFLOW = "lock_ref_underflow"
 GRAPH_REPLAY_DURING_LOAD = "graph_replay_during_load"
 REFCOUNT_DISAGREES = "refcount_disagrees"
+MAMBA_ORPHAN_SLOTS = "mamba_orphan_slots"  # Mamba state slots held by no request, row or tree node
 LORA_GHOST_UID = "lora_ghost_uid"  # an unloaded LoRA adapter's uid still holds a buffer slot of the pool
 
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
@@ -108,6 +110,7 @@ FINDING_KINDS = (
     GRAPH_REPLAY_DURING_LOAD,
     REFCOUNT_DISAGREES,
     LORA_GHOST_UID,
+    MAMBA_ORPHAN_SLOTS,
     CONNECTOR_HELD_BLOCKS,
     CONTAINER_GROWTH,
     MEMORY_GROWTH,

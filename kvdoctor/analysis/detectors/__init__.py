@@ -14,6 +14,7 @@ from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttrib
 from kvdoctor.analysis.detectors.index_out_of_range import IndexOutOfRangeDetector
 from kvdoctor.analysis.detectors.l3_store import L3StoreDetector
 from kvdoctor.analysis.detectors.lora_ghost_uid import LoraGhostUidDetector
+from kvdoctor.analysis.detectors.mamba_orphan_slots import MambaOrphanSlotsDetector
 from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
@@ -41,6 +42,7 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         GraphReplayDuringLoadDetector(),
         RefcountDisagreesDetector(),
         LoraGhostUidDetector(),
+        MambaOrphanSlotsDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
         ContainerGrowthDetector(),
