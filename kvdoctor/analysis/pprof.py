@@ -137,7 +137,7 @@ def write_trace_profiles(trace_path: str, processes: dict[int, dict[str, Any]], 
 
 def write_profiles(events: Iterable[schema.Event], processes: dict[int, dict[str, Any]], folder: str) -> list[str]:
     """Writes every window as `<folder>/pid<pid>-window<k>.pb.gz`; the paths written."""
-    written = []
+    written: list[str] = []
     for event in windows(events):
         info = processes.get(event.pid, {})
         labels = {
