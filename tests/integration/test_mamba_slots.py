@@ -32,6 +32,7 @@ def _run(release: str, folder: str) -> tuple[dict, dict]:
     env = sglang_env(release)
     # sglang_env puts the release's folder in place of PYTHONPATH: the checkout under test stays in front
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")) if p)
+    env["KVDOCTOR_MAMBA_CENSUS_PERIOD_S"] = "0"  # a census at every pick: the cases pick a few times in a row
     result = run_for_result(
         [sys.executable, os.path.join(SUPPORT, "mamba_slot_cases.py"), *traces.values()], env=env, cwd=REPO, timeout=300
     )

@@ -10,19 +10,23 @@ waiting request is a holder, not a leak (SGLang's own idle check counted it as o
 / #20010 class); the slot is orphaned once the request leaves the queue without giving it back, as
 `_abort_on_waiting_timeout` and `_abort_on_queued_limit` do in those releases.
 
-After each hooked `Scheduler.get_new_batch_prefill` the ledger takes a census of the pool: free
+After a hooked `Scheduler.get_new_batch_prefill` (at most once a second: the scheduler calls it at
+every step) the ledger takes a census of the pool: free
 slots (the pool's free list), the tree's (every node's `mamba_value`), the rows' (the request pool's
 mapping, for rows in use) and the live requests' (`mamba_pool_idx` of the waiting queue, running
 batch, chunked and last batch). Slot numbers are read only from host tensors: a pool whose free list
 lives on a GPU is not judged (reading it would synchronise), and a scheduler laid out otherwise (PD
 disaggregation, pipeline stages, HiCache, a tree without nodes) turns the ledger off; both are said
 in one `probe_status` line. The KV slot ledger cannot see the KV slots a `MambaRadixCache` holds (its
-inserts are not a `RadixCache`'s): these hooks tell it, and it names no KV orphan beside this tree. A slot is named after two censuses in a row found it unaccounted, so a
-request between two of the scheduler's lists is never named.
+inserts are not a `RadixCache`'s): these hooks tell it, and it names no KV orphan beside this tree.
+A slot is named after two censuses in a row found it unaccounted, so a request between two of the
+scheduler's lists is never named.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
@@ -37,6 +41,9 @@ LEDGER = "mamba"
 MAX_SLOTS = 1 << 16  # a larger pool is not read at every prefill pick
 MAX_NODES = 1 << 17  # tree nodes walked at one census
 CENSUSES_TO_NAME = 2  # consecutive censuses a slot must be unaccounted before it is named
+# The scheduler calls get_new_batch_prefill at every step of its loop; a census reads the whole pool,
+# the tree and the rows, so it runs at most this often on the scheduler's thread.
+CENSUS_PERIOD_S = 1.0
 COW_PATH = "MambaRadixCache.match_prefix (copy-on-write)"
 KV_NOT_JUDGED = "its slots are also held by a MambaRadixCache, whose inserts and evictions the probe map does not hook as a radix tree's"
 REFUSED = " kept through PrefillAdder.add_one_req -> {result} (the request went back to the waiting queue)"
@@ -70,6 +77,15 @@ class MambaSlotState:
         self.named: set[int] = set()
         self.said: tuple[int, ...] | None = None
         self.kv_told: set[int] = set()  # KV allocators whose ledger was told it cannot see this tree
+        self.period_s = _census_period()
+        self.last_census = float("-inf")
+
+    def census_due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last_census < self.period_s:
+            return False
+        self.last_census = now
+        return True
 
     def periodic(self, probe: Probe) -> None:
         return None  # counted on the scheduler's thread after each prefill pick, not from here
@@ -161,6 +177,14 @@ class MambaSlotState:
                     "pool_slots": size,
                 },
             )
+
+
+def _census_period() -> float:
+    """CENSUS_PERIOD_S, or KVDOCTOR_MAMBA_CENSUS_PERIOD_S where set (0: at every pick, as tests drive it)."""
+    try:
+        return max(0.0, float(os.environ.get("KVDOCTOR_MAMBA_CENSUS_PERIOD_S", CENSUS_PERIOD_S)))
+    except ValueError:
+        return CENSUS_PERIOD_S
 
 
 def tree_slots(tree: Any) -> set[int]:
@@ -307,8 +331,11 @@ class MambaCensusRole(Role):
             return  # not a Mamba model: nothing to count
         if type(getattr(obj, "tree_cache", None)).__name__ == "MambaRadixCache":
             tell_kv_ledger(probe, obj.tree_cache)
+        mamba = state(probe)
+        if not mamba.census_due():
+            return
         try:
-            state(probe).census(probe, obj, result)
+            mamba.census(probe, obj, result)
         except NotJudged as exc:
             turn_off(probe, exc)
         except (AttributeError, TypeError, ValueError, IndexError) as exc:
