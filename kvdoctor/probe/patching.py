@@ -19,6 +19,7 @@ from kvdoctor.probe.hooks import REGISTRY, Hook, rebind_imported, wrap_function,
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, installed_version, known_versions, map_for
 from kvdoctor.probe.releases import ci_sentence
 from kvdoctor.probe.verify import check_signature, describe_choice, nearest_resolving_map
+from kvdoctor.trace import schema
 
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
@@ -45,6 +46,22 @@ class Patching:
 
     def fail(self, role: str, exc: BaseException) -> None:
         raise NotImplementedError  # the probe's: a failure said once, the probe off
+
+    def turn_off_ledger(self, ledger: str, what: str, reason: object) -> None:
+        """One ledger off, said once as the probe partial: `what` is off because of `reason`; the
+        server's calls and the other ledgers go on."""
+        if ledger in self.ledgers_off:
+            return
+        self.switch_off_ledgers({ledger})
+        self.emitter.emit(
+            schema.PROBE_STATUS,
+            {
+                "component": "ledger",
+                "state": "partial",
+                "ledger": ledger,
+                "reason": f"{what} is off: {reason}; the server's calls go on untouched, the KV ledgers are unaffected",
+            },
+        )
 
     def version_of(self, engine: str) -> str:
         return self.versions.get(engine, "")

@@ -136,16 +136,7 @@ def read_pool(manager: Any) -> tuple[list[Any], set[str]] | None:
 
 
 def turn_off(probe: Probe, exc: Exception) -> None:
-    probe.switch_off_ledgers({LEDGER})
-    probe.emitter.emit(
-        schema.PROBE_STATUS,
-        {
-            "component": "ledger",
-            "state": "partial",
-            "ledger": LEDGER,
-            "reason": f"the LoRA pool ledger is off: {exc}; the server's calls go on untouched, the KV ledgers are unaffected",
-        },
-    )
+    probe.turn_off_ledger(LEDGER, "the LoRA pool ledger", exc)
 
 
 def state(probe: Probe) -> LoraPoolState:

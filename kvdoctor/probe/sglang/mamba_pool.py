@@ -256,18 +256,7 @@ def match_request(hook: Hook, args: Args, kwargs: Kwargs) -> Any:
 
 
 def turn_off(probe: Probe, exc: Exception) -> None:
-    if LEDGER in probe.ledgers_off:
-        return  # said once
-    probe.switch_off_ledgers({LEDGER})
-    probe.emitter.emit(
-        schema.PROBE_STATUS,
-        {
-            "component": "ledger",
-            "state": "partial",
-            "ledger": LEDGER,
-            "reason": f"the Mamba slot ledger is off, Mamba slots not judged: {exc}; the server's calls go on untouched, the KV ledgers are unaffected",
-        },
-    )
+    probe.turn_off_ledger(LEDGER, "the Mamba slot ledger", f"Mamba slots not judged: {exc}")
 
 
 def state(probe: Probe) -> MambaSlotState:
