@@ -72,3 +72,21 @@ def test_triton_kernels_match_the_torch_path():
     for r in results:
         assert all(r["same"].values()), r
     assert sum(sum(r["counters"]) for r in results) > 0  # the sequences did break rules
+
+
+def test_each_kernels_constants_come_in_its_own_order():
+    """A compiled launch passes the constants by position after the runtime arguments, so each
+    call's cached constants must list them exactly as the kernel's signature does."""
+    pytest.importorskip("triton")
+    from kvdoctor.probe.ledger import kernels
+    from kvdoctor.trace import schema
+
+    bound = kernels.LedgerKernels.__new__(kernels.LedgerKernels)
+    bound.slot, bound.bits, bound._constants = kernels.KIND_SLOT, kernels.KIND_BITS, {}
+    for name, fn in (("check", kernels._check), ("write", kernels._write), ("fused", kernels._check_write)):
+        params = list(fn.arg_names)
+        constexprs = [p for p in params if p.isupper()]
+        assert params[-len(constexprs) :] == constexprs  # the constants come last
+        for has_req in (False, True):
+            constants = bound._rule(name, 1, schema.DOUBLE_FREE, has_req=has_req)
+            assert list(constants) == constexprs, name

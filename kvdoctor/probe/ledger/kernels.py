@@ -208,16 +208,25 @@ class LedgerKernels:
         else:
             launch.fn[(grid,)](*args, **constants)
 
-    def _rule(self, op: int, kind: str, page_starts: bool, as_pages: bool, evicting: bool, weight: int) -> dict[str, Any]:
-        """The fused kernel's constants for one kind of call, built once."""
-        rule = (op, kind, page_starts, as_pages, evicting, weight)
+    def _rule(self, kernel: str, op: int, kind: str = "", *, page_starts: bool = False, as_pages: bool = False,
+              evicting: bool = False, weight: int = 1, has_req: bool = False) -> dict[str, Any]:
+        """One kernel's constants for one kind of call, built once, in the kernel's own order (a
+        compiled launch passes them by position): `check`, `write` or `fused`."""
+        rule = (kernel, op, kind, page_starts, as_pages, evicting, weight, has_req)
         constants = self._constants.get(rule)
         if constants is None:
-            constants = self._constants[rule] = {
-                "OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "EVICTING": evicting, "WEIGHT": weight,
-                "KIND_SLOT": self.slot[kind], "KIND_BIT": self.bits[kind],
-                "OOR_SLOT": self.slot[schema.INDEX_OUT_OF_RANGE], "OOR_BIT": self.bits[schema.INDEX_OUT_OF_RANGE], "BLOCK": BLOCK,
-            }
+            constants = {"OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages}
+            if kernel == "check":
+                constants["HAS_REQ"] = has_req
+            else:
+                constants["EVICTING"] = evicting
+            if kernel != "write":
+                constants.update(
+                    WEIGHT=weight, KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
+                    OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE], OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE],
+                )
+            constants["BLOCK"] = BLOCK
+            self._constants[rule] = constants
         return constants
 
     def _check_and_write(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
@@ -227,7 +236,7 @@ class LedgerKernels:
         n = idx.numel()
         if n <= BLOCK:
             led = self.led
-            constants = self._rule(op, kind, page_starts, as_pages, evicting, weight)
+            constants = self._rule("fused", op, kind, page_starts=page_starts, as_pages=as_pages, evicting=evicting, weight=weight)
             args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site,
                     *self.sizes, site)
             self._launch(self.fused_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
@@ -240,11 +249,7 @@ class LedgerKernels:
         led = self.led
         n = idx.numel()
         req_arg = req if req is not None else idx
-        constants = {
-            "OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "HAS_REQ": req is not None, "WEIGHT": weight,
-            "KIND_SLOT": self.slot[kind], "KIND_BIT": self.bits[kind],
-            "OOR_SLOT": self.slot[schema.INDEX_OUT_OF_RANGE], "OOR_BIT": self.bits[schema.INDEX_OUT_OF_RANGE], "BLOCK": BLOCK,
-        }
+        constants = self._rule("check", op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight, has_req=req is not None)
         args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, req_arg,
                 *self.sizes, site)
         self._launch(self.check_launch, n, args, constants, self._key(constants, idx, req_arg) if fits_i32(site) else ())
@@ -253,7 +258,7 @@ class LedgerKernels:
                evicting: bool = False) -> None:
         led = self.led
         n = idx.numel()
-        constants = {"OP": op, "PAGE_STARTS": page_starts, "AS_PAGES": as_pages, "EVICTING": evicting, "BLOCK": BLOCK}
+        constants = self._rule("write", op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
         args = (idx, n, led.state, led.owner, led.alloc_site, *self.sizes, site)
         self._launch(self.write_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
 
