@@ -76,6 +76,7 @@ GRAPH_REPLAY_DURING_LOAD = "graph_replay_during_load"
 REFCOUNT_DISAGREES = "refcount_disagrees"
 MAMBA_ORPHAN_SLOTS = "mamba_orphan_slots"  # Mamba state slots held by no request, row or tree node
 LORA_GHOST_UID = "lora_ghost_uid"  # an unloaded LoRA adapter's uid still holds a buffer slot of the pool
+SWA_SLOT_FREED_LIVE = "swa_slot_freed_live"  # a deferred SWA free took a live SWA slot its full slot was re-pointed at
 
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
@@ -111,6 +112,7 @@ FINDING_KINDS = (
     REFCOUNT_DISAGREES,
     LORA_GHOST_UID,
     MAMBA_ORPHAN_SLOTS,
+    SWA_SLOT_FREED_LIVE,
     CONNECTOR_HELD_BLOCKS,
     CONTAINER_GROWTH,
     MEMORY_GROWTH,

@@ -22,6 +22,7 @@ from kvdoctor.analysis.detectors.probe_health import ProbeHealthDetector
 from kvdoctor.analysis.detectors.refcount_disagrees import RefcountDisagreesDetector
 from kvdoctor.analysis.detectors.retained_view import RetainedViewDetector
 from kvdoctor.analysis.detectors.stale_last_loc import StaleLastLocDetector
+from kvdoctor.analysis.detectors.swa_freed_live import SwaFreedLiveDetector
 from kvdoctor.analysis.detectors.tree_misuse import LockUnderflowDetector, UseAfterFreeDetector
 from kvdoctor.analysis.growth import GrowthParams
 
@@ -43,6 +44,7 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         RefcountDisagreesDetector(),
         LoraGhostUidDetector(),
         MambaOrphanSlotsDetector(),
+        SwaFreedLiveDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
         ContainerGrowthDetector(),
