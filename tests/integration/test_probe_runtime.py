@@ -196,7 +196,7 @@ def test_a_release_that_renamed_a_hooked_method_gets_the_nearest_map_that_resolv
     paged.unlink()
     paged.write_text(text.replace("merge_and_sort_free(", "merge_and_sort_pages("))
     env = sglang_env("0.5.23")
-    env["PYTHONPATH"] = str(tmp_path / "site")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), REPO])  # the fake release first, the checkout under test beside it
     env["KVDOCTOR_SGLANG_VERSION"] = "0.5.99"
     trace = tmp_path / "t.kvtrace.json"
     proc = kvdoctor("run", "--trace", str(trace), "--format", "json", "--", sys.executable, "-c", WORKLOAD, cwd=tmp_path, env=env)
