@@ -46,6 +46,8 @@ CONNECTOR_LATE_RELEASE = "connector_late_release"  # ph i: an overdue connector 
 CONTAINER_SIZES = "container_sizes"  # ph i: len() of the engine's containers reachable from a hooked object, by path
 MAMBA_POOL = "mamba_pool"  # ph i: a Mamba pool's census: free, tree, rows, waiting and running holders, unaccounted (when changed)
 LORA_POOL = "lora_pool"  # ph i: a LoRA memory pool's uids vs the adapters loaded (at load/unload when changed, and at exit)
+PD_TRANSFERS = "pd_transfers"  # ph i: PD decode's transfer queue: requests by KVPoll state, the oldest with their age (when changed)
+PD_TRANSFER = "pd_transfer"  # ph i: one PD decode transfer's abort or release, with its state and age
 
 # The counters a trace carries, one row per event when exported as a table.
 COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, MEMORY_CLASSES, HICACHE_COUNTER, L3_COUNTER, PROBE_STATS})
@@ -77,6 +79,8 @@ REFCOUNT_DISAGREES = "refcount_disagrees"
 MAMBA_ORPHAN_SLOTS = "mamba_orphan_slots"  # Mamba state slots held by no request, row or tree node
 LORA_GHOST_UID = "lora_ghost_uid"  # an unloaded LoRA adapter's uid still holds a buffer slot of the pool
 SWA_SLOT_FREED_LIVE = "swa_slot_freed_live"  # a deferred SWA free took a live SWA slot its full slot was re-pointed at
+PD_TRANSFER_FREED_IN_FLIGHT = "pd_transfer_freed_in_flight"  # PD decode pages freed while the prefill may still write them
+PD_TRANSFER_STUCK = "pd_transfer_stuck"  # a PD decode transfer in WaitingForInput/Transferring past the deadline
 
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
@@ -113,6 +117,8 @@ FINDING_KINDS = (
     LORA_GHOST_UID,
     MAMBA_ORPHAN_SLOTS,
     SWA_SLOT_FREED_LIVE,
+    PD_TRANSFER_FREED_IN_FLIGHT,
+    PD_TRANSFER_STUCK,
     CONNECTOR_HELD_BLOCKS,
     CONTAINER_GROWTH,
     MEMORY_GROWTH,

@@ -99,6 +99,10 @@ def test_a_clean_pd_decode_server_is_not_accused_and_says_why(tmp_path):
     coverage = _coverage(server.trace)
     assert coverage["state"] == "partial" and coverage["engine_pools"]["req_to_token_pool"] == "DecodeReqToTokenPool", coverage
     assert any("DecodeReqToTokenPool is not hooked" in text for text in coverage["ledgers"].values()), coverage["ledgers"]
+    # the PD decode transfer ledger followed every transfer to Success (warmup and health checks too) and named nothing
+    (last,) = trace_events(server.trace, "pd_transfers")[-1:]
+    counts = last["args"]
+    assert counts["followed"] == 0 and counts["done"] >= 16 and counts["freed_in_flight"] == counts["released_not_judged"] == 0, counts
 
 
 def test_a_clean_tensor_parallel_server_names_each_ranks_ledgers_apart(tmp_path):

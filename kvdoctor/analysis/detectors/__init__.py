@@ -18,6 +18,8 @@ from kvdoctor.analysis.detectors.mamba_orphan_slots import MambaOrphanSlotsDetec
 from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
+from kvdoctor.analysis.detectors.pd_transfer_freed import PdTransferFreedDetector
+from kvdoctor.analysis.detectors.pd_transfer_stuck import PdTransferStuckDetector
 from kvdoctor.analysis.detectors.probe_health import ProbeHealthDetector
 from kvdoctor.analysis.detectors.refcount_disagrees import RefcountDisagreesDetector
 from kvdoctor.analysis.detectors.retained_view import RetainedViewDetector
@@ -45,6 +47,8 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         LoraGhostUidDetector(),
         MambaOrphanSlotsDetector(),
         SwaFreedLiveDetector(),
+        PdTransferFreedDetector(),
+        PdTransferStuckDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
         ContainerGrowthDetector(),
