@@ -35,6 +35,19 @@ def trace_events(path: str, name: str) -> list:
     return out
 
 
+@pytest.fixture(scope="session")
+def needs_sglang_server():
+    """Skips, saying why, where a real SGLang server cannot start here: asked once per worker, before
+    any fixture of a narrower scope starts a server."""
+    if SUPPORT not in sys.path:
+        sys.path.insert(0, SUPPORT)
+    import sglang_server
+
+    reason = sglang_server.available()
+    if reason:
+        pytest.skip(reason)
+
+
 # The probe's memory-class readings turn themselves off, said as information, the first time one
 # takes more than its CPU budget (2 ms). On a loaded 2-core machine one reading now and then does,
 # and a test that expects exactly its own findings (or a reading every period) would then depend on

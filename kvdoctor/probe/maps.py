@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from typing import Any
 
 from kvdoctor.probe.versions import VersionRange, release_distance, version_key
@@ -146,6 +147,23 @@ def forced_version_env(engine: str) -> str:
     return f"KVDOCTOR_{engine.upper()}_VERSION"
 
 
+def _version_file(engine: str) -> str:
+    """`__version__` of the engine's `_version.py`, run alone: importing `{engine}._version` would
+    run the package's `__init__` first (SGLang's imports torch and transformers, 10 to 40 s), for a
+    `kvdoctor probes` or a test that only asks which release is installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(engine)  # a top-level name: found, not imported
+    folder = os.path.dirname(spec.origin) if spec is not None and spec.origin else ""
+    path = os.path.join(folder, "_version.py")
+    loader_spec = importlib.util.spec_from_file_location(f"_kvdoctor_{engine}_version", path)
+    if not folder or loader_spec is None or loader_spec.loader is None or not os.path.isfile(path):
+        raise LookupError(f"no {engine}/_version.py")
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    return str(module.__version__)
+
+
 def installed_version(engine: str) -> str:
     """The engine's version as its package reports it ("" when it cannot be read), or the one a
     test forces (`forced_version_env`)."""
@@ -153,7 +171,9 @@ def installed_version(engine: str) -> str:
     if forced:
         return forced
     try:
-        return str(importlib.import_module(f"{engine}._version").__version__)
+        if engine in sys.modules:
+            return str(importlib.import_module(f"{engine}._version").__version__)
+        return _version_file(engine)
     except Exception:
         pass
     from importlib.metadata import PackageNotFoundError, version

@@ -34,7 +34,7 @@ import sglang_server
 import vllm_server
 
 pytestmark = [pytest.mark.slow]
-needs_sglang = pytest.mark.skipif(bool(sglang_server.available()), reason=sglang_server.available() or "ok")
+needs_sglang = pytest.mark.usefixtures("needs_sglang_server")
 needs_vllm = pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "ok")
 
 PROMPTS = 40

@@ -29,7 +29,7 @@ sys.path.insert(0, SUPPORT)
 import prometheus_stack
 import sglang_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(sglang_server.available()), reason=sglang_server.available() or "ok")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("needs_sglang_server")]
 
 
 def _events(trace: str) -> list[dict]:

@@ -57,7 +57,9 @@ def _install_one(engine: str, release: str, entry: dict) -> str:
     specs = [f"{entry.get('wheel', engine)}=={release}"]
     if entry.get("transformers"):
         specs += [f"transformers=={entry['transformers']}", *BESIDE_TRANSFORMERS]
-    cmd = [PYTHONS[engine], "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--upgrade"]
+    # no bytecode: a release's tests import a few hundred of its thousands of modules, and the test
+    # run caches what they import (.ci/test); compiling all of it took most of an install's CPU
+    cmd = [PYTHONS[engine], "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--no-compile", "--upgrade"]
     subprocess.run([*cmd, "--target", target, *specs], check=True)
     open(os.path.join(target, STAMP), "w").close()
     return f"{engine} {release} installed in {os.path.relpath(target, REPO)}"

@@ -12,6 +12,7 @@ scheduler runs the very code `kvdoctor attach` injects), for a server started wi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -34,8 +35,12 @@ SWA_MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-swa-model")  # made on 
 BASE_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--mem-fraction-static", "0.05", "--sleep-on-idle", "--log-level", "warning"]
 
 
+@functools.cache
 def available() -> str:
-    """'' when a server can start here, else why not."""
+    """'' when a server can start here, else why not. It imports the server's modules in a child
+    (about 20 s of CPU), so it is asked once per process, and only by a test that is about to run
+    (the `needs_sglang_server` fixture): a check at collection ran in every worker for every file
+    that names it, twice each, whether or not that worker ran the file."""
     if not os.path.exists(os.path.join(MODEL_DIR, "config.json")):
         return f"{MODEL_DIR} is missing: run .ci/setup (it makes the tiny model)"
     probe = subprocess.run(
