@@ -21,6 +21,29 @@ def run_for_result(command: list, *, env: dict, cwd: str, timeout: float) -> dic
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def release_case_runs(script: str, folder: str, prefix: str, cases: dict) -> dict:
+    """Runs `tests/support/<script>` once per release, all at once, each writing one trace per case
+    (`cases`: {release: [case, ...]}), with the release's SGLang and this checkout's kvdoctor in
+    front. {release: ({case: events}, the script's RESULT)}."""
+    from kvdoctor.trace.reader import iter_events
+
+    started = {}
+    for release, names in cases.items():
+        traces = {case: os.path.join(folder, f"{prefix}-{release}-{case}.kvtrace.json") for case in names}
+        env = sglang_env(release)
+        # sglang_env puts the release's folder in place of PYTHONPATH: the checkout under test stays in front
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, os.path.join(SUPPORT, script), *traces.values()]
+        started[release] = (traces, subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = {}
+    for release, (traces, proc) in started.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, stderr[-3000:]
+        out[release] = ({case: list(iter_events(path)) for case, path in traces.items()}, json.loads(lines[-1][len("RESULT ") :]))
+    return out
+
+
 def trace_events(path: str, name: str) -> list:
     """The events named `name` in the trace at `path` as raw dicts, complete lines only (a trace
     still being written ends in a cut line); [] before the file exists."""

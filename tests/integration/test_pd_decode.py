@@ -13,16 +13,10 @@ SGLang's); the two processes start together.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, SUPPORT, sglang_env
+from conftest import release_case_runs
 
 from kvdoctor.analysis.analyzer import analyze
-from kvdoctor.trace.reader import iter_events
 
 BUGGY, FIXED = "0.5.18", "0.5.23"  # the last release without PR#35049, and one that holds the pages by default
 FREED, STUCK = "pd_transfer_freed_in_flight", "pd_transfer_stuck"
@@ -32,22 +26,12 @@ PAGES = [1, 2, 3, 4, 5, 6, 7, 8]  # the one request's 8 slots (page size 1) of a
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("pd"))
-    started = {}
-    for release in (BUGGY, FIXED):
-        cases = ["aborted", "stuck"] + (["aborted_off"] if release == FIXED else [])
-        traces = {case: os.path.join(folder, f"pd-{release}-{case}.kvtrace.json") for case in cases}
-        env = sglang_env(release)
-        # sglang_env puts the release's folder in place of PYTHONPATH: the checkout under test stays in front
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")) if p)
-        command = [sys.executable, os.path.join(SUPPORT, "pd_decode_cases.py"), *traces.values()]
-        started[release] = (traces, subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = {}
-    for release, (traces, proc) in started.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, stderr[-3000:]
-        out[release] = ({case: list(iter_events(path)) for case, path in traces.items()}, json.loads(lines[-1][len("RESULT ") :]))
-    return out
+    return release_case_runs(
+        "pd_decode_cases.py",
+        folder,
+        "pd",
+        {release: ["aborted", "stuck"] + (["aborted_off"] if release == FIXED else []) for release in (BUGGY, FIXED)},
+    )
 
 
 def _findings(events: list, kind: str) -> list:

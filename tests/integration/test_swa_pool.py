@@ -13,17 +13,11 @@ SGLang's); the two run side by side.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, SUPPORT, sglang_env
+from conftest import release_case_runs
 
 from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.trace import schema
-from kvdoctor.trace.reader import iter_events
 
 BUGGY, FIXED = "0.5.18", "0.5.19"  # the release that reads the mapping at the group's end, the first that reads it at the call
 RECOVERED = {
@@ -35,22 +29,12 @@ RECOVERED = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("swa"))
-    started = {}
-    for release in (BUGGY, FIXED):
-        cases = ["recovery", "apart"] + (["device"] if release == BUGGY else [])
-        traces = {case: os.path.join(folder, f"swa-{release}-{case}.kvtrace.json") for case in cases}
-        env = sglang_env(release)
-        # sglang_env puts the release's folder in place of PYTHONPATH: the checkout under test stays in front
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")) if p)
-        command = [sys.executable, os.path.join(SUPPORT, "swa_pool_cases.py"), *traces.values()]
-        started[release] = (subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), traces)
-    out = {}
-    for release, (proc, traces) in started.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, stderr[-3000:]
-        out[release] = ({case: list(iter_events(path)) for case, path in traces.items()}, json.loads(lines[-1][len("RESULT ") :]))
-    return out
+    return release_case_runs(
+        "swa_pool_cases.py",
+        folder,
+        "swa",
+        {release: ["recovery", "apart"] + (["device"] if release == BUGGY else []) for release in (BUGGY, FIXED)},
+    )
 
 
 def _loud(events: list) -> list:
