@@ -98,6 +98,7 @@ LONGEST_FIRST = (
     "tests/integration/test_mamba_slots.py",
     "tests/integration/test_pd_decode.py",
     "tests/integration/test_swa_pool.py",
+    "tests/integration/test_retract_paths.py",
 )
 
 

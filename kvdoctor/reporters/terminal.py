@@ -13,7 +13,17 @@ from kvdoctor.reporters.bounded import PROCESSES_SHOWN, first_processes, shown_f
 from kvdoctor.trace.schema import STATUS_KINDS
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
-EVIDENCE_KEYS = ("slot_ids", "site", "allocated_at", "requests", "bad_index", "bytes_per_hour", "memory_class", "time_to_oom_s")
+EVIDENCE_KEYS = (
+    "slot_ids",
+    "site",
+    "allocated_at",
+    "requests",
+    "released_on",
+    "bad_index",
+    "bytes_per_hour",
+    "memory_class",
+    "time_to_oom_s",
+)
 
 
 def render_text(analysis: Analysis) -> str:

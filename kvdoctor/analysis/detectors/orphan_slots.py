@@ -3,7 +3,8 @@
 A census runs when the engine goes idle, at exit, and (rolling) every few seconds while it is
 busy. The latest census of each allocator is the verdict (a later census sees leaks an earlier one
 saw, unless the pool was cleared in between); the largest count seen is kept in the evidence.
-Slots a request still owned when it gave back its row are reported by the probe at once; they are
+Slots a request still owned when it gave back its row are reported by the probe at once (with the
+path that gave it back, retract or finish, and the scheduler's forward count, where it saw them); they are
 the finding when no census came after them (a server killed while busy), and the evidence of the
 census's finding otherwise. A census the probe marked `judged: false` (a pool whose holders it
 cannot all see) gives no verdict; the probe said why in a `probe_status`.
@@ -67,8 +68,15 @@ class OrphanSlotsDetector:
         if key not in self.at_release and len(self.at_release) >= MAX_LEDGER_ENTRIES:
             self.left_releases.add(key, as_count(args.get("count")))
             return
-        found = self.at_release.setdefault(key, {"count": 0, "slot_ids": [], "requests": {}, "allocated_at": {}, "last_ts": 0.0})
+        found = self.at_release.setdefault(
+            key, {"count": 0, "slot_ids": [], "requests": {}, "allocated_at": {}, "released_on": {}, "last_ts": 0.0}
+        )
         found["count"] += as_count(args.get("count"))
+        path, step = args.get("path"), args.get("forward_ct")
+        if isinstance(path, str) and path:
+            where = f"{path} at forward {step}" if isinstance(step, int) else path
+            if where in found["released_on"] or len(found["released_on"]) < 16:
+                found["released_on"][where] = as_count(found["released_on"].get(where, 0)) + as_count(args.get("count"))
         found["last_ts"] = event.ts
         found["slot_ids"] = (found["slot_ids"] + [i for i in as_list(args.get("slot_ids")) if isinstance(i, int)])[:64]
         for name in ("requests", "allocated_at"):
@@ -184,6 +192,8 @@ class OrphanSlotsDetector:
             # The release named the request that held the slots; a census can name only the
             # row, whose last user may be a later request.
             evidence["first_seen"] = f"at the release of {', '.join(list(released['requests'])[:4])}"
+            if released.get("released_on"):
+                evidence["released_on"] = released["released_on"]
             evidence["requests"] = released["requests"] if as_count(released["count"]) >= count else {**reqs, **released["requests"]}
             top_req = max(released["requests"], key=lambda k: released["requests"][k]) if released["requests"] else top_req
         shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
@@ -207,7 +217,7 @@ class OrphanSlotsDetector:
             message = (
                 f"{count} KV slot(s) leaked: neither free, nor in the radix tree, nor owned by a live request "
                 f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
-                f"and never freed or inserted" + sglang_says
+                f"and never freed or inserted" + _released_on(evidence.get("released_on")) + sglang_says
             )
         return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)
 
@@ -222,7 +232,8 @@ class OrphanSlotsDetector:
         requests = ", ".join(list(found["requests"])[:4]) or "a request"
         message = (
             f"{count} KV slot(s) leaked: still owned by {requests} when it gave back its row, never freed nor inserted "
-            f"into the radix tree (slots {shown}); allocated by {top_site}. Found while the server was busy"
+            f"into the radix tree (slots {shown}); allocated by {top_site}" + _released_on(found.get("released_on")) + ". "
+            "Found while the server was busy"
         )
         evidence = {
             "allocator": allocator,
@@ -232,7 +243,17 @@ class OrphanSlotsDetector:
             "requests": found["requests"],
             "pid": pid,
         }
+        if found.get("released_on"):
+            evidence["released_on"] = found["released_on"]
         return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)
+
+
+def _released_on(paths: Any) -> str:
+    """Where the probe saw the rows given back (retract, finish) and at which forward, if it did."""
+    if not isinstance(paths, dict) or not paths:
+        return ""
+    shown = ", ".join(f"{where} ({as_count(n)} slot(s))" for where, n in list(paths.items())[:4])
+    return f"; given back with the request's row by {shown}, while still its own"
 
 
 def _sglang_says(args: dict[str, Any], count: int) -> str:

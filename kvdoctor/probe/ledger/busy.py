@@ -7,6 +7,8 @@ leaks. Two checks need no idle moment:
   gives back the request's row. The slots the row pointed at (`req_to_token[row, :n]`, `n` the
   furthest position written to it) that are still owned by that row when it is released are
   leaked, now, with the request that leaked them.
+  Where a forward in flight may still free some of them (overlap scheduling), they are held
+  (`held_in_flight`) and judged once it was processed (`leaked_in_flight`; probe/sglang/release_paths.py).
 - **Rolling census.** Every few seconds a copy of the ledger (asynchronous on a GPU) is read:
   pages owned by a row that is no longer live, or allocated and never written to any row. Only
   pages that stay so, unchanged, across two censuses are named: a request caught between its
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdoctor.probe.ledger.requests import RELEASED, UNPROVEN
+from kvdoctor.probe.ledger.requests import IN_FLIGHT, RELEASED, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.ledger.states import OWNED
 from kvdoctor.trace import schema
@@ -37,23 +39,51 @@ def leaked_at_release(ledger: SlotLedger, slots: Any, row: int, rid: str) -> dic
     ledger that is not judged: its rows may not be the only holders the probe cannot see)."""
     if ledger.not_judged:
         return None
+    with ledger.lock:
+        still = _still_owned(ledger, slots, row)
+        return None if still is None else _leaked(ledger, still, row, rid)
+
+
+def held_in_flight(ledger: SlotLedger, slots: Any, row: int) -> Any:
+    """The pages a released row still owns, now held for the forward in flight (owner IN_FLIGHT:
+    the next request in the row does not inherit them, and no busy census counts them), or None."""
+    if ledger.not_judged:
+        return None
+    with ledger.lock:
+        still = _still_owned(ledger, slots, row)
+        if still is not None:
+            ledger.owner[still] = IN_FLIGHT
+        return still
+
+
+def leaked_in_flight(ledger: SlotLedger, pages: Any, row: int, rid: str) -> dict[str, Any] | None:
+    """Of the pages `held_in_flight` kept for a release, the violation for those still held."""
+    if ledger.not_judged:
+        return None
+    with ledger.lock:
+        still = pages[(ledger.state[pages] == OWNED) & (ledger.owner[pages] == IN_FLIGHT)]
+        return _leaked(ledger, still, row, rid) if still.size else None
+
+
+def _still_owned(ledger: SlotLedger, slots: Any, row: int) -> Any:
     pages = np.unique(ledger.xp.index(slots) // ledger.page_size)
     pages = pages[(pages > 0) & (pages <= ledger.num_pages)]
-    with ledger.lock:
-        still = pages[(ledger.state[pages] == OWNED) & (ledger.owner[pages] == row)]
-        if not still.size:
-            return None
-        args: dict[str, Any] = {
-            "kind": schema.ORPHAN_SLOTS,
-            "when": "release",
-            "allocator": ledger.name,
-            "count": int(still.size) * ledger.page_size,
-            "page_size": ledger.page_size,
-            "request": f"req_pool_idx {row} (rid {rid})",
-            "note": "still owned by the request when it gave back its row: never freed nor inserted into the tree",
-        }
-        args.update(ledger._page_evidence(still, ledger.owner, ledger.alloc_site))
-        ledger.owner[still] = RELEASED  # no longer the row's: the next request in that row must not inherit them
+    still = pages[(ledger.state[pages] == OWNED) & (ledger.owner[pages] == row)]
+    return still if still.size else None
+
+
+def _leaked(ledger: SlotLedger, still: Any, row: int, rid: str) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "kind": schema.ORPHAN_SLOTS,
+        "when": "release",
+        "allocator": ledger.name,
+        "count": int(still.size) * ledger.page_size,
+        "page_size": ledger.page_size,
+        "request": f"req_pool_idx {row} (rid {rid})",
+        "note": "still owned by the request when it gave back its row: never freed nor inserted into the tree",
+    }
+    args.update(ledger._page_evidence(still, ledger.owner, ledger.alloc_site))
+    ledger.owner[still] = RELEASED  # no longer the row's: the next request in that row must not inherit them
     args["requests"] = {args["request"]: args["count"]}  # the row's request now, not whoever uses the row later
     return args
 

@@ -18,6 +18,9 @@ RID_NOT_PASSED = "not passed to the pool before SGLang 0.5.9"
 # the owner of slots held when the probe adopted the allocator whose books did not add up against the
 # engine's own counters (a holder it could not see): never judged, as nothing proves them lost
 UNPROVEN = -4
+# the owner of slots a row still held at its release while a forward it was in was in flight (overlap
+# scheduling frees them when it processes that forward's result): held, judged once it was processed
+IN_FLIGHT = -5
 ORPHANED_OWNERS = (BEFORE_ATTACH, RELEASED)  # owners that make an owned slot an orphan at any census
 
 
@@ -60,6 +63,8 @@ class RequestTable:
             return schema.OWNER_BEFORE_ATTACH
         if index == UNPROVEN:
             return "held when kvdoctor attached, by a holder it could not prove (not judged)"
+        if index == IN_FLIGHT:
+            return "a request that gave back its row while a forward it was in was in flight (overlap scheduling)"
         if index == RELEASED:
             return "a request that released its row without freeing them (leaked at release)"
         if index < 0:

@@ -31,6 +31,7 @@ every radix tree, which names its allocator and request pool. A process may hold
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Iterator
 from types import FrameType
@@ -157,9 +158,25 @@ def speculative_algorithm(holder: Any) -> str | None:
     value = own(holder, "spec_algorithm")
     if value is None:
         return None
-    name = own(value, "_name_")
-    name = name if isinstance(name, str) else type(value).__name__
+    name = algorithm_name(value)
     return "" if name == "NONE" else name
+
+
+def algorithm_name(value: Any) -> str:
+    """An algorithm value's own name: an Enum member's `_name_` (an IntEnum up to 0.5.4.post1, whose
+    attribute lookup is int's, so `own` does not read it: every engine read as speculative there), a
+    registry object's `name` (0.5.4.post2-0.5.7, a class of SGLang's own), else its class's name."""
+    if isinstance(value, enum.Enum):
+        try:
+            attrs = object.__getattribute__(value, "__dict__")  # what the enum machinery set; no host code
+        except AttributeError:
+            attrs = None
+        name = attrs.get("_name_") if type(attrs) is dict else None
+    else:
+        name = own(value, "_name_")
+        if not isinstance(name, str):
+            name = own(value, "name")
+    return name if isinstance(name, str) else type(value).__name__
 
 
 def speculative_rows_unseen(algorithm: str | None, writers: list[str], launched_in_place: list[str]) -> str:

@@ -5,6 +5,8 @@ Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a reque
 and from the radix tree; request-pool roles say which rows are live and which slots each row
 points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel;
 `req_write_extend`: a prefill batch's, likewise).
+`retract_path` and `batch_result` say which path gives a row back and at which forward step
+(release_paths.py).
 `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
 named and, with `recompute-last-loc`, read again.
 
@@ -20,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.probe import fixes, hotpath
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe.objects import own
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.prefill import ReqWriteExtendRole
+from kvdoctor.probe.sglang.release_paths import RETRACT
 from kvdoctor.probe.sglang.requests import (
     ReqAllocCountRole,
     ReqAllocRole,
@@ -303,6 +307,36 @@ class LastLocSourceRole(SlotRole):
         )
 
 
+class RetractPathRole(SlotRole):
+    """`ScheduleBatch.retract_decode`: the rows it gives back are the retract path's (release_paths.py)."""
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        overlap = own(obj, "enable_overlap")
+        return sglang_state(probe).paths.enter(RETRACT, obj, overlap if isinstance(overlap, bool) else None)
+
+    def finally_(self, probe: Probe, ctx: Any) -> None:
+        if ctx is not None:
+            sglang_state(probe).paths.leave(ctx)
+
+
+class BatchResultRole(SlotRole):
+    """`Scheduler.process_batch_result(batch, result)`: the rows given back while it runs are the
+    finish path's; once it returned, the releases held for the forward in flight are judged."""
+
+    reads = {"batch": 0}
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        return sglang_state(probe).paths.result_started(obj, hook.arg(args, kwargs, "batch"))
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        state = sglang_state(probe)
+        state.emit_violations(state.paths.judge_in_flight(ctx[0]))
+
+    def finally_(self, probe: Probe, ctx: Any) -> None:
+        if ctx is not None:
+            sglang_state(probe).paths.leave(ctx[1])
+
+
 ROLES: dict[str, Role] = {
     "alloc": AllocRole(),
     "alloc_extend": ExtendRole(),
@@ -332,4 +366,6 @@ ROLES: dict[str, Role] = {
     "req_clear": ReqClearRole(),
     "last_loc_source": LastLocSourceRole(),
     "shutdown": ShutdownRole(),
+    "retract_path": RetractPathRole(),
+    "batch_result": BatchResultRole(),
 }

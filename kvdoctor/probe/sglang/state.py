@@ -19,7 +19,7 @@ import numpy as np
 
 from kvdoctor.probe import hotpath
 from kvdoctor.probe.hooks import positive_ints
-from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus, leaked_at_release
+from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.patching import say
@@ -27,6 +27,7 @@ from kvdoctor.probe.rank import ledger_name
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.adopt import adopt, host_free_pages, needs_adoption
 from kvdoctor.probe.sglang.judging import CoverageJudging
+from kvdoctor.probe.sglang.release_paths import ReleasePaths
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ class SglangState(CoverageJudging):
         self._census_pending = False
         self.last_idle_census = -1e9
         self.last_release_s = -1e9
-        self.deferred_releases: list[tuple[Any, int, str]] = []  # (slots, row, rid) judged at a group's end
+        self.deferred_releases: list[tuple[Any, int, str, dict[str, Any]]] = []  # (slots, row, rid, path) judged at a group's end
+        self.paths = ReleasePaths()  # which path releases rows, at which step; releases held for a forward in flight
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
@@ -208,13 +210,14 @@ class SglangState(CoverageJudging):
             return  # a device ledger is left to the rolling census: reading the row would be a sync
         rid = self.requests.live.get(row, "?")
         slots = table[row, :extent]
+        context = self.paths.context(row)
         allocator = self.hosts.get(id(ledger))
         if allocator is not None and group_open(allocator, self.allocator_options(allocator)):
             # The scheduler frees a batch's slots in a group and applies them at the group's end,
             # after it gave back the rows: judge the row then (a copy: the row is reused).
-            self.deferred_releases.append((slots.clone(), row, rid))
+            self.deferred_releases.append((slots.clone(), row, rid, context))
             return
-        self._judge_release(ledger, slots, row, rid)
+        self._judge_release(ledger, slots, row, rid, context)
 
     def judge_deferred_releases(self) -> None:
         """At a free group's end, once its frees are in the ledger."""
@@ -222,12 +225,14 @@ class SglangState(CoverageJudging):
         ledger = self.primary
         if ledger is None:
             return
-        for slots, row, rid in pending:
-            self._judge_release(ledger, slots, row, rid)
+        for slots, row, rid, context in pending:
+            self._judge_release(ledger, slots, row, rid, context)
 
-    def _judge_release(self, ledger: SlotLedger, slots: Any, row: int, rid: str) -> None:
-        violation = leaked_at_release(ledger, slots, row, rid)
-        if violation is not None:
+    def _judge_release(self, ledger: SlotLedger, slots: Any, row: int, rid: str, context: dict[str, Any]) -> None:
+        self.emit_violations(self.paths.judge_release(ledger, slots, row, rid, context))
+
+    def emit_violations(self, violations: list[dict[str, Any]]) -> None:
+        for violation in violations:
             self.probe.emitter.emit(schema.VIOLATION, violation)
 
     def allocator_options(self, allocator: Any) -> dict[str, Any]:
@@ -258,6 +263,8 @@ class SglangState(CoverageJudging):
         ):
             self.census_pending = False
             self.last_idle_census = now
+            # quiet: no forward is in flight to free what releases held for one
+            self.emit_violations(self.paths.judge_all_held("the engine went quiet with no forward result processed after it"))
             self.census_all("idle")
 
     def census_if_due(self) -> None:
@@ -265,8 +272,8 @@ class SglangState(CoverageJudging):
         (and, for the first few, the search for the engine's speculative algorithm)."""
         if self.speculative.seeks_left:
             self.seek_engine()
-        if not self.census_pending:
-            return
+        if not self.census_pending or self.paths.pending:
+            return  # (a release held for the forward in flight is judged first)
         self.census_pending = False
         now = time.monotonic()
         if now - self.last_idle_census >= self.probe.idle_census_interval_s:
