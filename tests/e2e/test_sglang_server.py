@@ -158,7 +158,7 @@ def test_a_clean_server_has_no_error_finding(tmp_path, config):
     assert code in (0, 130), server.log_tail()
     events = _events(server.trace)
     hooked = [e["args"]["reason"] for e in events if e["name"] == "probe_status" and "methods hooked" in e["args"].get("reason", "")]
-    assert any("62 methods hooked" in reason for reason in hooked), hooked[-3:]
+    assert any("63 methods hooked" in reason for reason in hooked), hooked[-3:]
     censuses = [e["args"] for e in events if e["name"] == "census"]
     assert censuses and censuses[-1]["ledger_disagrees_slots"] == 0  # the ledger agrees with SGLang's own free list
     rc, report = sglang_server.replay(server.trace)

@@ -163,7 +163,7 @@ def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path):
 WORKLOAD = "from kvdoctor.demo.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault='leak', turns=3))"
 
 
-@pytest.mark.parametrize("installed,expected_map,hooks", [("0.5.23", "sglang-0.5.23.toml", 69), ("0.5.9", "sglang-0.5.9.toml", 49)])
+@pytest.mark.parametrize("installed,expected_map,hooks", [("0.5.23", "sglang-0.5.23.toml", 70), ("0.5.9", "sglang-0.5.9.toml", 50)])
 def test_a_release_without_a_tested_map_uses_the_nearest_map_that_resolves(tmp_path, installed, expected_map, hooks):
     """SGLang says it is 0.5.99 (no map is tested on it): the probe picks the map whose hooks all
     resolve in the installed sources, says so on stderr and in the trace, and finds the leak."""
@@ -201,7 +201,7 @@ def test_a_release_that_renamed_a_hooked_method_gets_the_nearest_map_that_resolv
     trace = tmp_path / "t.kvtrace.json"
     proc = kvdoctor("run", "--trace", str(trace), "--format", "json", "--", sys.executable, "-c", WORKLOAD, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "SGLang 0.5.99 has no tested map; using sglang-0.5.19.toml, all 62 hooks resolved" in proc.stderr, proc.stderr[-3000:]
+    assert "SGLang 0.5.99 has no tested map; using sglang-0.5.19.toml, all 63 hooks resolved" in proc.stderr, proc.stderr[-3000:]
     replay = kvdoctor("replay", str(trace), "--format", "json")
     errors = [(f["kind"], f["count"]) for f in json.loads(replay.stdout)["findings"] if f["severity"] == "error"]
     assert errors == [("orphan_slots", 64)]

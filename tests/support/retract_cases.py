@@ -17,6 +17,9 @@ is not SGLang's: `launch` does what `run_batch` does around it (`forward_ct += 1
   retract happens when the 30 slots run out) and launched before forward N's result is processed.
 - plain (optional): `event_loop_normal`'s order: each result is processed before the next plan.
 
+`build` and `held` serve preempt_cases.py too, whose releases run to 0.5.9 (its RadixCache takes
+`CacheInitParams`, its result processing reads the scheduler's load).
+
 Three requests of 8 tokens decode 8 tokens each, and run out of slots: the retracted ones go back
 to the waiting queue (left there), the others finish into the tree.
 """
@@ -51,7 +54,6 @@ def build(overlap: bool):
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from transformers import LlamaConfig
@@ -81,7 +83,7 @@ def build(overlap: bool):
         model_config=ModelConfig.from_server_args(server_args),
         enable_overlap=overlap,
         page_size=1,
-        tree_cache=RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=allocator, page_size=1),
+        tree_cache=radix_cache(pool, allocator),
         req_to_token_pool=pool,
         token_to_kv_pool_allocator=allocator,
         spec_algorithm=SpeculativeAlgorithm.NONE,
@@ -108,10 +110,28 @@ def build(overlap: bool):
         attn_tp_rank=1,  # no decode-stats log line
         send_to_tokenizer=Socket(),
         send_to_detokenizer=Socket(),
+        # from 0.5.9 each streamed output carries the load (get_load)
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        max_total_num_tokens=SLOTS,
+        dp_rank=0,
     )
+    if not hasattr(Scheduler, "current_scheduler_metrics_enabled"):  # a method up to 0.5.8, a field from 0.5.9
+        fields["current_scheduler_metrics_enabled"] = False
     for name, value in fields.items():
         setattr(scheduler, name, value)
     return scheduler
+
+
+def radix_cache(pool, allocator):
+    """SGLang's RadixCache over these pools: its pools as arguments before 0.5.6, then in CacheInitParams."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    try:
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    except ImportError:
+        return RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=allocator, page_size=1)
+    return RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=allocator, page_size=1))
 
 
 def run(overlap: bool) -> dict:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import types
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -165,7 +166,8 @@ def speculative_algorithm(holder: Any) -> str | None:
 def algorithm_name(value: Any) -> str:
     """An algorithm value's own name: an Enum member's `_name_` (an IntEnum up to 0.5.4.post1, whose
     attribute lookup is int's, so `own` does not read it: every engine read as speculative there), a
-    registry object's `name` (0.5.4.post2-0.5.7, a class of SGLang's own), else its class's name."""
+    registry object's `name` (0.5.4.post2-0.5.7, a class of SGLang's own with `__slots__`), else its
+    class's name."""
     if isinstance(value, enum.Enum):
         try:
             attrs = object.__getattribute__(value, "__dict__")  # what the enum machinery set; no host code
@@ -176,7 +178,25 @@ def algorithm_name(value: Any) -> str:
         name = own(value, "_name_")
         if not isinstance(name, str):
             name = own(value, "name")
+        if not isinstance(name, str):
+            name = slot_value(value, "name")
     return name if isinstance(name, str) else type(value).__name__
+
+
+def slot_value(obj: Any, name: str) -> Any:
+    """A `__slots__` attribute (0.5.4.post2-0.5.7's algorithm object has no `__dict__`), read
+    through its member descriptor, which is C code: no host code runs. None otherwise."""
+    for cls in type(obj).__mro__:
+        found = cls.__dict__.get(name)
+        if found is None:
+            continue
+        if not isinstance(found, types.MemberDescriptorType):
+            return None
+        try:
+            return found.__get__(obj, type(obj))
+        except AttributeError:  # the slot was never set
+            return None
+    return None
 
 
 def speculative_rows_unseen(algorithm: str | None, writers: list[str], launched_in_place: list[str]) -> str:

@@ -16,6 +16,14 @@ release was processed (`Scheduler.process_batch_result` returned): those still u
 with the path, the scheduler's forward count at the release (`forward_ct`) and the request.
 Releases are judged on host ledgers (`SglangState.check_release`); a device ledger's rolling
 census names what stays unfreed, without the path.
+
+Priority preemption (`PrefillAdder.preempt_to_schedule`, from 0.5.3) gives back the rows of the
+running requests it preempts (`ScheduleBatch.release_req`). A request that finished in the last
+forward result was released then, but stays in the running batch until `update_running_batch`
+filters it: up to 0.5.8 preemption can pick it and release it again (sglang#17797; 0.5.3-0.5.5
+free its slots a second time, 0.5.5.post1-0.5.8 stop at SGLang's own assert; 0.5.9 skips finished
+requests, PR#18694). What the host ledger flags inside a preemption (a double free) is named with
+the path, the forward count and the request whose row the preemption gave back last.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ if TYPE_CHECKING:
 
 RETRACT = "retract (ScheduleBatch.retract_decode)"
 FINISH = "finish (Scheduler.process_batch_result)"
+PREEMPT = "preempt (PrefillAdder.preempt_to_schedule)"
+NAMED_IN_VIOLATIONS = (PREEMPT,)  # paths whose ledger violations carry the path (retract/finish: judge_release)
 MAX_IN_FLIGHT_RELEASES = 4096  # releases held for the in-flight forward; past it the oldest is judged at once
 MAX_ROWS_NAMED = 1 << 14  # rows of one batch whose request is looked up at a release
 
@@ -60,18 +70,20 @@ class ReleasePaths:
         self.forward_ct: int | None = None  # the scheduler's forward count, as last read
         self.results_started = 0
         self.pending: list[InFlight] = []
+        self.released = ""  # the request whose row the path gave back last ("" before any)
 
     # ----- the hooked paths -----
 
     def enter(self, path: str, batch: Any, overlap: bool | None) -> tuple[str, Any, dict[int, str] | None]:
         previous = (self.path, self.batch, self._rids)
-        self.path, self.batch, self._rids = path, batch, None
+        self.path, self.batch, self._rids, self.released = path, batch, None, ""
         if overlap is not None:
             self.overlap = overlap
         return previous
 
     def leave(self, previous: tuple[str, Any, dict[int, str] | None]) -> None:
         self.path, self.batch, self._rids = previous
+        self.released = ""
 
     def result_started(self, scheduler: Any, batch: Any) -> tuple[int, tuple[str, Any, dict[int, str] | None]]:
         """A forward result is being processed: releases in it are the finish path's."""
@@ -93,6 +105,23 @@ class ReleasePaths:
         rid = self._rid_of(row)
         if rid:
             out["rid"] = rid
+        return out
+
+    def note_release(self, row: int) -> None:
+        """A row given back inside a path (a second release of it too, which `context` never sees)."""
+        if self.path:
+            rid = self._rid_of(row)
+            self.released = f"req_pool_idx {row} (rid {rid})" if rid else f"req_pool_idx {row}"
+
+    def during(self) -> dict[str, Any]:
+        """What a ledger violation flagged now says of the path ({} outside the paths named in them)."""
+        if self.path not in NAMED_IN_VIOLATIONS:
+            return {}
+        out: dict[str, Any] = {"path": self.path}
+        if self.forward_ct is not None:
+            out["forward_ct"] = self.forward_ct
+        if self.released:
+            out["released_request"] = self.released
         return out
 
     def _rid_of(self, row: int) -> str:

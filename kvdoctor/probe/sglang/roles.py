@@ -5,7 +5,7 @@ Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a reque
 and from the radix tree; request-pool roles say which rows are live and which slots each row
 points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel;
 `req_write_extend`: a prefill batch's, likewise).
-`retract_path` and `batch_result` say which path gives a row back and at which forward step
+`retract_path`, `preempt_path` and `batch_result` say which path gives a row back and at which forward step
 (release_paths.py).
 `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
 named and, with `recompute-last-loc`, read again.
@@ -25,7 +25,7 @@ from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.objects import own
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.prefill import ReqWriteExtendRole
-from kvdoctor.probe.sglang.release_paths import RETRACT
+from kvdoctor.probe.sglang.release_paths import PREEMPT, RETRACT
 from kvdoctor.probe.sglang.requests import (
     ReqAllocCountRole,
     ReqAllocRole,
@@ -319,6 +319,18 @@ class RetractPathRole(SlotRole):
             sglang_state(probe).paths.leave(ctx)
 
 
+class PreemptPathRole(SlotRole):
+    """`PrefillAdder.preempt_to_schedule`: the rows its `release_req` gives back, and what the
+    ledger flags meanwhile, are the preemption path's (release_paths.py, sglang#17797)."""
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        return sglang_state(probe).paths.enter(PREEMPT, own(obj, "running_batch"), None)
+
+    def finally_(self, probe: Probe, ctx: Any) -> None:
+        if ctx is not None:
+            sglang_state(probe).paths.leave(ctx)
+
+
 class BatchResultRole(SlotRole):
     """`Scheduler.process_batch_result(batch, result)`: the rows given back while it runs are the
     finish path's; once it returned, the releases held for the forward in flight are judged."""
@@ -367,5 +379,6 @@ ROLES: dict[str, Role] = {
     "last_loc_source": LastLocSourceRole(),
     "shutdown": ShutdownRole(),
     "retract_path": RetractPathRole(),
+    "preempt_path": PreemptPathRole(),
     "batch_result": BatchResultRole(),
 }

@@ -96,7 +96,7 @@ class SglangState(CoverageJudging):
         device = getattr(allocator, "device", "cpu")
         probe = self.probe
         ledger = SlotLedger(
-            name=name, size=size, page_size=page_size, device=device, emit=probe.emitter.emit, requests=self.requests, sites=probe.sites
+            name=name, size=size, page_size=page_size, device=device, emit=self._emit_from_ledger, requests=self.requests, sites=probe.sites
         )
         self.ledgers[id(allocator)] = ledger
         self.hosts[id(ledger)] = allocator
@@ -200,6 +200,7 @@ class SglangState(CoverageJudging):
 
     def check_release(self, pool: Any, row: int) -> None:
         """Before a row is given back: the slots it pointed at must be free or the tree's by now."""
+        self.paths.note_release(row)
         if self.row_extent is None or not 0 <= row < self.row_extent.size:
             return
         extent = int(self.row_extent[row])
@@ -230,6 +231,12 @@ class SglangState(CoverageJudging):
 
     def _judge_release(self, ledger: SlotLedger, slots: Any, row: int, rid: str, context: dict[str, Any]) -> None:
         self.emit_violations(self.paths.judge_release(ledger, slots, row, rid, context))
+
+    def _emit_from_ledger(self, name: str, args: dict[str, Any]) -> None:
+        """A ledger's event; a violation flagged inside a path named in violations says so."""
+        if name == schema.VIOLATION and self.paths.path:
+            args = {**args, **self.paths.during()}
+        self.probe.emitter.emit(name, args)
 
     def emit_violations(self, violations: list[dict[str, Any]]) -> None:
         for violation in violations:
