@@ -31,8 +31,6 @@ def release_case_runs(script: str, folder: str, prefix: str, cases: dict) -> dic
     for release, names in cases.items():
         traces = {case: os.path.join(folder, f"{prefix}-{release}-{case}.kvtrace.json") for case in names}
         env = sglang_env(release)
-        # sglang_env puts the release's folder in place of PYTHONPATH: the checkout under test stays in front
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, os.path.join(SUPPORT, script), *traces.values()]
         started[release] = (traces, subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = {}
@@ -133,11 +131,15 @@ def sglang_env(version: str) -> dict:
             pytest.skip("SGLang 0.5.9 is not installed beside the venv (run .ci/setup)")
         # 0.5.9 imports sgl_kernel at module load; tests/support/sgl_kernel is an import-only stand-in
         # (any kernel call raises); the CPU paths under test call none.
-        env["PYTHONPATH"] = os.pathsep.join([SGLANG_059, SUPPORT])
+        env["PYTHONPATH"] = os.pathsep.join([SGLANG_059, SUPPORT, REPO])
     elif version != "0.5.23":  # the release matrix: each release in its own folder (.ci/setup)
         folder = os.path.join(RELEASES, version)
         assert os.path.exists(os.path.join(folder, ".kvdoctor-complete")), f"SGLang {version} is not in {folder}: run .ci/setup"
-        env["PYTHONPATH"] = os.pathsep.join([folder, SUPPORT])
+        env["PYTHONPATH"] = os.pathsep.join([folder, SUPPORT, REPO])
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), REPO) if p)
+    # REPO last: the checkout under test is the kvdoctor imported (the editable install may point at
+    # another checkout), behind the release's own sglang and the stand-ins
     return env
 
 
