@@ -11,49 +11,21 @@ buggy release also the plain loop, where nothing is in flight at a retract.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, SUPPORT, sglang_env
+from conftest import release_case_runs
 
 from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.trace import schema
-from kvdoctor.trace.reader import iter_events
 
 BUGGY, FIXED = "0.5.3.post3", "0.5.4"  # the last release whose retract never frees the in-flight slot, the first that does
 RETRACT = "retract (ScheduleBatch.retract_decode)"
 
 
-@functools.cache
-def _runs(folder: str) -> dict[str, tuple[dict, dict]]:
-    """Both releases' cases, in two processes at once (most of each is SGLang's import)."""
-    started = {}
-    for release in (BUGGY, FIXED):
-        traces = {case: os.path.join(folder, f"retract-{release}-{case}.kvtrace.json") for case in ("overlap", "plain")}
-        if release == FIXED:
-            traces.pop("plain")
-        env = sglang_env(release)
-        # sglang_env puts the release's folder in place of PYTHONPATH: the checkout under test stays in front
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")) if p)
-        command = [sys.executable, os.path.join(SUPPORT, "retract_cases.py"), *traces.values()]
-        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        started[release] = (proc, traces)
-    out = {}
-    for release, (proc, traces) in started.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, stderr[-3000:]
-        out[release] = ({case: list(iter_events(path)) for case, path in traces.items()}, json.loads(lines[-1][len("RESULT ") :]))
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _runs(str(tmp_path_factory.mktemp("retract")))
+    """Both releases' cases, in two processes at once (most of each is SGLang's import)."""
+    cases = {BUGGY: ["overlap", "plain"], FIXED: ["overlap"]}
+    return release_case_runs("retract_cases.py", str(tmp_path_factory.mktemp("retract")), "retract", cases)
 
 
 def _errors(events: list) -> list:
