@@ -42,6 +42,21 @@ def release_case_runs(script: str, folder: str, prefix: str, cases: dict) -> dic
     return out
 
 
+def error_findings(events: list) -> list:
+    """The error findings of a trace's events, as `kvdoctor replay` would judge them."""
+    from kvdoctor.analysis.analyzer import analyze
+
+    return [f for f in analyze(iter(events)).findings if f.severity == "error"]
+
+
+def judges_every_slot_ledger(events: list) -> bool:
+    """The probe's last coverage line says its one slot ledger judges orphans."""
+    from kvdoctor.trace import schema
+
+    coverage = [e.args["reason"] for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
+    return coverage[-1] == "coverage: 1 of 1 slot ledger(s) judge orphans"
+
+
 def trace_events(path: str, name: str) -> list:
     """The events named `name` in the trace at `path` as raw dicts, complete lines only (a trace
     still being written ends in a cut line); [] before the file exists."""

@@ -14,7 +14,7 @@ SGLang's); the two processes start together.
 from __future__ import annotations
 
 import pytest
-from conftest import release_case_runs
+from conftest import error_findings, release_case_runs
 
 from kvdoctor.analysis.analyzer import analyze
 
@@ -38,10 +38,6 @@ def _findings(events: list, kind: str) -> list:
     return [f for f in analyze(iter(events)).findings if f.kind == kind]
 
 
-def _errors(events: list) -> list:
-    return [f for f in analyze(iter(events)).findings if f.severity == "error"]
-
-
 def _transfer_events(events: list) -> list:
     return [e.args for e in events if e.name == "pd_transfer"]
 
@@ -57,7 +53,7 @@ def test_an_abort_mid_transfer_that_frees_the_pages_at_once_is_named_with_the_re
         {"step": "polled failed", "queue": 0, "held": 0, "row": None},
         {"step": "next request", "pages": PAGES},
     ]
-    assert [f.kind for f in _errors(traces["aborted"])] == [FREED]
+    assert [f.kind for f in error_findings(traces["aborted"])] == [FREED]
     (finding,) = _findings(traces["aborted"], FREED)
     assert finding.count == 8 and finding.evidence["page_ids"] == PAGES and finding.evidence["requests"] == {"req-aborted": 8}
     assert finding.evidence["room"] == 7001 and finding.evidence["state_at_abort"] == "Transferring"
@@ -82,7 +78,7 @@ def test_the_release_that_holds_the_pages_until_the_drain_ack_is_silent(runs):
         {"step": "drain ack", "held": 0, "row": None},
         {"step": "next request", "pages": PAGES},
     ]
-    assert _errors(traces["aborted"]) == []
+    assert error_findings(traces["aborted"]) == []
     released = _transfer_events(traces["aborted"])[-1]
     assert released["event"] == "released after the prefill's drain ack" and released["rid"] == "req-aborted"
     assert "< _do_release (sglang/srt/disaggregation/decode.py:" in released["site"]
@@ -101,7 +97,7 @@ def test_the_same_release_with_the_deferred_release_off_is_named(runs):
 def test_a_transfer_stuck_in_transferring_past_the_deadline_is_a_warning_with_its_age(runs, release):
     traces, result = runs[release]
     assert result["stuck"]["queue"] == 1
-    assert _errors(traces["stuck"]) == []
+    assert error_findings(traces["stuck"]) == []
     (finding,) = _findings(traces["stuck"], STUCK)
     assert finding.severity == "warning" and finding.evidence["requests"] == {"req-stuck": 1}
     assert finding.evidence["state"] == "Transferring" and finding.evidence["age_s"] >= 0 and finding.evidence["deadline_s"] == 0

@@ -13,9 +13,8 @@ says what is SGLang's), both at once.
 from __future__ import annotations
 
 import pytest
-from conftest import release_case_runs
+from conftest import error_findings, judges_every_slot_ledger, release_case_runs
 
-from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.trace import schema
 
 BUGGY, FIXED = "0.5.5", "0.5.9"  # the last release that frees a finished request's slots again, and the fixed one
@@ -26,15 +25,6 @@ PROMPT = 8  # req-low-0's prompt tokens: the slots after them are its decoded on
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return release_case_runs("preempt_cases.py", str(tmp_path_factory.mktemp("preempt")), "preempt", {BUGGY: ["case"], FIXED: ["case"]})
-
-
-def _errors(events: list) -> list:
-    return [f for f in analyze(iter(events)).findings if f.severity == "error"]
-
-
-def _judged(events: list) -> bool:
-    coverage = [e.args["reason"] for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
-    return coverage[-1] == "coverage: 1 of 1 slot ledger(s) judge orphans"
 
 
 def test_preempting_a_finished_request_names_the_double_free_with_the_preemption_and_the_request(runs):
@@ -48,8 +38,8 @@ def test_preempting_a_finished_request_names_the_double_free_with_the_preemption
     twice = case["slots"]["req-low-0"][PROMPT:]
     assert case["free_list_twice"] == twice and len(twice) == 1
     assert case["sglang_check_diff"] == -1
-    assert _judged(events)
-    errors = {f.kind: f for f in _errors(events)}
+    assert judges_every_slot_ledger(events)
+    errors = {f.kind: f for f in error_findings(events)}
     assert set(errors) == {schema.DOUBLE_FREE, schema.LOCK_UNDERFLOW}
     double = errors[schema.DOUBLE_FREE]
     assert double.count == 1 and double.evidence["slot_ids"] == twice
@@ -71,4 +61,4 @@ def test_the_release_that_skips_finished_requests_is_silent(runs):
     # the same path, driven the same way: only the running request is preempted
     assert case["finished"] == ["req-low-0"] and case["preempted"] is True and case["preempt_list"] == ["req-low-1"]
     assert case["free_list_twice"] == [] and case["sglang_check_diff"] == 0 and case["held_by_no_one"] == []
-    assert _judged(events) and _errors(events) == []
+    assert judges_every_slot_ledger(events) and error_findings(events) == []

@@ -12,9 +12,8 @@ buggy release also the plain loop, where nothing is in flight at a retract.
 from __future__ import annotations
 
 import pytest
-from conftest import release_case_runs
+from conftest import error_findings, judges_every_slot_ledger, release_case_runs
 
-from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.trace import schema
 
 BUGGY, FIXED = "0.5.3.post3", "0.5.4"  # the last release whose retract never frees the in-flight slot, the first that does
@@ -28,17 +27,8 @@ def runs(tmp_path_factory):
     return release_case_runs("retract_cases.py", str(tmp_path_factory.mktemp("retract")), "retract", cases)
 
 
-def _errors(events: list) -> list:
-    return [f for f in analyze(iter(events)).findings if f.severity == "error"]
-
-
 def _released(events: list) -> list:
     return [e.args for e in events if e.name == schema.VIOLATION and e.args.get("kind") == schema.ORPHAN_SLOTS]
-
-
-def _judged(events: list) -> bool:
-    coverage = [e.args["reason"] for e in events if e.name == schema.PROBE_STATUS and e.args.get("component") == "coverage"]
-    return coverage[-1] == "coverage: 1 of 1 slot ledger(s) judge orphans"
 
 
 def test_the_in_flight_slot_a_retract_never_frees_is_named_with_the_retract_path_its_step_and_the_request(runs):
@@ -49,8 +39,8 @@ def test_the_in_flight_slot_a_retract_never_frees_is_named_with_the_retract_path
     # what SGLang did: two retracts, each leaving the slot of the forward in flight to no one, as its own check counts
     assert [r["rid"] for r in retracts] == ["req-2", "req-1"] and overlap["waiting"] == ["req-2", "req-1"]
     assert overlap["sglang_check_diff"] == 2 and overlap["held_by_no_one"] == sorted(r["newest_slot"] for r in retracts)
-    assert _judged(traces["overlap"])
-    (finding,) = _errors(traces["overlap"])
+    assert judges_every_slot_ledger(traces["overlap"])
+    (finding,) = error_findings(traces["overlap"])
     assert finding.kind == schema.ORPHAN_SLOTS and finding.count == 2
     assert finding.evidence["slot_ids"] == overlap["held_by_no_one"]
     steps = {f"{RETRACT} at forward {r['forward_ct']}": 1 for r in retracts}
@@ -73,7 +63,7 @@ def test_the_same_release_retracting_with_nothing_in_flight_is_silent(runs):
     plain = result["plain"]
     assert [r["rid"] for r in plain["retracts"]] == ["req-2"]
     assert plain["sglang_check_diff"] == 0 and plain["held_by_no_one"] == []
-    assert _judged(traces["plain"]) and _errors(traces["plain"]) == [] and _released(traces["plain"]) == []
+    assert judges_every_slot_ledger(traces["plain"]) and error_findings(traces["plain"]) == [] and _released(traces["plain"]) == []
 
 
 def test_the_release_that_frees_the_in_flight_slot_is_silent_and_names_no_finish_either(runs):
@@ -84,5 +74,5 @@ def test_the_release_that_frees_the_in_flight_slot_is_silent_and_names_no_finish
     overlap = result["overlap"]
     assert [r["rid"] for r in overlap["retracts"]] == ["req-2", "req-1"]  # the same path, driven the same way
     assert overlap["sglang_check_diff"] == 0 and overlap["held_by_no_one"] == []
-    assert _judged(traces["overlap"])
-    assert _errors(traces["overlap"]) == [] and _released(traces["overlap"]) == []
+    assert judges_every_slot_ledger(traces["overlap"])
+    assert error_findings(traces["overlap"]) == [] and _released(traces["overlap"]) == []

@@ -32,7 +32,7 @@ import os
 import sys
 
 import pytest
-from conftest import REPO, run_for_result
+from conftest import REPO, error_findings, run_for_result
 
 from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.trace import schema
@@ -169,10 +169,6 @@ def _coverage(events: list) -> dict:
     return lines[-1]
 
 
-def _errors(events: list) -> list:
-    return [f for f in analyze(iter(events)).findings if f.severity == "error"]
-
-
 def _stopped_under_load(events: list) -> list:
     """The trace of a server stopped while the four requests were decoding: up to the last rolling
     census taken with them live, which is then the verdict."""
@@ -195,8 +191,8 @@ def test_speculative_rows_are_read_and_a_clean_run_is_clean(tmp_path, page_size)
     assert coverage["state"] == "on" and coverage["speculative"] == "EAGLE", coverage
     assert coverage["speculative_row_writers"] == ["sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"]
     busy = _stopped_under_load(events)
-    assert _errors(busy) == [], [f.message for f in _errors(busy)]
-    assert _errors(events) == [] and result["sglang_unaccounted"] == 0
+    assert error_findings(busy) == [], [f.message for f in error_findings(busy)]
+    assert error_findings(events) == [] and result["sglang_unaccounted"] == 0
     assert not [e for e in events if e.name == schema.VIOLATION]
 
 
@@ -211,7 +207,7 @@ def test_rejected_draft_slots_never_freed_are_named_with_their_request(tmp_path,
     released = [e.args for e in events if e.name == schema.VIOLATION and e.args.get("kind") == schema.ORPHAN_SLOTS]
     assert {v["request"].split("rid ")[1].rstrip(")"): sorted(v["slot_ids"]) for v in released} == planted
     assert all(v["when"] == "release" for v in released)
-    (finding,) = _errors(events)
+    (finding,) = error_findings(events)
     assert finding.kind == schema.ORPHAN_SLOTS and finding.count == total
     assert sorted(finding.evidence["slot_ids"]) == sorted(s for slots in planted.values() for s in slots)
     assert "alloc_for_spec_decode" in finding.message and "rid spec-" in finding.message
@@ -231,6 +227,6 @@ def test_a_release_whose_map_hooks_no_speculative_row_writer_says_so_and_judges_
     live = result["live_censuses"]
     assert live and all(c["judged"] is False for c in live), live
     assert max(c["orphan_slots"] for c in live) > 0  # what the ledger would have said, not a verdict
-    assert _errors(_stopped_under_load(events)) == [] and _errors(events) == []
+    assert error_findings(_stopped_under_load(events)) == [] and error_findings(events) == []
     partial = [f for f in analyze(iter(events)).findings if f.kind == schema.PROBE_PARTIAL]
     assert any("speculative decoding (EAGLE)" in f.message for f in partial), [f.message for f in partial]
