@@ -7,6 +7,7 @@ instance attributes are read.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 
@@ -27,3 +28,20 @@ def own(obj: Any, name: str) -> Any:
     """An instance attribute, never a property or a class attribute (no host code runs)."""
     attrs = instance_dict(obj)
     return attrs.get(name) if attrs is not None else None
+
+
+def own_slot(obj: Any, name: str) -> Any:
+    """A `__slots__` attribute (an object with no `__dict__`, which `own` cannot read), read through
+    its member descriptor, which is C code: no host code runs. None where `name` is not a slot, or
+    is one never set."""
+    for cls in type(obj).__mro__:
+        found = cls.__dict__.get(name)
+        if found is None:
+            continue
+        if not isinstance(found, types.MemberDescriptorType):
+            return None
+        try:
+            return found.__get__(obj, type(obj))
+        except AttributeError:  # the slot was never set
+            return None
+    return None

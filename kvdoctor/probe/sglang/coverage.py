@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import enum
 import sys
-import types
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from kvdoctor.probe.objects import instance_dict, own
+from kvdoctor.probe.objects import instance_dict, own, own_slot
 
 MAX_FRAMES = 64
 MAX_SPECULATIVE_SEEKS = 8  # allocations whose callers are searched for the engine's speculative algorithm
@@ -179,24 +178,8 @@ def algorithm_name(value: Any) -> str:
         if not isinstance(name, str):
             name = own(value, "name")
         if not isinstance(name, str):
-            name = slot_value(value, "name")
+            name = own_slot(value, "name")
     return name if isinstance(name, str) else type(value).__name__
-
-
-def slot_value(obj: Any, name: str) -> Any:
-    """A `__slots__` attribute (0.5.4.post2-0.5.7's algorithm object has no `__dict__`), read
-    through its member descriptor, which is C code: no host code runs. None otherwise."""
-    for cls in type(obj).__mro__:
-        found = cls.__dict__.get(name)
-        if found is None:
-            continue
-        if not isinstance(found, types.MemberDescriptorType):
-            return None
-        try:
-            return found.__get__(obj, type(obj))
-        except AttributeError:  # the slot was never set
-            return None
-    return None
 
 
 def speculative_rows_unseen(algorithm: str | None, writers: list[str], launched_in_place: list[str]) -> str:
