@@ -141,7 +141,7 @@ def _run_vllm(workdir: str, *, skip_free: int = 0) -> dict:
         script,
         {
             "--enable-prefix-caching &": f"--enable-prefix-caching --tokenizer {tokenizer} --max-model-len 512 "
-            "--gpu-memory-utilization 0.1 --host 127.0.0.1 &",
+            "--max-num-seqs 8 --max-num-batched-tokens 512 --gpu-memory-utilization 0.1 --host 127.0.0.1 &",
             '--model "$MODEL" --dataset-name random': f'--model "$MODEL" --tokenizer {tokenizer} --dataset-name random',
             "--num-prompts 1000 --random-input-len 1024 --random-output-len 256 --max-concurrency 64": "--num-prompts 60 "
             "--random-input-len 64 --random-output-len 8 --max-concurrency 8",

@@ -46,6 +46,8 @@ llm = LLM(
     max_model_len=512,
     enable_prefix_caching=True,
     enforce_eager=True,
+    max_num_seqs=8,  # a CPU test's batch; also the size of the start-up profile run (vllm_engine_cases.py)
+    max_num_batched_tokens=512,
     num_gpu_blocks_override=40,
     kv_transfer_config=KVTransferConfig(kv_connector=CONNECTORS[case], kv_connector_module_path="kv_connectors", kv_role="kv_both"),
 )

@@ -36,6 +36,8 @@ def main() -> None:
         enforce_eager=True,
         num_gpu_blocks_override=64,
         block_size=32,
+        max_num_seqs=8,  # the batch of 8; also the size of the start-up profile run (vllm_engine_cases.py)
+        max_num_batched_tokens=512,
         distributed_executor_backend="uni",
     )
     system = list(range(100, 148))

@@ -67,6 +67,12 @@ class Server(servers.ServerRun):
             "--skip-tokenizer-init",
             "--max-model-len",
             "512",
+            # a CPU test's batch: vLLM's start-up profile run is a forward of this size (26 s to 15 s
+            # an engine start here, against its defaults)
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
             "--gpu-memory-utilization",
             "0.1",
             "--enable-prefix-caching",
