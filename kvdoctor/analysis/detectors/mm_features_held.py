@@ -16,11 +16,12 @@ from typing import Any
 from kvdoctor.analysis.detectors.base import as_list
 from kvdoctor.analysis.findings import ERROR, WARNING, Finding
 from kvdoctor.trace import schema
-from kvdoctor.units import as_count
+from kvdoctor.units import as_count, as_float
 
 MAX_PROCESSES = 256  # processes one analysis names; a trace naming more is crafted: the rest is dropped
 MAX_REQUESTS = 4096  # requests remembered per process; past that, counted
 NAMED_IN_MESSAGE = 4
+MAX_BYTES = 1 << 62  # one request's feature bytes as read; a trace saying more is crafted
 
 
 def mib(n: int) -> str:
@@ -58,10 +59,10 @@ class MmFeaturesHeldDetector:
                 known = requests[rid] = {"rid": rid, "bytes": 0, "held_s": 0.0, "results_since_finish": 0}
             known.update(
                 {
-                    "bytes": max(known["bytes"], as_count(hold.get("bytes"))),
+                    "bytes": max(known["bytes"], min(as_count(hold.get("bytes")), MAX_BYTES)),
                     "device": str(hold.get("device", "?")),
                     "items": as_count(hold.get("items")),
-                    "held_s": max(known["held_s"], float(hold["held_s"]) if isinstance(hold.get("held_s"), (int, float)) else 0.0),
+                    "held_s": max(known["held_s"], as_float(hold.get("held_s")) or 0.0),
                     "results_since_finish": max(known["results_since_finish"], as_count(hold.get("results_since_finish"))),
                     "request_alive": hold.get("request_alive"),
                     "last_seen": str(args.get("when", "?")),
