@@ -105,3 +105,15 @@ def test_hostile_mm_inputs_events_never_break_the_detector():
             detector.feed(schema.Event(ph="i", name=schema.MM_INPUTS, pid=rng.choice([1, 2, 10**30]), args=args))
         for finding in detector.findings():
             assert isinstance(finding.message, str), seed
+
+
+def test_the_writers_round_counts_holds_once_old_enough(monkeypatch):
+    monkeypatch.setenv("KVDOCTOR_MM_HELD_AGE_S", "0")
+    probe, events = probe_with_events()
+    keep = torch.zeros(3)
+    mm_inputs.after_result(probe, object(), Obj(reqs=[req("r-0", keep)]))
+    mm_inputs.state(probe).periodic(probe)
+    (count,) = counts(events)
+    assert count["when"] == "periodic" and count["held"][0]["rid"] == "r-0" and count["held"][0]["results_since_finish"] == 0
+    monkeypatch.setenv("KVDOCTOR_MM_HELD_AGE_S", "not a number")
+    assert mm_inputs.held_age_from_env() == mm_inputs.DEFAULT_HELD_AGE_S

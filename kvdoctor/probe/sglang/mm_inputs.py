@@ -12,16 +12,19 @@ and `req.multimodal_inputs = None` (PR#17324; from 0.5.12 through `MultimodalInp
 a session's request keeps its inputs for the session's next turn, on purpose.
 
 Once `Scheduler.process_batch_result` returned (the slot ledger's `batch_result` hook), the probe reads
-the batch's finished requests (instance attributes only: no property, no host code) and, for one
-that still holds a feature tensor, notes its rid, bytes (`nbytes`: no GPU sync), device and a weak
-reference to each tensor (bounded). A noted hold still alive at a later count is said in an
+the batch's finished requests (instance attributes and slots only: no property, no host code) and,
+for one that still holds a feature tensor, notes its rid, bytes (`nbytes`: no GPU sync), device and a
+weak reference to each tensor (bounded). A noted hold still alive at a later count is said in an
 `mm_inputs` event: at the next processed result, on the writer thread's round once older than
-`HELD_AGE_S`, and at exit. A decoding request keeps its features in every release (a retracted
-request prefills again), so only finished requests are judged, and a session's never.
+`KVDOCTOR_MM_HELD_AGE_S` (5 s by default), and at exit; a hold said before and gone since is said
+released. A decoding request keeps its features in every release (a retracted request prefills
+again), so only finished requests are judged, and a session's never.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import threading
 import time
@@ -39,7 +42,19 @@ MAX_TRACKED = 4096  # finished requests whose features are watched; past it, cou
 MAX_REQS_READ = 1 << 14  # requests of one batch read after its result
 MAX_ITEMS = 64  # multimodal items read per request
 MAX_NAMED = 64  # holds listed in one event
-HELD_AGE_S = 5.0  # a hold counted on the writer thread's round only once this old
+ENV_HELD_AGE_S = "KVDOCTOR_MM_HELD_AGE_S"
+DEFAULT_HELD_AGE_S = 5.0  # a hold counted on the writer thread's round only once this old
+
+
+def held_age_from_env() -> float:
+    """How old a hold must be for the writer thread's round to count it (`KVDOCTOR_MM_HELD_AGE_S`,
+    5 s by default); a value that is not a finite number leaves the default."""
+    raw = os.environ.get(ENV_HELD_AGE_S, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_HELD_AGE_S
+    except ValueError:
+        return DEFAULT_HELD_AGE_S
+    return max(0.0, value) if math.isfinite(value) else DEFAULT_HELD_AGE_S
 
 
 class NotUnderstood(Exception):
@@ -87,6 +102,7 @@ class MmInputsState:
         self.said: tuple[Any, ...] = ()
         self.said_rids: set[str] = set()  # holds named in an event, whose release is said in turn
         self.scheduler = ""
+        self.held_age_s = held_age_from_env()
 
     def after_result(self, probe: Probe, scheduler: Any, batch: Any) -> None:
         """A forward result was processed: note its finished requests that still hold features,
@@ -170,7 +186,7 @@ class MmInputsState:
 
     def periodic(self, probe: Probe) -> None:
         if probe.ledger_is_on(LEDGER) and self.holds:
-            self.count(probe, "periodic", lambda h: time.monotonic() - h.finished_at >= HELD_AGE_S)
+            self.count(probe, "periodic", lambda h: time.monotonic() - h.finished_at >= self.held_age_s)
 
     def close(self, probe: Probe, reason: str) -> None:
         if probe.ledger_is_on(LEDGER) and self.results:  # said once at exit, held or not
