@@ -38,7 +38,8 @@ def counts(events: list[schema.Event]) -> list[dict]:
     return [e.args for e in events if e.name == schema.MM_INPUTS]
 
 
-def test_a_hold_released_later_is_said_and_judged_a_warning():
+def test_a_hold_released_later_is_said_and_judged_a_warning(monkeypatch):
+    monkeypatch.setattr(mm_inputs, "MIN_EVENT_INTERVAL_S", 0.0)
     probe, events = probe_with_events()
     pixels = torch.zeros(4, 8)
     batch = Obj(reqs=[req("r-0", pixels), req("r-1", None), req("r-2", torch.zeros(2), finished=False)])
@@ -117,3 +118,17 @@ def test_the_writers_round_counts_holds_once_old_enough(monkeypatch):
     assert count["when"] == "periodic" and count["held"][0]["rid"] == "r-0" and count["held"][0]["results_since_finish"] == 0
     monkeypatch.setenv("KVDOCTOR_MM_HELD_AGE_S", "not a number")
     assert mm_inputs.held_age_from_env() == mm_inputs.DEFAULT_HELD_AGE_S
+
+
+def test_a_busy_engines_counts_are_said_at_most_once_a_second_and_no_release_is_lost(monkeypatch):
+    monkeypatch.setattr(mm_inputs, "MIN_EVENT_INTERVAL_S", 3600.0)
+    probe, events = probe_with_events()
+    keep = {n: torch.zeros(2) for n in range(3)}
+    for n in range(3):  # each result finishes one more request: the held set changes every time
+        mm_inputs.after_result(probe, object(), Obj(reqs=[req(f"r-{n}", keep[n])]))
+    del keep[0]
+    mm_inputs.after_result(probe, object(), Obj(reqs=[]))
+    assert [[h["rid"] for h in c["held"]] for c in counts(events)] == [["r-0"]]  # the first, then nothing within the interval
+    mm_inputs.state(probe).close(probe, "exit")
+    last = counts(events)[-1]
+    assert last["when"] == "exit" and last["released"] == ["r-0"] and [h["rid"] for h in last["held"]] == ["r-1", "r-2"]

@@ -42,6 +42,7 @@ MAX_TRACKED = 4096  # finished requests whose features are watched; past it, cou
 MAX_REQS_READ = 1 << 14  # requests of one batch read after its result
 MAX_ITEMS = 64  # multimodal items read per request
 MAX_NAMED = 64  # holds listed in one event
+MIN_EVENT_INTERVAL_S = 1.0  # a busy engine's counts go to the trace at most this often (exit always)
 ENV_HELD_AGE_S = "KVDOCTOR_MM_HELD_AGE_S"
 DEFAULT_HELD_AGE_S = 5.0  # a hold counted on the writer thread's round only once this old
 
@@ -101,6 +102,8 @@ class MmInputsState:
         self.noted = 0  # of them, those that still held features
         self.said: tuple[Any, ...] = ()
         self.said_rids: set[str] = set()  # holds named in an event, whose release is said in turn
+        self.released: list[str] = []  # of them, those gone since, not said yet
+        self.last_said = -math.inf
         self.scheduler = ""
         self.held_age_s = held_age_from_env()
 
@@ -134,23 +137,28 @@ class MmInputsState:
 
     def count(self, probe: Probe, when: str, due: Any, *, force: bool = False) -> None:
         """The noted holds still alive and `due`, and those said before that are gone since: said
-        when that changed (or `force`)."""
+        when that changed, at most once every MIN_EVENT_INTERVAL_S (or `force`)."""
         now = time.monotonic()
         with self.lock:
-            held, released = [], []
+            held = []
             for rid, hold in list(self.holds.items()):
                 alive = hold.alive_bytes()
                 if alive == 0:
                     del self.holds[rid]
                     if rid in self.said_rids:
                         self.said_rids.discard(rid)
-                        released.append(rid)
+                        if len(self.released) < MAX_TRACKED:
+                            self.released.append(rid)
                 elif due(hold):
                     held.append((hold, alive))
             key = tuple((h.rid, n) for h, n in held)
-            if not force and not released and (not held or key == self.said):
-                return
-            self.said = key
+            if not force:
+                if not self.released and (not held or key == self.said):
+                    return
+                if now - self.last_said < MIN_EVENT_INTERVAL_S:
+                    return  # said at a later count: the releases wait in self.released
+            released, self.released = self.released[:MAX_NAMED], self.released[MAX_NAMED:]
+            self.said, self.last_said = key, now
             self.said_rids.update(h.rid for h, _ in held[:MAX_NAMED])
             untracked = self.untracked
         by_device: dict[str, int] = {}
