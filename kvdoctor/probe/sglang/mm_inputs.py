@@ -243,5 +243,5 @@ def after_result(probe: Probe, scheduler: Any, batch: Any) -> None:
         return
     try:
         state(probe).after_result(probe, scheduler, batch)
-    except (NotUnderstood, TypeError, AttributeError, ValueError) as exc:
+    except Exception as exc:  # NotUnderstood, or inputs of a shape this never met: only this ledger stops
         probe.turn_off_ledger(LEDGER, "the multimodal inputs ledger", exc)
