@@ -56,7 +56,12 @@ def make_req(scheduler, rid: str, prompt: list, max_new_tokens: int, image: bool
             processed = {"mm_items": [item]}
         else:
             processed = MultimodalProcessorOutput(mm_items=[item])
-        req.extend_image_inputs(scheduler._get_multimodal_inputs(processed))
+        if hasattr(scheduler, "_get_multimodal_inputs"):
+            req.extend_image_inputs(scheduler._get_multimodal_inputs(processed))
+        else:  # before 0.5.7 handle_generate_request calls MultimodalInputs.from_dict itself
+            from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+            req.extend_image_inputs(MultimodalInputs.from_dict(processed))
     return req
 
 
