@@ -20,10 +20,13 @@ order of the loop's steps, written out here as `event_loop_normal` runs them; th
 Two image requests (each one item of 2x3x32x32 float32 pixel values, 24576 bytes) prefill together
 and finish at their second token, in a decode step; `update_running_batch` then filters the running
 batch to empty. A text request comes next and finishes at its prefill, its empty batch is not merged,
-and the engine is idle until exit. The script keeps no reference to the requests or their tensors,
-only weak ones: what keeps a tensor alive is SGLang's.
+and the engine is idle until exit. Where a request can belong to a session (0.5.12 on), one more
+image request of a `Session` then finishes at its prefill: SGLang keeps a session's media for its
+next turn, on purpose. The script keeps no reference to the requests or their tensors, only weak
+ones: what keeps a tensor alive is SGLang's.
 """
 
+import inspect
 import json
 import sys
 import time
@@ -38,7 +41,7 @@ warnings.filterwarnings("ignore")
 SHAPE = (2, 3, 32, 32)
 
 
-def make_req(scheduler, rid: str, prompt: list, max_new_tokens: int, image: bool):
+def make_req(scheduler, rid: str, prompt: list, max_new_tokens: int, image: bool, session=None):
     import torch
     from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, Req
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -46,7 +49,7 @@ def make_req(scheduler, rid: str, prompt: list, max_new_tokens: int, image: bool
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     if isinstance(Req(rid, "", [1], params).output_ids, array):  # token ids are an array("q") from 0.5.20
         prompt = array("q", prompt)
-    req = Req(rid, "", prompt, params, vocab_size=scheduler.model_config.vocab_size)
+    req = Req(rid, "", prompt, params, vocab_size=scheduler.model_config.vocab_size, **({"session": session} if session else {}))
     req.sampling_params.normalize(None)
     if image:
         item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.randn(*SHAPE), offsets=[(1, 4)])
@@ -67,7 +70,7 @@ def make_req(scheduler, rid: str, prompt: list, max_new_tokens: int, image: bool
 
 def run() -> dict:
     import torch
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import GenerationBatchResult
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -132,6 +135,16 @@ def run() -> dict:
     forward(text, "prefill text-0")
     text.filter_batch()  # get_next_batch_to_run: empty once filtered, so not merged; then idle
     del text
+    if "session" in inspect.signature(Req).parameters:  # a session's request keeps its media for the next turn
+        from sglang.srt.session.session_controller import Session
+
+        session = Session(capacity_of_str_len=4096, session_id="session-0")
+        turn = make_req(scheduler, "sess-0", list(range(70, 78)), 1, True, session=session)  # its first turn
+        kept = new_batch([turn])
+        del turn
+        forward(kept, "prefill sess-0")
+        kept.filter_batch()
+        del kept
     alive = {rid: sum(1 for ref in refs if ref() is not None) for rid, refs in watched.items()}
     running = scheduler.running_batch
     return {
