@@ -83,6 +83,7 @@ def test_pixel_values_a_finished_request_keeps_are_named_with_the_request_bytes_
     )
     assert f"Request img-0 holds {size} bytes in 1 item(s) on cpu, 1 result(s)" in finding.message
     assert "still held at the last count (exit)" in finding.message and "also img-1" in finding.message
+    assert "the request object is gone: something else keeps them, such as a batch's multimodal_inputs list" in finding.message
     assert "sglang#7340, #8429, #8902" in finding.message and "Scheduler._maybe_clear_mm_inputs" in finding.message
 
 

@@ -85,11 +85,13 @@ class MmFeaturesHeldDetector:
             more = len(requests) - 1 - len(others) + proc["untracked"]
             last = proc["last"]
             scheduler = str(last.get("scheduler", "Scheduler"))
-            whose = (
-                "the request object itself is still alive"
-                if first.get("request_alive")
-                else "the request is gone, so another holder (a batch's multimodal_inputs list) keeps them"
-            )
+            alive = first.get("request_alive")
+            if alive is True:
+                whose = "the request object itself is still alive"
+            elif alive is False:
+                whose = "the request object is gone: something else keeps them, such as a batch's multimodal_inputs list"
+            else:
+                whose = "whether the request object is still alive was not read"
             if held:
                 verdict = f"{mib(still)} in {len(held)} request(s) still held at the last count ({last.get('when', '?')})"
             else:
