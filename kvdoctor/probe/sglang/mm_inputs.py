@@ -106,11 +106,19 @@ class MmInputsState:
         self.last_said = -math.inf
         self.scheduler = ""
         self.held_age_s = held_age_from_env()
+        self.seen_inputs = False  # a batch has listed a request's multimodal inputs
 
     def after_result(self, probe: Probe, scheduler: Any, batch: Any) -> None:
         """A forward result was processed: note its finished requests that still hold features,
-        then count the holds noted at earlier results."""
+        then count the holds noted at earlier results. Until a batch has carried multimodal inputs
+        (an extend batch lists each request's, `prepare_for_extend`), no request is read: a text
+        server pays one attribute read and a C-level count per result."""
         self.results += 1
+        if not self.seen_inputs:
+            listed = own(batch, "multimodal_inputs")
+            if not isinstance(listed, list) or listed.count(None) == len(listed):
+                return
+            self.seen_inputs = True
         self.scheduler = self.scheduler or type(scheduler).__name__
         reqs = own(batch, "reqs")
         if isinstance(reqs, list):
@@ -122,7 +130,8 @@ class MmInputsState:
                 if tensors:
                     self.noted += 1
                     self.note(req, tensors)
-        self.count(probe, "result", lambda h: h.result < self.results)
+        if self.holds or self.released:
+            self.count(probe, "result", lambda h: h.result < self.results)
 
     def note(self, req: Any, tensors: list[Any]) -> None:
         rid = own(req, "rid")
