@@ -2,6 +2,7 @@
 and prints what SGLang's objects still held of their pixel values (`RESULT {json}`).
 
     python tests/support/mm_inputs_cases.py TRACE
+    KVDOCTOR_MM_DEVICE=cuda python tests/support/mm_inputs_cases.py TRACE   # the batch on a GPU
 
 Run in a fresh interpreter with the release under test first on PYTHONPATH. The scheduler, pools
 and tiny model config are retract_cases.py's `build` (plain loop: each result is processed before
@@ -15,7 +16,18 @@ with the finish checks, the release into the radix tree and the streamed output)
 keeps the running batch (`Scheduler.running_batch`). Not SGLang's: the forward (what `run_batch`
 returns is made here: `forward_ct += 1` and counted-up token ids, as retract_cases.py does), the
 image processor (the pixel values are random, the image's pad tokens plain token ids), and the
-order of the loop's steps, written out here as `event_loop_normal` runs them; the device is the CPU.
+order of the loop's steps, written out here as `event_loop_normal` runs them. The batch's device is
+the CPU unless `KVDOCTOR_MM_DEVICE` names another (`cuda`: the pools are on the GPU, so
+`prepare_for_extend` moves the pixel values there, and SGLang's Triton kernels write the request rows;
+the forward's token ids are then made on the GPU, as a model's sampler leaves them).
+
+On a GPU the result also says what `torch.cuda.memory_allocated()` read: before the image requests,
+after their prefill batch was made, at idle, and after the probe was deactivated and the running
+batch's `multimodal_inputs` list dropped (`memory`); and every synchronizing CUDA call the run made,
+from the probe's activation to its deactivation, under `torch.cuda.set_sync_debug_mode("warn")`, by
+the innermost Python frame that made it (`syncs`: SGLang's own path synchronizes, e.g.
+`process_batch_result` reads the sampled token ids with `tolist()`, so "error" mode cannot be held
+over it). bench/gpu/mm_inputs.sh runs it on 0.5.7 and 0.5.8 and judges what it printed.
 
 Two image requests (each one item of 2x3x32x32 float32 pixel values, 24576 bytes) prefill together
 and finish at their second token, in a decode step; `update_running_batch` then filters the running
@@ -26,8 +38,10 @@ next turn, on purpose. The script keeps no reference to the requests or their te
 ones: what keeps a tensor alive is SGLang's.
 """
 
+import gc
 import inspect
 import json
+import os
 import sys
 import time
 import warnings
@@ -39,6 +53,8 @@ from retract_cases import Socket, build
 warnings.filterwarnings("ignore")
 
 SHAPE = (2, 3, 32, 32)
+DEVICE = os.environ.get("KVDOCTOR_MM_DEVICE", "cpu")
+LEFT: dict = {}  # on a GPU: what main measures after the probe is deactivated
 
 
 def make_req(scheduler, rid: str, prompt: list, max_new_tokens: int, image: bool, session=None):
@@ -76,7 +92,9 @@ def run() -> dict:
 
     from kvdoctor.probe.sglang.mm_inputs import features
 
-    scheduler = build(False)
+    scheduler = build(False, DEVICE)
+    cuda = DEVICE != "cpu"
+    memory = {"before_images": torch.cuda.memory_allocated()} if cuda else None
     scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)  # as Scheduler.__init__ sets it
     if hasattr(scheduler, "init_batch_result_processor"):
         components(scheduler)
@@ -105,7 +123,7 @@ def run() -> dict:
         scheduler.forward_ct += 1
         if hasattr(batch, "launch_ts"):  # what run_batch records of a launch, from 0.5.23
             batch.forward_iter, batch.launch_ts, batch.after_idle_gap = scheduler.forward_ct, time.monotonic(), False
-        tokens = torch.arange(len(batch.reqs), dtype=torch.int64) + 40 + scheduler.forward_ct
+        tokens = torch.arange(len(batch.reqs), dtype=torch.int64, device=DEVICE) + 40 + scheduler.forward_ct
         batch.output_ids = tokens
         scheduler.process_batch_result(batch, GenerationBatchResult(next_token_ids=tokens))
         steps.append(
@@ -119,9 +137,13 @@ def run() -> dict:
         )
 
     images = [make_req(scheduler, f"img-{n}", list(range(10 + 10 * n, 18 + 10 * n)), 2, True) for n in range(2)]
-    watched = {r.rid: [weakref.ref(i.feature) for i in r.multimodal_inputs.mm_items] for r in images}
     batch = new_batch(images)
+    # the features prepare_for_extend left in the items: moved to the batch's device (the same tensors on the CPU)
+    watched = {r.rid: [weakref.ref(i.feature) for i in r.multimodal_inputs.mm_items] for r in images}
+    devices = {r.rid: sorted({str(i.feature.device) for i in r.multimodal_inputs.mm_items}) for r in images}
     del images
+    if cuda:
+        memory["after_prefill_batch"] = torch.cuda.memory_allocated()
     forward(batch, "prefill img-0, img-1")
     # get_next_batch_to_run: the prefill batch, filtered, becomes the running batch (it was empty)
     batch.filter_batch()
@@ -147,8 +169,15 @@ def run() -> dict:
         del kept
     alive = {rid: sum(1 for ref in refs if ref() is not None) for rid, refs in watched.items()}
     running = scheduler.running_batch
+    if cuda:
+        gc.collect()
+        memory["idle"] = torch.cuda.memory_allocated()
+        memory["alive_feature_bytes_at_idle"] = sum(int(ref().nbytes) for refs in watched.values() for ref in refs if ref() is not None)
+        LEFT.update(scheduler=scheduler, memory=memory, watched=watched)
     return {
         "steps": steps,
+        "device": DEVICE,
+        "feature_devices": devices,
         "feature_bytes": int(torch.empty(SHAPE).nbytes),
         "alive_at_idle": alive,  # pixel-value tensors still alive at idle, per request
         "running_batch": {"reqs": len(running.reqs), "multimodal_inputs": [feature_bytes(m) for m in (running.multimodal_inputs or [])]},
@@ -209,15 +238,92 @@ def feature_bytes(mm_inputs) -> "int | None":
     return sum(int(i.feature.nbytes) for i in mm_inputs.mm_items if i.feature is not None)
 
 
+class Syncs:
+    """Every synchronizing CUDA call made inside (`torch.cuda.set_sync_debug_mode("warn")`), counted by
+    the innermost Python frame outside torch that made it, whose file that frame is in (kvdoctor,
+    sglang or this case), the phase (`run`: from the probe's activation through the case; `deactivate`:
+    the probe's exit, its last counts and censuses) and, for the probe's, the chain of its frames."""
+
+    def __init__(self) -> None:
+        self.sites: dict = {}
+        self.phase = "run"
+
+    def __enter__(self):
+        import torch
+
+        self.catch = warnings.catch_warnings()
+        self.catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self.show
+        torch.cuda.set_sync_debug_mode("warn")
+        self.phase = "run"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        self.catch.__exit__(*exc)
+
+    def show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        import traceback
+
+        if "synchronizing" not in str(message):
+            return
+
+        def short(frame) -> str:
+            name = frame.filename
+            for cut in ("/kvdoctor/", "/sglang/", "/support/"):
+                if cut in name:
+                    name = cut.strip("/") + "/" + name.split(cut, 1)[1]
+                    break
+            return f"{name}:{frame.lineno} {frame.name}"
+
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "/warnings.py" not in f.filename]
+        site = frames[-1] if frames else None
+        where = "kvdoctor" if site and "/kvdoctor/" in site.filename else "sglang" if site and "/sglang/" in site.filename else "case"
+        key = f"{where} [{self.phase}]: {short(site)}" if site else f"unknown [{self.phase}]"
+        if where == "kvdoctor":  # the probe's own frames, outermost first: which of its parts synchronized
+            key += " via " + " > ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.name}" for f in frames if "/kvdoctor/" in f.filename)
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    def summary(self) -> dict:
+        by: dict = {}
+        for key, n in self.sites.items():
+            owner = key.split(":")[0]
+            by[owner] = by.get(owner, 0) + n
+        return {"total": sum(self.sites.values()), "by_owner": by, "sites": self.sites}
+
+
 def main() -> None:
+    import contextlib
+
     from kvdoctor.probe import runtime
 
-    probe = runtime.activate(sys.argv[1])
-    import sglang
+    syncs = Syncs() if DEVICE != "cpu" else contextlib.nullcontext()
+    with syncs:
+        probe = runtime.activate(sys.argv[1])
+        import sglang
 
-    result = {"version": sglang.__version__, "case": run()}
-    result["map"] = getattr(probe.maps.get("sglang"), "source", None)
-    runtime.deactivate()
+        result = {"version": sglang.__version__, "case": run()}
+        result["map"] = getattr(probe.maps.get("sglang"), "source", None)
+        if DEVICE != "cpu":
+            syncs.phase = "deactivate"
+        runtime.deactivate()
+    if DEVICE != "cpu":
+        import torch
+
+        result["syncs"] = syncs.summary()
+        # what the running batch's multimodal_inputs list alone kept: dropped, with the probe gone
+        memory = LEFT["memory"]
+        LEFT["scheduler"].running_batch.multimodal_inputs = None
+        gc.collect()
+        memory["after_dropping_running_batch_inputs"] = torch.cuda.memory_allocated()
+        memory["freed_by_dropping"] = memory["idle"] - memory["after_dropping_running_batch_inputs"]
+        memory["idle_minus_before_images"] = memory["idle"] - memory["before_images"]
+        memory["alive_after_dropping"] = sum(1 for refs in LEFT["watched"].values() for ref in refs if ref() is not None)
+        result["memory"] = memory
+        result["card"] = torch.cuda.get_device_name(0)
     print("RESULT " + json.dumps(result), flush=True)
 
 
