@@ -48,6 +48,9 @@ MAMBA_POOL = "mamba_pool"  # ph i: a Mamba pool's census: free, tree, rows, wait
 LORA_POOL = "lora_pool"  # ph i: a LoRA memory pool's uids vs the adapters loaded (at load/unload when changed, and at exit)
 PD_TRANSFERS = "pd_transfers"  # ph i: PD decode's transfer queue: requests by KVPoll state, the oldest with their age (when changed)
 PD_TRANSFER = "pd_transfer"  # ph i: one PD decode transfer's abort or release, with its state and age
+MM_INPUTS = (
+    "mm_inputs"  # ph i: finished requests whose multimodal feature tensors are still alive: rid, bytes, device (when changed, and at exit)
+)
 
 # The counters a trace carries, one row per event when exported as a table.
 COUNTER_NAMES = frozenset({LEDGER_COUNTER, MEMORY_COUNTER, MEMORY_CLASSES, HICACHE_COUNTER, L3_COUNTER, PROBE_STATS})
@@ -100,6 +103,7 @@ EVENTS_DROPPED = "events_dropped"
 TRACE_WRITE_FAILED = "trace_write_failed"
 LEDGER_DISAGREES = "ledger_disagrees"
 CONNECTOR_HELD_BLOCKS = "connector_held_blocks"
+MM_FEATURES_HELD = "mm_features_held"  # finished requests' multimodal feature tensors still alive after their finish
 CONTAINER_GROWTH = "container_growth"
 STATUS_KINDS = (PROBE_OFF, PROBE_PARTIAL, TRACE_WRITE_FAILED)  # findings that tell a state, and count nothing
 
@@ -120,6 +124,7 @@ FINDING_KINDS = (
     PD_TRANSFER_FREED_IN_FLIGHT,
     PD_TRANSFER_STUCK,
     CONNECTOR_HELD_BLOCKS,
+    MM_FEATURES_HELD,
     CONTAINER_GROWTH,
     MEMORY_GROWTH,
     MEMORY_CLASS_GROWTH,

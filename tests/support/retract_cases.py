@@ -47,7 +47,7 @@ class Socket:
         self.sent.append(type(output).__name__)
 
 
-def build(overlap: bool):
+def build(overlap: bool, device: str = "cpu"):
     import torch
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -68,15 +68,17 @@ def build(overlap: bool):
         num_key_value_heads=1,
         architectures=["LlamaForCausalLM"],
     ).save_pretrained(model_dir)
-    server_args = ServerArgs(model_path=model_dir, device="cpu", page_size=1, disable_overlap_schedule=not overlap)
+    # on a GPU the batch's request rows are written by SGLang's Triton kernel (the triton backend)
+    backend = {} if device == "cpu" else {"attention_backend": "triton"}
+    server_args = ServerArgs(model_path=model_dir, device=device, page_size=1, disable_overlap_schedule=not overlap, **backend)
     try:
         from sglang.srt.server_args import set_global_server_args_for_scheduler
     except ImportError:  # before 0.5.3.post2 the batch reads its server args as arguments
         pass
     else:
         set_global_server_args_for_scheduler(server_args)
-    pool = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(SLOTS, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+    pool = ReqToTokenPool(size=4, max_context_len=64, device=device, enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(SLOTS, dtype=torch.float16, device=device, kvcache=None, need_sort=False)
     scheduler = Scheduler.__new__(Scheduler)
     fields = dict(
         server_args=server_args,

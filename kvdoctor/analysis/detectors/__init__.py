@@ -17,6 +17,7 @@ from kvdoctor.analysis.detectors.lora_ghost_uid import LoraGhostUidDetector
 from kvdoctor.analysis.detectors.mamba_orphan_slots import MambaOrphanSlotsDetector
 from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis.detectors.mm_features_held import MmFeaturesHeldDetector
 from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
 from kvdoctor.analysis.detectors.pd_transfer_freed import PdTransferFreedDetector
 from kvdoctor.analysis.detectors.pd_transfer_stuck import PdTransferStuckDetector
@@ -51,6 +52,7 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         PdTransferStuckDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
+        MmFeaturesHeldDetector(),
         ContainerGrowthDetector(),
         ProbeHealthDetector(),
         MemoryGrowthDetector(growth_params, host_memory_limit_bytes=host_memory_limit_bytes),

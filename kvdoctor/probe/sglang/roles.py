@@ -23,7 +23,7 @@ from kvdoctor.probe import fixes, hotpath
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.objects import own
-from kvdoctor.probe.sglang import coverage
+from kvdoctor.probe.sglang import coverage, mm_inputs
 from kvdoctor.probe.sglang.prefill import ReqWriteExtendRole
 from kvdoctor.probe.sglang.release_paths import PREEMPT, RETRACT
 from kvdoctor.probe.sglang.requests import (
@@ -333,7 +333,8 @@ class PreemptPathRole(SlotRole):
 
 class BatchResultRole(SlotRole):
     """`Scheduler.process_batch_result(batch, result)`: the rows given back while it runs are the
-    finish path's; once it returned, the releases held for the forward in flight are judged."""
+    finish path's; once it returned, the releases held for the forward in flight are judged, and
+    the batch's finished requests that still hold multimodal features are noted (mm_inputs.py)."""
 
     reads = {"batch": 0}
 
@@ -343,6 +344,7 @@ class BatchResultRole(SlotRole):
     def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         state.emit_violations(state.paths.judge_in_flight(ctx[0]))
+        mm_inputs.after_result(probe, obj, hook.arg(args, kwargs, "batch"))
 
     def finally_(self, probe: Probe, ctx: Any) -> None:
         if ctx is not None:
