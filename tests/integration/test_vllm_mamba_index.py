@@ -22,12 +22,12 @@ import sys
 import tempfile
 
 import pytest
-from conftest import REPO, SUPPORT
+from conftest import REPO, SUPPORT, run_for_result
 
 sys.path.insert(0, SUPPORT)
 
 import vllm_server
-from engine_releases import INSTALLED, folder, installed
+from engine_releases import INSTALLED, folder, installed, matrix_releases
 
 from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.trace.reader import iter_events
@@ -97,3 +97,23 @@ def test_the_fixed_release_seeds_a_column_inside_the_mamba_blocks_and_is_silent(
     assert result["seeded"] == {"resumed-0": 1, "fresh-1": -1}, result  # (128 - 1) // 64: the same path, judged
     findings = analyze_trace(trace).findings
     assert [f.kind for f in findings if f.severity == "error"] == [], [f.message for f in findings]
+
+
+CHECK_SEED_HOOK = """
+import json, sys
+from kvdoctor.probe.maps import map_for
+from kvdoctor.probe.verify import check_map
+
+check = check_map(map_for("vllm", sys.argv[1]))
+print("RESULT " + json.dumps({"hooks": sorted(h.hook for h in check.hooks if h.ledger == "vllm_mamba_index"), "off": check.ledgers_off()}))
+"""
+
+
+@pytest.mark.parametrize("release", list(matrix_releases("vllm")))
+def test_every_vllm_release_of_the_matrix_has_the_seed_hook(release):
+    """`MambaHybridModelState.add_request(req_index, new_req_data)` resolves, arguments included, in
+    each release's own sources (0.28-0.31 with the bug, 0.32-0.33 with the fix)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = REPO if release == INSTALLED["vllm"] else os.pathsep.join([folder("vllm", release), REPO])
+    result = run_for_result([vllm_server.VENV_PYTHON, "-c", CHECK_SEED_HOOK, release], env=env, cwd=REPO, timeout=120)
+    assert result == {"hooks": ["MambaHybridModelState.add_request"], "off": {}}, result
