@@ -211,7 +211,7 @@ def test_a_release_without_a_hooked_method_keeps_the_connector_ledger_off(tmp_pa
     trace = str(tmp_path / "renamed.kvtrace.json")
     env = {**clean_env(), "KVDOCTOR_VLLM_VERSION": "0.34.0"}
     result = run_for_result([vllm_server.VENV_PYTHON, "-c", RENAMED_HOOK, trace], env=env, cwd=vllm_server.REPO, timeout=120)
-    assert result["check_off"] == ["connector"] and result["check_ledgers"] == ["blocks", "connector"], result
+    assert result["check_off"] == ["connector"] and result["check_ledgers"] == ["blocks", "connector", "vllm_mamba_index"], result
     assert (
         "connector ledger off (Scheduler._connector_finished_renamed: Scheduler defines no _connector_finished_renamed)" in result["choice"]
     )
