@@ -108,6 +108,8 @@ LONGEST_FIRST = (
     "tests/integration/test_vllm_containers.py",
     "tests/integration/test_lora_pool.py",
     "tests/integration/test_vllm_hybrid.py",
+    "tests/integration/test_vllm_mamba_index.py",
+    "tests/integration/test_mm_inputs.py",
     "tests/integration/test_mamba_slots.py",
     "tests/integration/test_pd_decode.py",
     "tests/integration/test_swa_pool.py",
