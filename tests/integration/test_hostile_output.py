@@ -136,10 +136,11 @@ def test_a_reader_that_went_away_keeps_the_exit_code(leak_trace, args, code):
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])
-def test_watch_with_a_reader_that_went_away(fmt):
+def test_watch_with_a_reader_that_went_away(fmt, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    trace = str(tmp_path / "watch.kvtrace.json")  # not watch's default, a file in the working folder
     try:
-        proc = _with_closed_stdout("watch", str(sleeper.pid), "--duration", "1", "--interval", "0.2", "--format", fmt)
+        proc = _with_closed_stdout("watch", str(sleeper.pid), "--duration", "1", "--interval", "0.2", "--format", fmt, "--trace", trace)
     finally:
         sleeper.kill()
         sleeper.wait()
