@@ -7,7 +7,8 @@ Slots a request still owned when it gave back its row are reported by the probe 
 path that gave it back, retract or finish, and the scheduler's forward count, where it saw them); they are
 the finding when no census came after them (a server killed while busy), and the evidence of the
 census's finding otherwise. A census the probe marked `judged: false` (a pool whose holders it
-cannot all see) gives no verdict; the probe said why in a `probe_status`.
+cannot all see) gives no verdict; the probe said why in a `probe_status`. A rolling census taken
+sooner after an idle or exit census than its own `persisted_s` does not overrule it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from kvdoctor.analysis.detectors.base import MAX_LABELS_COUNTED, MAX_LEDGER_ENTRIES, LeftOut, as_list, left_out_finding
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.trace import schema
-from kvdoctor.units import as_count
+from kvdoctor.units import as_count, finite_number
 
 
 class OrphanSlotsDetector:
@@ -52,9 +53,21 @@ class OrphanSlotsDetector:
         if key not in self.latest and len(self.latest) >= MAX_LEDGER_ENTRIES:
             self._left_census(key, as_count(args.get("orphan_slots")))
             return
+        self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(args.get("orphan_slots")))
+        if self._too_soon_to_overrule(key, args, event.ts):
+            return
         self.latest[key] = args
         self.latest_ts[key] = event.ts
-        self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(args.get("orphan_slots")))
+
+    def _too_soon_to_overrule(self, key: tuple[int, str], args: dict[str, Any], ts: float) -> bool:
+        """A rolling census names a slot only once it has stayed orphaned `persisted_s`; until that
+        long after an idle or exit census, it has not judged what that census saw, and its count is
+        no verdict over it (a kill right after one left a rolling 0 over an idle census's 32)."""
+        earlier = self.latest.get(key)
+        if args.get("reason") != "rolling" or earlier is None or earlier.get("reason") == "rolling":
+            return False
+        persisted_s = finite_number(args.get("persisted_s")) or 0.0
+        return (ts - self.latest_ts[key]) / 1e6 < persisted_s
 
     def _left_census(self, key: tuple[int, str], orphans: int) -> None:
         hashed = hash(key)
