@@ -19,6 +19,7 @@ SOURCES = [
     f"{UNITS}/tensors.c",
     f"{UNITS}/callsites.c",
     f"{UNITS}/lock.c",
+    f"{UNITS}/launch.c",
 ]
 BUILD_ERROR_NOTE = "_hotpath.build-error"  # read by kvdoctor/probe/hotpath_loader.py
 
@@ -77,6 +78,7 @@ setup(
             optional=True,
             # hidden: the units share symbols with each other, not with the host's libraries
             extra_compile_args=["-O2", "-std=c11", "-fvisibility=hidden"],
+            libraries=["dl"],  # launch.c finds libcuda's cuLaunchKernel at its first call
         )
     ],
     cmdclass={"build_ext": BuildHotPath},

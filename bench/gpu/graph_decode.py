@@ -123,6 +123,7 @@ def main() -> int:
         result["off_reason"] = probe.off_reason
         kernels = [led.kernels for led in sglang_state(probe).ledgers.values() if led.kernels is not None]
         result["compiled_launches"] = sum(launcher.fast_launches for k in kernels for launcher in k.launchers())
+        result["driver_launches"] = sum(launcher.driver_launches for k in kernels for launcher in k.launchers())
         result["ledger_launch"] = os.environ.get("KVDOCTOR_LEDGER_LAUNCH", "default")
         result["probe_gpu_bytes"] = sum(
             t.numel() * t.element_size()

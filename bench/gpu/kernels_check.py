@@ -1,5 +1,8 @@
 """On the GPU: the ledger's Triton kernels against its torch path over random op sequences, and
-the time each takes per hooked call (the kernels are what a CUDA ledger uses)."""
+the time each takes per hooked call (the kernels are what a CUDA ledger uses). Three launch paths:
+Triton's own (`triton`), the compiled kernel through Triton's launcher (`compiled`), and through
+the CUDA driver from the compiled hot path (`direct`, ledger/launch.py). Run it with
+KVDOCTOR_LEDGER_LAUNCH=direct, so that the driver launch is on for the releases not yet checked."""
 
 import json
 import random
@@ -19,12 +22,18 @@ def make(kernels, size, ps, launch="compiled"):
     else:
         assert led.kernels is not None
         for launcher in led.kernels.launchers():
-            launcher.enabled = launcher.enabled and launch == "compiled"
+            launcher.enabled = launcher.enabled and launch in ("compiled", "direct")
+            if launch != "direct":
+                launcher.driver = None
     return led
 
 
 def compiled_launches(led):
     return sum(launcher.fast_launches for launcher in led.kernels.launchers())
+
+
+def driver_launches(led):
+    return sum(launcher.driver_launches for launcher in led.kernels.launchers())
 
 
 def main():
@@ -33,9 +42,9 @@ def main():
     out = {"triton": triton.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     # the torch path, the kernels through Triton's launcher, the kernels launched compiled: each
     # kernel ledger against the torch one, op for op, including unaligned index views
-    for launch in ("triton", "compiled"):
+    for launch in ("triton", "compiled", "direct"):
         mismatches, seeds = 0, 0
-        fast = 0
+        fast = driven = 0
         for seed in range(20):
             rng = random.Random(seed)
             ps = rng.choice([1, 16])
@@ -77,20 +86,28 @@ def main():
                     mismatches += 1
                     out.setdefault(f"first_mismatch_{launch}", f"seed {seed} {k}")
             fast += compiled_launches(b)
+            driven += driver_launches(b)
             launchers = b.kernels.launchers()
             out[f"launch_{launch}"] = {
                 "enabled": [x.enabled for x in launchers],
                 "declined": [x.declined for x in launchers],
+                "driver_declined": [x.driver_declined for x in launchers],
                 "keyable": b.kernels.keyable,
                 "cached": [len(x.compiled) for x in launchers],
             }
             seeds += 1
         out[f"mismatches_{launch}"] = mismatches
         out[f"compiled_launches_{launch}"] = fast
+        out[f"driver_launches_{launch}"] = driven
     out["seeds"] = seeds
-    out["mismatches"] = out["mismatches_triton"] + out["mismatches_compiled"]
+    out["mismatches"] = out["mismatches_triton"] + out["mismatches_compiled"] + out["mismatches_direct"]
     # host time per hooked call (an alloc and a free of 32 slots each), the host waiting only at the end
-    for name, kernels, launch in (("torch", False, ""), ("kernels_triton", True, "triton"), ("kernels_compiled", True, "compiled")):
+    for name, kernels, launch in (
+        ("torch", False, ""),
+        ("kernels_triton", True, "triton"),
+        ("kernels_compiled", True, "compiled"),
+        ("kernels_direct", True, "direct"),
+    ):
         led = make(kernels, 65536, 1, launch)
         idx = torch.arange(1, 33, device="cuda")
         for _ in range(50):

@@ -1,5 +1,6 @@
 """The table of bench/gpu/run_launch.sh: per step size, the decode step off and on (the ledger's
-kernels through Triton's launcher, and launched compiled), the ratios, and the host time the probe
+kernels through Triton's launcher, launched compiled through Triton's launcher, and through the CUDA
+driver), the ratios, and the host time the probe
 adds per hooked call. Medians over the rounds.
 
     python bench/gpu/launch_summary.py graph_launch.jsonl
@@ -30,7 +31,7 @@ def main(path: str) -> None:
             continue
         step_off = max(off["gpu_ms_per_step"], off["host_ms_per_step"])
         entry = {"step": f"{layers} x {hidden}", "off_ms": round(step_off, 4), "host_off_ms": round(off["host_ms_per_step"], 4)}
-        for mode in ("triton", "compiled"):
+        for mode in ("triton", "compiled", "direct"):
             if mode not in med:
                 continue
             calls = statistics.median(r["hooked_calls_per_step"] for r in clean[mode])
@@ -39,6 +40,7 @@ def main(path: str) -> None:
             entry[f"{mode}_ratio"] = round(step_on / step_off, 4)
             entry[f"{mode}_host_us_per_call"] = round((med[mode]["host_ms_per_step"] - off["host_ms_per_step"]) * 1000 / calls, 1)
             entry[f"{mode}_compiled_launches"] = sum(r.get("compiled_launches", 0) for r in modes[mode])
+            entry[f"{mode}_driver_launches"] = sum(r.get("driver_launches", 0) for r in modes[mode])
             entry[f"{mode}_errors"] = [r["error"] for r in modes[mode] if r.get("error")]
         table.append(entry)
     print(json.dumps(table, indent=1))

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Issue #29 on the device machine: the GPU ledger's host time per hooked call, its kernels launched
-# through Triton's Python launcher and compiled (kvdoctor/probe/ledger/launch.py).
-# 1. kernels_check.py: both launch paths against the torch ledger, op for op, and host µs per call.
+# through Triton's Python launcher, compiled through Triton's launcher, and compiled through the CUDA
+# driver (kvdoctor/probe/ledger/launch.py, csrc/launch.c).
+# 1. kernels_check.py: the three launch paths against the torch ledger, op for op, and host µs per call.
 # 2. graph_decode.py at four step sizes, fresh processes alternating off / on (Triton's launcher) /
-#    on (compiled), 2 rounds; then launch_summary.py writes the table.
+#    on (compiled) / on (direct), 2 rounds; then launch_summary.py writes the table.
 # Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, as for run_all.sh), .carry/sgl_kernel;
 # carry [".whl", ".carry"]. Builds the compiled host path here first. Writes 4 files into $OUT.
 # SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes; SKIP_CHECK=1 skips step 1.
@@ -17,7 +18,7 @@ LOG=$OUT/launch.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $LOG
 python3 -c "import torch,sys,triton;print('torch',torch.__version__,'python',sys.version.split()[0],'triton',triton.__version__)" 2>&1 | tee -a $LOG
 ls kvdoctor/probe/_hotpath*.so 2>&1 | tee -a $LOG
-[ -n "${SKIP_CHECK:-}" ] || KVDOCTOR_LEDGER_LAUNCH=compiled timeout 240 python3 bench/gpu/kernels_check.py > /tmp/kc.log 2>&1
+[ -n "${SKIP_CHECK:-}" ] || KVDOCTOR_LEDGER_LAUNCH=direct timeout 240 python3 bench/gpu/kernels_check.py > /tmp/kc.log 2>&1
 echo "kernels_check rc=$?" | tee -a $LOG
 grep RESULT /tmp/kc.log | sed 's/^RESULT //' > "$OUT/kernels_check.json" || tail -20 /tmp/kc.log | tee -a $LOG
 cat "$OUT/kernels_check.json" | tee -a $LOG
@@ -26,7 +27,7 @@ for round in 1 2; do
   for size in ${SIZES:-16x8192 8x4096 4x2048 2x1024}; do
     size=${size/x/ }
     set -- $size
-    for mode in off triton compiled; do
+    for mode in off triton compiled direct; do
       flag=""; [ $mode != off ] && flag="--probe"
       KVDOCTOR_LEDGER_LAUNCH=$mode timeout 60 python3 bench/gpu/graph_decode.py $flag --steps 1000 --layers $1 --hidden $2 > /tmp/gd.log 2>&1
       rc=$?

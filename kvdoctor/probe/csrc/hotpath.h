@@ -11,6 +11,7 @@
  *   sglang_paths.c  SGLang's fast paths, kept in step with kvdoctor/probe/sglang/roles.py
  *   generic.c       the generic path (hooks.wrap_method's wrapper in C), hooked module functions,
  *                   and where the hot path's own failures go
+ *   launch.c        the GPU ledger's compiled Triton kernels launched through the CUDA driver
  *   module.c        the Hooked type, the fast path of each kind, the module's functions
  *
  * Everything here is hidden from other libraries (setup.py builds with -fvisibility=hidden): the
@@ -377,6 +378,9 @@ PyObject *m_sglang_context(PyObject *m, PyObject *a);
 PyObject *m_set_primary(PyObject *m, PyObject *allocator);
 PyObject *m_set_row_extent(PyObject *m, PyObject *arr);
 PyObject *m_set_divert(PyObject *m, PyObject *flag);
+
+/* launch.c: a compiled Triton kernel launched through the CUDA driver (kvdoctor/probe/ledger/launch.py). */
+PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop

@@ -436,6 +436,8 @@ static PyMethodDef module_methods[] = {
      "Tests: compare every n-th direct tensor read with DLPack's (0: the default, 1024)."},
     {"fail_after", m_fail_after, METH_O, "Tests: a fast path of this kind fails after the host's call (-1: none)."},
     {"stats", m_stats, METH_NOARGS, "Sizes of what this module holds."},
+    {"launch_kernel", (PyCFunction)(void (*)(void))m_launch_kernel, METH_FASTCALL,
+     "A compiled Triton kernel launched through the CUDA driver (launch.c)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

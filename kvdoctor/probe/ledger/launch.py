@@ -13,6 +13,15 @@ Whatever it does not know takes Triton's path, as before: the interpreter (`TRIT
 Triton release not checked against the torch ledger on a
 GPU (`CHECKED_TRITON`), an integer past 32 bits. `KVDOCTOR_LEDGER_LAUNCH=triton` always takes Triton's
 path; `=compiled` takes this one on an unchecked release too (to check it).
+
+Where the compiled kernel needs nothing Triton's launcher adds (no scratch memory, one CTA per
+program, no cluster, cooperative or programmatic launch, no launch hooks set), it is launched
+through the CUDA driver from the compiled hot path instead (`_hotpath.launch_kernel`, launch.c):
+that launcher is Python before its C call, about 10 us of the 32 a hooked call costs on an H100.
+Only on Triton releases whose kernel parameters were checked that way on a GPU (`CHECKED_DIRECT`);
+`KVDOCTOR_LEDGER_LAUNCH=compiled` keeps Triton's compiled launcher, `=direct` takes the driver on
+an unchecked release too (to check it). A launch the driver refuses goes through Triton's launcher
+instead, and this kernel stays there.
 """
 
 from __future__ import annotations
@@ -24,6 +33,11 @@ I32_MAX = 2**31 - 1
 # The Triton releases whose launcher this calls as their own `JITFunction.run` does, checked on a GPU
 # against the torch ledger (bench/gpu/kernels_check.py). Any other takes Triton's own path.
 CHECKED_TRITON = ("3.6.0",)
+# The releases whose compiled kernels' parameters (the runtime arguments in order, then the two
+# scratch pointers) were checked on a GPU through the driver launch, against the torch ledger.
+CHECKED_DIRECT: tuple[str, ...] = ()
+# Triton's types of a runtime argument, as the driver launch packs them.
+_PARAM_KINDS = {"i32": "i", "u32": "i", "i64": "l", "u64": "l"}
 
 
 def _runtime_knobs() -> Any:
@@ -33,13 +47,67 @@ def _runtime_knobs() -> Any:
         import triton
         from triton import knobs
 
-        if triton.__version__ not in CHECKED_TRITON and os.environ.get("KVDOCTOR_LEDGER_LAUNCH") != "compiled":
+        if triton.__version__ not in CHECKED_TRITON and os.environ.get("KVDOCTOR_LEDGER_LAUNCH") not in ("compiled", "direct"):
             return None
 
         knobs.runtime.launch_enter_hook  # noqa: B018 (the attribute this launcher reads on every call)
         return knobs.runtime
     except Exception:
         return None
+
+
+def _driver_launch() -> Any:
+    """The compiled hot path's driver launch, where this process may take it; else None."""
+    mode = os.environ.get("KVDOCTOR_LEDGER_LAUNCH")
+    if mode in ("triton", "compiled"):
+        return None
+    try:
+        import triton
+
+        from kvdoctor.probe import hotpath
+
+        if triton.__version__ not in CHECKED_DIRECT and mode != "direct":
+            return None
+        return getattr(hotpath.NATIVE, "launch_kernel", None)
+    except Exception:
+        return None
+
+
+def driver_plan(fn: Any, kernel: Any, runtime_args: int) -> tuple[bytes, int, int] | str:
+    """How the driver launches this compiled kernel: one kind per runtime argument ('p' a pointer,
+    'i' a 32-bit and 'l' a 64-bit integer), the block's threads and its shared memory. A string
+    says why it cannot: something Triton's launcher would add, or a parameter not of those kinds."""
+    md = kernel.metadata
+    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+        return "a cluster, cooperative or programmatic launch"
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        return "scratch memory"
+    if getattr(md, "instrumentation_mode", ""):
+        return "an instrumented kernel"
+    signature = getattr(kernel.src, "signature", None)
+    names = list(getattr(fn, "arg_names", ()))
+    if not isinstance(signature, dict) or len(names) < runtime_args:
+        return "no signature to read"
+    kinds = []
+    for name in names[:runtime_args]:
+        kind = signature.get(name)
+        if isinstance(kind, str) and kind.startswith("*"):
+            kinds.append("p")
+        elif kind in _PARAM_KINDS:
+            kinds.append(_PARAM_KINDS[kind])
+        else:
+            return f"argument {name} is {kind!r}"
+    if any(signature.get(name) != "constexpr" for name in names[runtime_args:]):
+        return "a runtime argument after the constants"
+    return "".join(kinds).encode(), 32 * int(md.num_warps), int(md.shared)
+
+
+def _hooks_set(knobs: Any) -> bool:
+    """Whether a launch hook (a profiler's) is set: Triton's launcher calls it, the driver launch cannot."""
+    for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook):
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
+            return True
+    return False
 
 
 def _raw_stream() -> Any:
@@ -62,13 +130,33 @@ class CompiledLaunch:
         self.enabled = self.knobs is not None and self.stream is not None
         self.compiled: dict[tuple[Any, ...], Any] = {}
         self.fast_launches = 0  # how many calls took the compiled path (the benchmark reports it)
+        self.driver_launches = 0  # how many of those went through the driver (launch.c)
         self.declined = ""  # why a first call's kernel could not be kept, if it could not
+        self.driver = _driver_launch() if self.enabled else None
+        self.plans: dict[tuple[Any, ...], tuple[bytes, int, int]] = {}
+        self.driver_declined = ""  # why the driver launch was not taken, where it was not
 
     def __call__(self, grid: int, args: tuple[Any, ...], constants: dict[str, Any], key: tuple[Any, ...], device: int) -> None:
         """`args` are the kernel's runtime arguments in order; `constants` its constexprs, which come
         after them in every ledger kernel's signature; `key` what else selects the compiled kernel."""
         kernel = self.compiled.get(key) if self.enabled else None
         if kernel is not None:
+            plan = self.plans.get(key)
+            driver = self.driver
+            if plan is not None and driver is not None and not _hooks_set(self.knobs):
+                kinds, block, shared = plan
+                values = [a.data_ptr() if k == 112 else a for a, k in zip(args, kinds, strict=True)]  # 112: 'p'
+                try:
+                    rc = driver(kernel.function, grid, block, shared, self.stream(device), kinds, *values)
+                except Exception as exc:
+                    rc = f"{type(exc).__name__}: {exc}"
+                if rc == 0:
+                    self.fast_launches += 1
+                    self.driver_launches += 1
+                    return
+                self.plans.clear()  # refused (nothing was launched): Triton's launcher from now on
+                self.driver = None
+                self.driver_declined = f"the driver launch returned {rc}"[:200]
             # what Triton's own run does once it has found the kernel, launch hooks included
             everything = (*args, *constants.values())
             stream = self.stream(device)
@@ -82,6 +170,12 @@ class CompiledLaunch:
             try:
                 kernel.run, kernel.function, kernel.packed_metadata, kernel.launch_metadata  # noqa: B018 (what a launch reads)
                 self.compiled[key] = kernel
+                if self.driver is not None:
+                    made = driver_plan(self.fn, kernel, len(args))
+                    if isinstance(made, str):
+                        self.driver_declined = made
+                    else:
+                        self.plans[key] = made
             except Exception as exc:  # the interpreter returns no compiled kernel: stay on Triton's path
                 self.declined = f"{type(exc).__name__}: {exc}"[:200]
 
