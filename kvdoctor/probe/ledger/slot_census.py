@@ -148,12 +148,13 @@ class SlotReadback:
     def _alloc_sites(self, alloc_site: np.ndarray, pages: np.ndarray) -> dict[str, int]:
         return self._tally(alloc_site, pages, self.sites.name)
 
-    def _tally(self, per_page: np.ndarray, pages: np.ndarray, name_of: Callable[[int], str]) -> dict[str, int]:
-        """Slots per name (request, site) over the first MAX_NAMED_PAGES of `pages`."""
+    def _tally(self, per_page: np.ndarray, pages: np.ndarray, name_of: Callable[[int], str], weight: int = 0) -> dict[str, int]:
+        """Slots per name (request, site) over the first MAX_NAMED_PAGES of `pages` (`weight` per
+        entry instead of a page's slots, where the entries are not pages)."""
         out: dict[str, int] = {}
         for value in per_page[pages][:MAX_NAMED_PAGES]:
             name = name_of(int(value))
-            out[name] = out.get(name, 0) + self.page_size
+            out[name] = out.get(name, 0) + (weight or self.page_size)
         return out
 
     def counts(self, state: np.ndarray | None = None) -> dict[str, int]:

@@ -122,8 +122,9 @@ class SlotLedger(SlotReadback):
             self.violation_site[self.sink] = xp.where(n_bad > 0, site, self.violation_site[self.sink])
         return xp.where(bad | (idx < 0), self.sink, pages)
 
-    def _flag(self, pages: Any, mask: Any, kind: str, site: int, weight: int = 1) -> None:
-        """Records a broken rule at `pages` where `mask`; `weight` slots per masked entry."""
+    def _flag(self, pages: Any, mask: Any, kind: str, site: int, weight: int = 1, extra: dict[str, Any] | None = None) -> None:
+        """Records a broken rule at `pages` where `mask`; `weight` slots per masked entry; `extra`
+        evidence goes into the event where it is emitted at once (on the host)."""
         xp = self.xp
         count = mask.sum() * weight
         if xp.sync_free_branching:
@@ -141,6 +142,7 @@ class SlotLedger(SlotReadback):
                     "sites": {self.sites.name(site): int(bad.size)},
                 }
                 args.update(self._page_evidence(bad, self.owner, self.alloc_site))
+                args.update(extra or {})
                 self.emit(schema.VIOLATION, args)
             return
         self.counters[KIND_SLOT[kind]] += count
@@ -292,9 +294,12 @@ class SlotLedger(SlotReadback):
         st = self.state[pages]
         valid = (last >= 0) & (pages != self.sink)
         stale = valid & (((st & FREE) != 0) | ((st & (OWNED | TREE)) == 0))
+        extra = None
         if req_indices is not None:
             req = xp.index(req_indices)
             if req.shape == pages.shape:
                 own = self.owner[pages]
                 stale = stale | (valid & (st == OWNED) & (own >= 0) & (own != req))
-        self._flag(pages, stale, schema.STALE_LAST_LOC, site)
+                if xp.sync_free_branching:  # on the host: which requests passed them (the device ledger keeps pages only)
+                    extra = {"last_loc_of": self._tally(req, np.flatnonzero(stale), self.requests.describe, weight=1)}
+        self._flag(pages, stale, schema.STALE_LAST_LOC, site, extra=extra)
