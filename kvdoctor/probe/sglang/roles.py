@@ -176,6 +176,31 @@ class FreePagesRole(FreeRole):
     as_pages = True
 
 
+class RestoreStateRole(SlotRole):
+    """`restore_state(state)`: the allocator's free lists set back to what `backup_state()` returned
+    (`(free_pages, release_pages)`); what was handed out since is free again, with no `free` call.
+    A state of another shape (an SWA allocator's own pair of states) is left alone."""
+
+    wants_site = True
+    reads = {"state": 0}
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        current = (own(obj, "free_pages"), own(obj, "release_pages"))
+        if not all(hasattr(t, "numel") for t in current):
+            return None
+        return (sglang_state(probe).ledger_for(obj), site, current)
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if ctx is None:
+            return
+        ledger, site, current = ctx
+        restored = hook.arg(args, kwargs, "state")
+        if not isinstance(restored, tuple) or len(restored) != 2 or not all(hasattr(t, "numel") for t in restored):
+            return
+        with ledger.lock:
+            ledger.on_restore(restored, current, site)
+
+
 class GroupEndRole(SlotRole):
     wants_site = True
 
@@ -360,6 +385,7 @@ ROLES: dict[str, Role] = {
     "free_pages": FreePagesRole(),
     "group_begin": SlotNoteRole(),
     "group_end": GroupEndRole(),
+    "restore_state": RestoreStateRole(),
     "merge": SlotNoteRole(),
     "clear": ClearRole(),
     "tree_insert": TreeInsertRole(),
