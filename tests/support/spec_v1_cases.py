@@ -238,7 +238,7 @@ def filter_finished_cache_loc_kernel(
 
 
 def alloc_extend_kernel(
-    grid, pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, bs_upper, page_size, max_num_extend_tokens
+    grid, pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, bs_upper, page_size, max_num_extend_tokens=None
 ):
     for pid in range(grid[0]):
         seq_lens, pre_lens = seq_lens_ptr[: pid + 1], pre_lens_ptr[: pid + 1]
@@ -265,10 +265,12 @@ def alloc_extend_kernel(
             out_indices[output_start_loc + num_part1 + num_part2 + i] = start_loc * page_size + i
 
 
-def verify_tree_greedy(
-    predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict, topk=-1
-):
+def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, target_predict, topk=-1, **tree):
     """`sgl_kernel.verify_tree_greedy` (VerifyTreeGreedy, one block per request), in torch."""
+    # the tree arrays are `retrive_*` up to 0.5.10, `retrieve_*` from 0.5.11
+    retrive_index, retrive_next_token, retrive_next_sibling = (
+        tree.get(f"retrive_{n}", tree.get(f"retrieve_{n}")) for n in ("index", "next_token", "next_sibling")
+    )
     bs, num_draft_tokens = candidates.shape
     num_speculative_tokens = accept_index.shape[1]
     flat_target = target_predict.reshape(-1)
@@ -417,8 +419,11 @@ def run_case(page_size: int, topk: int, seed: int) -> dict:
         )
         req.sampling_params.normalize(None)
         reqs.append(req)
-    for req, row in zip(reqs, req_pool.alloc(len(reqs)), strict=True):
-        req.req_pool_idx = row
+    if "reqs" in inspect.signature(req_pool.alloc).parameters:  # 0.5.9 and on: the pool sets req_pool_idx
+        req_pool.alloc(reqs)
+    else:
+        for req, row in zip(reqs, req_pool.alloc(len(reqs)), strict=True):
+            req.req_pool_idx = row
     for req in reqs:  # prefill, as prepare_for_extend and process_batch_result_prefill do it
         req.init_next_round_input(tree_cache)
         n = len(req.fill_ids)
@@ -433,7 +438,9 @@ def run_case(page_size: int, topk: int, seed: int) -> dict:
         req.output_ids.append(BONUS)
         tree_cache.cache_unfinished_req(req)
 
-    model_config = SimpleNamespace(hidden_size=HIDDEN, dtype=torch.float16, is_encoder_decoder=False, vocab_size=VOCAB)
+    model_config = SimpleNamespace(
+        hidden_size=HIDDEN, dtype=torch.float16, is_encoder_decoder=False, vocab_size=VOCAB, think_end_id=None, spec_hidden_size=HIDDEN
+    )
     batch = ScheduleBatch(
         reqs=reqs,
         req_to_token_pool=req_pool,
@@ -458,6 +465,7 @@ def run_case(page_size: int, topk: int, seed: int) -> dict:
         capture_hidden_mode=CaptureHiddenMode.LAST,
     )
 
+    tree_prefix = "retrieve_" if "retrieve_index" in EagleVerifyInput.__dataclass_fields__ else "retrive_"
     accepted_lengths: list[int] = []
     steps = finished_mid_path = unpointed = beyond_allocated_len = 0
     while batch.reqs:
@@ -479,10 +487,12 @@ def run_case(page_size: int, topk: int, seed: int) -> dict:
             draft_token=candidates.reshape(-1),
             custom_mask=torch.ones(1, dtype=torch.bool),
             positions=torch.zeros(bs * draft_tokens, dtype=torch.int64),
-            retrive_index=torch.arange(bs * draft_tokens, dtype=torch.int64).reshape(bs, draft_tokens),
-            retrive_next_token=torch.tensor([next_token] * bs, dtype=torch.int64),
-            retrive_next_sibling=torch.tensor([next_sibling] * bs, dtype=torch.int64),
-            retrive_cum_len=None,
+            **{
+                f"{tree_prefix}index": torch.arange(bs * draft_tokens, dtype=torch.int64).reshape(bs, draft_tokens),
+                f"{tree_prefix}next_token": torch.tensor([next_token] * bs, dtype=torch.int64),
+                f"{tree_prefix}next_sibling": torch.tensor([next_sibling] * bs, dtype=torch.int64),
+                f"{tree_prefix}cum_len": None,
+            },
             spec_steps=STEPS,
             topk=topk,
             draft_token_num=draft_tokens,
@@ -507,7 +517,8 @@ def run_case(page_size: int, topk: int, seed: int) -> dict:
             finished_mid_path += r.finished() and len(r.output_ids) - n < len(path) + 1
         # the draft extend's output (capture_for_decode), for the next draft
         draft = batch.spec_info
-        rows = len(draft.accept_length_cpu)  # one row per request still decoding
+        accepted_cpu = draft.accept_length_cpu if hasattr(draft, "accept_length_cpu") else draft.num_accepted_drafts_cpu
+        rows = len(accepted_cpu)  # one row per request still decoding
         draft.verified_id = torch.full((rows,), BONUS, dtype=torch.int32)
         draft.topk_p, draft.topk_index = torch.ones((rows, topk)), torch.zeros((rows, topk), dtype=torch.int64)
         draft.hidden_states = torch.zeros((rows, HIDDEN))
