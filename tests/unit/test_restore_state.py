@@ -25,8 +25,8 @@ def ledger(events, xp):
     )
 
 
-def slots_of(pages):
-    return (torch.tensor(pages)[:, None] * 4 + torch.arange(4)).reshape(-1)
+def slots_of(pages, page_size=4):
+    return (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
 @pytest.mark.parametrize("xp", [arrays.HostArrays(), arrays.DeviceArrays("cpu")], ids=["host", "device"])
@@ -51,3 +51,21 @@ def test_restore_frees_what_was_handed_out_since_the_backup_and_holds_what_was_f
     assert events == []  # no double allocation
     final = xp.to_host(led.state)
     assert sorted(np.flatnonzero(final == FREE).tolist()) == [4, 5, 6, 7, 8]  # what the allocator's lists hold
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_restore_is_followed_without_a_synchronisation():
+    led = L.SlotLedger(
+        name="gpu", size=4096, page_size=16, device="cuda", emit=lambda n, a: None, requests=L.RequestTable(), sites=L.CallSites()
+    )
+    free_pages, release_pages = torch.arange(1, 257, device="cuda"), torch.empty(0, dtype=torch.int64, device="cuda")
+    backup = (free_pages, release_pages)
+    led.on_alloc(slots_of([1, 2, 3], 16).cuda(), 1, only_page_starts=True)
+    current = (free_pages[3:], release_pages)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        led.on_restore(backup, current, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert np.flatnonzero(led.xp.to_host(led.state) == FREE).tolist() == list(range(1, 257))
