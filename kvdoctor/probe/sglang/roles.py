@@ -35,7 +35,7 @@ from kvdoctor.probe.sglang.requests import (
     ReqFreeRowsRole,
     ReqWriteRole,
 )
-from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole
+from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole, RestoreStateRole
 from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
 from kvdoctor.probe.shutdown import ShutdownRole
 from kvdoctor.trace import schema
@@ -174,31 +174,6 @@ class FreeRole(SlotRole):
 
 class FreePagesRole(FreeRole):
     as_pages = True
-
-
-class RestoreStateRole(SlotRole):
-    """`restore_state(state)`: the allocator's free lists set back to what `backup_state()` returned
-    (`(free_pages, release_pages)`); what was handed out since is free again, with no `free` call.
-    A state of another shape (an SWA allocator's own pair of states) is left alone."""
-
-    wants_site = True
-    reads = {"state": 0}
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        current = (own(obj, "free_pages"), own(obj, "release_pages"))
-        if not all(hasattr(t, "numel") for t in current):
-            return None
-        return (sglang_state(probe).ledger_for(obj), site, current)
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        if ctx is None:
-            return
-        ledger, site, current = ctx
-        restored = hook.arg(args, kwargs, "state")
-        if not isinstance(restored, tuple) or len(restored) != 2 or not all(hasattr(t, "numel") for t in restored):
-            return
-        with ledger.lock:
-            ledger.on_restore(restored, current, site)
 
 
 class GroupEndRole(SlotRole):
