@@ -114,6 +114,7 @@ LONGEST_FIRST = (
     "tests/integration/test_pd_decode.py",
     "tests/integration/test_swa_pool.py",
     "tests/integration/test_retract_paths.py",
+    "tests/integration/test_spec_v1_release.py",
 )
 
 

@@ -220,6 +220,31 @@ class SlotLedger(SlotReadback):
             self.state[pages] = xp.cast((before & TREE) | FREE, self.state)
         self._set(self.state, self.sink, RESERVED)
 
+    def on_restore(self, restored: Any, current: Any, site: int) -> None:
+        """The allocator's `restore_state(state)`: its free lists (page ids; slots at page size 1)
+        are set back to `restored`, those `backup_state` returned, from `current`. Pages in the
+        restored lists but not the current ones were handed out since and are free again without a
+        `free` (EAGLE's draft takes its slots with `backup_state=True` and gives them back so);
+        pages in the current lists but not the restored ones were freed since and are held again,
+        by nobody (an orphan with this call's site). A few whole-array operations, no value read
+        back."""
+        xp = self.xp
+        n = self.num_pages + 2
+        was, now = xp.zeros(n, "int8"), xp.zeros(n, "int8")
+        for mark, lists in ((was, restored), (now, current)):
+            for tensor in lists:
+                pages = xp.index(tensor)
+                self._fill(mark, xp.where((pages < 1) | (pages > self.num_pages), self.sink, pages), 1)
+        returned = (was == 1) & (now == 0)
+        retaken = (now == 1) & (was == 0)
+        state = self.state
+        freed = xp.cast((state & TREE) | FREE, state)
+        self.state[:] = xp.cast(xp.where(returned, freed, xp.where(retaken, OWNED, state)), state)
+        self.owner[:] = xp.cast(xp.where(returned | retaken, -1, self.owner), self.owner)
+        self.alloc_site[:] = xp.cast(xp.where(retaken, site, self.alloc_site), self.alloc_site)
+        self._set(self.state, 0, RESERVED)
+        self._set(self.state, self.sink, RESERVED)
+
     def on_tree_insert(self, slots_tensor: Any, site: int) -> None:
         """Slots the tree took over from a request (the part of the key it did not hold yet)."""
         xp = self.xp

@@ -35,7 +35,7 @@ from kvdoctor.probe.sglang.requests import (
     ReqFreeRowsRole,
     ReqWriteRole,
 )
-from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole
+from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole, RestoreStateRole
 from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
 from kvdoctor.probe.shutdown import ShutdownRole
 from kvdoctor.trace import schema
@@ -360,6 +360,7 @@ ROLES: dict[str, Role] = {
     "free_pages": FreePagesRole(),
     "group_begin": SlotNoteRole(),
     "group_end": GroupEndRole(),
+    "restore_state": RestoreStateRole(),
     "merge": SlotNoteRole(),
     "clear": ClearRole(),
     "tree_insert": TreeInsertRole(),

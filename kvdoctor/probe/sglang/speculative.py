@@ -7,6 +7,9 @@ on; `sgl_kernel`'s CPU op on SGLang's CPU engine). No hooked pool method sees th
 this role every slot a live request holds past its prefill looks allocated and never written: an
 orphan to the rolling census. Where a release's map hooks no such function, the engine's ledgers
 are not judged while it decodes speculatively (`coverage.SpeculativeRows`).
+
+EAGLE's draft (EAGLEWorker, up to 0.5.12) takes its slots with `backup_state=True` and gives them
+back with the allocator's `restore_state`, never `free`: `RestoreStateRole`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,32 @@ class ReqWriteSpansRole(Role):
             note_row_ends(state, table, batch_rows, batch_ends)
         with ledger.lock:
             ledger.on_owner(slots, owners)
+
+
+class RestoreStateRole(Role):
+    """`restore_state(state)`: the allocator's free lists set back to what `backup_state()` returned
+    (`(free_pages, release_pages)`); what was handed out since is free again, with no `free` call.
+    A state of another shape (an SWA allocator's own pair of states) is left alone."""
+
+    ledger = "slots"
+    wants_site = True
+    reads = {"state": 0}
+
+    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        current = (objects.own(obj, "free_pages"), objects.own(obj, "release_pages"))
+        if not all(hasattr(t, "numel") for t in current):
+            return None
+        return (sglang_state(probe).ledger_for(obj), site, current)
+
+    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if ctx is None:
+            return
+        ledger, site, current = ctx
+        restored = hook.arg(args, kwargs, "state")
+        if not isinstance(restored, tuple) or len(restored) != 2 or not all(hasattr(t, "numel") for t in restored):
+            return
+        with ledger.lock:
+            ledger.on_restore(restored, current, site)
 
 
 def written_spans(rows: Any, starts: Any, ends: Any, values: Any, batch_size: int) -> tuple[Any, Any, Any, Any] | None:
