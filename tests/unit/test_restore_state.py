@@ -55,6 +55,8 @@ def test_restore_frees_what_was_handed_out_since_the_backup_and_holds_what_was_f
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_restore_is_followed_without_a_synchronisation():
+    from kvdoctor.probe.sglang.speculative import taken_since
+
     led = L.SlotLedger(
         name="gpu", size=4096, page_size=16, device="cuda", emit=lambda n, a: None, requests=L.RequestTable(), sites=L.CallSites()
     )
@@ -62,10 +64,51 @@ def test_on_a_gpu_the_restore_is_followed_without_a_synchronisation():
     backup = (free_pages, release_pages)
     led.on_alloc(slots_of([1, 2, 3], 16).cuda(), 1, only_page_starts=True)
     current = (free_pages[3:], release_pages)
+    again = slots_of([1, 2, 3], 16).cuda()  # (copied before: a copy from pageable memory synchronises)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         led.on_restore(backup, current, 2)
+        led.on_alloc(again, 3, only_page_starts=True)
+        taken = taken_since(backup, current)  # the usual draft step: only the pages taken are touched
+        led.on_restore_returned(taken)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert taken.tolist() == [1, 2, 3]
     assert np.flatnonzero(led.xp.to_host(led.state) == FREE).tolist() == list(range(1, 257))
+
+
+@pytest.mark.parametrize("xp", [arrays.HostArrays(), arrays.DeviceArrays("cpu")], ids=["host", "device"])
+def test_a_restore_after_allocations_only_is_followed_in_the_pages_taken_with_the_same_result(xp):
+    """The draft's usual step: pages taken from the front of the free list (a view of the backed-up
+    one) and nothing freed. The role then works in the pages taken, not in the pool; the ledger must
+    end exactly as the whole-list comparison leaves it."""
+    from kvdoctor.probe.sglang.speculative import taken_since
+
+    fast, full = ledger([], xp), ledger([], xp)
+    free_pages, release_pages = torch.arange(1, 9), torch.empty(0, dtype=torch.int64)
+    for led in (fast, full):
+        led.on_alloc(slots_of([1, 2]), 1, only_page_starts=True)
+        led.on_tree_insert(slots_of([1]), 2)
+    backup = (free_pages[2:], release_pages)
+    current = (backup[0][3:], release_pages)  # the draft took pages 3, 4 and 5
+    for led in (fast, full):
+        led.on_alloc(slots_of([3, 4, 5]), 3, only_page_starts=True)
+    taken = taken_since(backup, current)
+    assert taken is not None and taken.tolist() == [3, 4, 5]
+    fast.on_restore_returned(taken)
+    full.on_restore(backup, current, 4)
+    for name in ("state", "owner", "alloc_site"):
+        assert np.array_equal(xp.to_host(getattr(fast, name)), xp.to_host(getattr(full, name))), name
+
+
+def test_a_free_or_a_new_free_list_since_the_backup_takes_the_whole_comparison():
+    from kvdoctor.probe.sglang.speculative import taken_since
+
+    free_pages, release_pages = torch.arange(1, 9), torch.empty(0, dtype=torch.int64)
+    backup = (free_pages, release_pages)
+    assert taken_since(backup, (free_pages[2:], torch.cat((torch.tensor([9]), release_pages)))) is None  # a free
+    assert taken_since(backup, (free_pages[2:].clone(), release_pages)) is None  # the lists merged anew
+    assert taken_since(backup, (torch.cat((torch.tensor([2]), free_pages[2:])), release_pages)) is None
+    assert taken_since(backup, (free_pages[:5], release_pages)) is None  # not a suffix of the backed-up list
+    assert taken_since(backup, (free_pages, release_pages)).numel() == 0  # nothing taken

@@ -79,8 +79,36 @@ class RestoreStateRole(Role):
         restored = hook.arg(args, kwargs, "state")
         if not isinstance(restored, tuple) or len(restored) != 2 or not all(hasattr(t, "numel") for t in restored):
             return
+        taken = taken_since(restored, current)
         with ledger.lock:
-            ledger.on_restore(restored, current, site)
+            if taken is not None:
+                ledger.on_restore_returned(taken)
+            else:
+                ledger.on_restore(restored, current, site)
+
+
+def taken_since(restored: tuple[Any, Any], current: tuple[Any, Any]) -> Any:
+    """The pages the allocator handed out since `backup_state`, where that is all it did: nothing
+    freed (the release list is the same tensor) and the free list now a view of the restored one
+    with its front taken off, as every SGLang allocator's `alloc` leaves it. None otherwise (a
+    free, a merge of the lists): `on_restore` then compares the lists whole. Reads only tensor
+    metadata, never a value."""
+    (old_free, old_release), (new_free, new_release) = restored, current
+    if new_release is not old_release:
+        return None
+    try:
+        if old_free.dim() != 1 or new_free.dim() != 1 or old_free.dtype != new_free.dtype or old_free.device != new_free.device:
+            return None
+        if (old_free.numel() > 1 and old_free.stride(0) != 1) or (new_free.numel() > 1 and new_free.stride(0) != 1):
+            return None
+        if old_free.untyped_storage().data_ptr() != new_free.untyped_storage().data_ptr():
+            return None
+        taken = int(new_free.storage_offset()) - int(old_free.storage_offset())
+        if taken < 0 or taken + new_free.numel() != old_free.numel():
+            return None
+        return old_free[:taken]
+    except Exception:  # not a torch tensor as the allocator keeps it: compare the lists whole
+        return None
 
 
 def written_spans(rows: Any, starts: Any, ends: Any, values: Any, batch_size: int) -> tuple[Any, Any, Any, Any] | None:
