@@ -370,7 +370,14 @@ def judge(case: str, result: dict, fixes: list[str]) -> dict[str, bool]:
         "message", ""
     )
     first = result["steps"][0] if result["steps"] else {}
-    verdict = {"probe_no_failures": not (result.get("probe") or {}).get("failures")}
+    probe = result.get("probe") or {}
+    if case == "oor" and "clamp-last-loc" not in fixes and result.get("kv_write_error"):
+        # the unfixed write faulted the device (memcheck lets it run to the device assert): every CUDA
+        # call after it fails, the probe's too; the probe must then have turned itself off, once
+        failures = probe.get("failures", 0)
+        verdict = {"probe_off_after_the_device_fault": failures == 0 or (failures == 1 and not probe.get("ledger_on", True))}
+    else:
+        verdict = {"probe_no_failures": not probe.get("failures")}
     if case != "oor" or "clamp-last-loc" in fixes:
         verdict["completed"] = bool(result.get("completed"))
     if case == "clean":

@@ -7,7 +7,9 @@
 #    on (compiled) / on (direct), 2 rounds; then launch_summary.py writes the table.
 # Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, as for run_all.sh), .carry/sgl_kernel;
 # carry [".whl", ".carry"]. Builds the compiled host path here first. Writes 4 files into $OUT.
-# SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes; SKIP_CHECK=1 skips step 1.
+# SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes, MODES="off compiled direct" fewer
+# launch paths, ROUNDS=3 more rounds; SKIP_CHECK=1 skips step 1. All four sizes, four modes and two
+# rounds take more than 10 minutes on an H200: split them.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -23,11 +25,11 @@ echo "kernels_check rc=$?" | tee -a $LOG
 grep RESULT /tmp/kc.log | sed 's/^RESULT //' > "$OUT/kernels_check.json" || tail -20 /tmp/kc.log | tee -a $LOG
 cat "$OUT/kernels_check.json" | tee -a $LOG
 : >> "$OUT/graph_launch.jsonl"
-for round in 1 2; do
+for round in $(seq 1 ${ROUNDS:-2}); do
   for size in ${SIZES:-16x8192 8x4096 4x2048 2x1024}; do
     size=${size/x/ }
     set -- $size
-    for mode in off triton compiled direct; do
+    for mode in ${MODES:-off triton compiled direct}; do
       flag=""; [ $mode != off ] && flag="--probe"
       KVDOCTOR_LEDGER_LAUNCH=$mode timeout 60 python3 bench/gpu/graph_decode.py $flag --steps 1000 --layers $1 --hidden $2 > /tmp/gd.log 2>&1
       rc=$?
