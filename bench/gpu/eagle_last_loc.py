@@ -56,6 +56,7 @@ import types
 from array import array
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
 
 import common
 
@@ -116,22 +117,9 @@ def cpu_kernels() -> types.SimpleNamespace:
     """The Triton kernels a CUDA machine launches, in torch, for `--cpu`."""
     import torch
     from sglang.srt.mem_cache import allocation
+    from triton_standins import Launch, assign_req_to_token_pool  # tests/support: the one torch copy
 
-    class AssignReqToTokenPool:
-        # `assign_req_to_token_pool[(batch_size,)](...)`: program pid copies out_cache_loc[offset :
-        # offset + end - start] into req_to_token[req_pool_indices[pid], start:end].
-        def __getitem__(self, grid):
-            def launch(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len, bs_upper):
-                table, offset = req_to_token.view(-1), 0
-                for pid in range(grid[0]):
-                    start, end, row = int(start_offset[pid]), int(end_offset[pid]), int(req_pool_indices[pid])
-                    if end > start:
-                        table[row * pool_len + start : row * pool_len + end] = out_cache_loc[offset : offset + end - start].to(table.dtype)
-                    offset += end - start
-
-            return launch
-
-    allocation.assign_req_to_token_pool = AssignReqToTokenPool()
+    allocation.assign_req_to_token_pool = Launch(assign_req_to_token_pool)
 
     def verify_locs(req_pool_indices, req_to_token, start_offset, batch_size, draft_token_num, device):
         cols = start_offset.view(-1, 1).long() + torch.arange(draft_token_num, device=device)

@@ -71,19 +71,11 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from kvdoctor.probe.sglang.state import sglang_state
 
-class AssignReqToTokenPool:
-    # The Triton kernel `assign_req_to_token_pool`, launched as `kernel[(batch_size,)](...)`, in torch.
-    def __getitem__(self, grid):
-        def launch(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len, bs_upper):
-            table, offset = req_to_token.view(-1), 0
-            for pid in range(grid[0]):
-                start, end, row = int(start_offset[pid]), int(end_offset[pid]), int(req_pool_indices[pid])
-                if end > start:
-                    table[row * pool_len + start : row * pool_len + end] = out_cache_loc[offset : offset + end - start].to(table.dtype)
-                offset += end - start
-        return launch
+import os
+sys.path.insert(0, os.path.join(os.getcwd(), "tests", "support"))  # run from the repository's root
+from triton_standins import Launch, assign_req_to_token_pool
 
-allocation.assign_req_to_token_pool = AssignReqToTokenPool()
+allocation.assign_req_to_token_pool = Launch(assign_req_to_token_pool)
 hooked = getattr(allocation.assign_req_to_token_pool_func, "__kvdoctor_role__", None)
 
 size = 4096

@@ -59,17 +59,9 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.triton_ops import cache_locs
 from kvdoctor.probe.sglang.state import sglang_state
 
-class AssignReqToTokenPool:
-    # The Triton kernel `assign_req_to_token_pool`, launched as `kernel[(batch_size,)](...)`, in torch.
-    def __getitem__(self, grid):
-        def launch(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len, bs_upper):
-            table, offset = req_to_token.view(-1), 0
-            for pid in range(grid[0]):
-                start, end, row = int(start_offset[pid]), int(end_offset[pid]), int(req_pool_indices[pid])
-                if end > start:
-                    table[row * pool_len + start : row * pool_len + end] = out_cache_loc[offset : offset + end - start].to(table.dtype)
-                offset += end - start
-        return launch
+import os
+sys.path.insert(0, os.path.join(os.getcwd(), "tests", "support"))  # run from the repository's root
+from triton_standins import Launch, assign_req_to_token_pool
 
 class AllocExtend:
     # The Triton kernel `alloc_extend_kernel[(bs,)](...)` as SGLang's own torch twin in paged.py.
@@ -78,7 +70,7 @@ class AllocExtend:
             paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device)
         return launch
 
-cache_locs.assign_req_to_token_pool = AssignReqToTokenPool()
+cache_locs.assign_req_to_token_pool = Launch(assign_req_to_token_pool)
 paged.alloc_extend_kernel = AllocExtend()
 hooked = getattr(spec_utils.assign_req_to_token_pool_func, "__kvdoctor_role__", None)
 

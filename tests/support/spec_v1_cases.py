@@ -54,6 +54,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from triton_standins import Launch, assign_req_to_token_pool  # noqa: E402
 
 STEPS = 3
 SIZE = 2048
@@ -76,23 +77,32 @@ def tree(topk: int) -> tuple[list[int], list[int], list[list[int]]]:
 # ---- the GPU kernels, in torch ----
 
 
-class Launch:
-    """A Triton kernel's `kernel[grid](...)` launch, running `body(grid, *args)`."""
+def _draft_row(
+    pid, table, req_pool_indices, seq_lens, extend_lens, num_new_pages_per_topk, out_cache_loc, pool_len, topk, steps, page_size
+):
+    """Part 1 of either release's `assign_draft_cache_locs` for program `pid`: its out_cache_loc
+    into the request's row. Returns where the row's top-k pages start, the last partial page's
+    length and the pages per top-k (None at page size 1 or top-k 1, where there is no more)."""
+    if page_size == 1 or topk == 1:
+        copy_len, src = topk * steps, pid * topk * steps
+    else:
+        copy_len, src = int(extend_lens[pid]), int(extend_lens[:pid].sum())
+    kv_start = int(seq_lens[pid])
+    base = int(req_pool_indices[pid]) * pool_len
+    table[base + kv_start : base + kv_start + copy_len] = out_cache_loc[src : src + copy_len].to(table.dtype)
+    if page_size == 1 or topk == 1:
+        return None
+    last_page_len = kv_start % page_size
+    return base + kv_start - last_page_len, last_page_len, int(num_new_pages_per_topk[pid])
 
-    def __init__(self, body):
-        self.body = body
 
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.body(grid, *args, **kwargs)
-
-
-def assign_req_to_token_pool(grid, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len, bs_upper):
-    table, offset = req_to_token.view(-1), 0
-    for pid in range(grid[0]):
-        start, end, row = int(start_offset[pid]), int(end_offset[pid]), int(req_pool_indices[pid])
-        if end > start:
-            table[row * pool_len + start : row * pool_len + end] = out_cache_loc[offset : offset + end - start].to(table.dtype)
-        offset += end - start
+def _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, steps, page_size):
+    """Part 3: each top-k's draft slots, past the duplicated prefix, to the front of out_cache_loc."""
+    prefix_base, last_page_len, pages = layout
+    for topk_id in range(topk):
+        row = prefix_base + topk_id * pages * page_size + last_page_len
+        at = pid * topk * steps + topk_id * steps
+        out_cache_loc[at : at + steps] = table[row : row + steps].clone().to(out_cache_loc.dtype)
 
 
 def assign_draft_cache_locs(
@@ -116,40 +126,31 @@ def assign_draft_cache_locs(
 ):
     table = req_to_token.view(-1)
     for pid in range(grid[0]):
-        if page_size == 1 or topk == 1:
-            copy_len = topk * speculative_num_steps
-            src = pid * topk * speculative_num_steps
-        else:
-            copy_len = int(extend_lens[pid])
-            src = int(extend_lens[:pid].sum())
-        kv_start = int(seq_lens[pid])
-        base = int(req_pool_indices[pid]) * pool_len
-        # Part 1: out_cache_loc into the row
-        table[base + kv_start : base + kv_start + copy_len] = out_cache_loc[src : src + copy_len].to(table.dtype)
-        if page_size != 1 and topk != 1 and duplicate_cache_len > 0:
-            prefix_len = int(seq_lens[pid])
-            last_page_len = prefix_len % page_size
-            pages = int(num_new_pages_per_topk[pid])
-            prefix_base = base + prefix_len - last_page_len
+        row = (
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            num_new_pages_per_topk,
+            out_cache_loc,
+            pool_len,
+            topk,
+            speculative_num_steps,
+            page_size,
+        )
+        layout = _draft_row(pid, table, *row)
+        if layout is None:
+            continue
+        prefix_base, last_page_len, pages = layout
+        if duplicate_cache_len > 0:
+            # Part 2: the last partial page's slots, to copy into each other top-k's first page
             cum = int(last_page_lens_cumsum[pid])
-            # Part 2: the last partial page's slots, to copy into each other topk's first page
             for topk_id in range(1, topk):
                 at = (topk - 1) * (cum - last_page_len) + (topk_id - 1) * last_page_len
                 source_cache_loc[at : at + last_page_len] = table[prefix_base : prefix_base + last_page_len]
                 tgt = prefix_base + topk_id * pages * page_size
                 target_cache_loc[at : at + last_page_len] = table[tgt : tgt + last_page_len]
-        if page_size != 1 and topk != 1:
-            # Part 3: each topk's draft slots, without the duplicated prefix, to the front of out_cache_loc
-            # (the kernel's Part 3 runs whether or not anything was duplicated)
-            prefix_len = int(seq_lens[pid])
-            last_page_len = prefix_len % page_size
-            pages = int(num_new_pages_per_topk[pid])
-            prefix_base = base + prefix_len - last_page_len
-            for topk_id in range(topk):
-                row = prefix_base + topk_id * pages * page_size
-                indices = table[row + last_page_len : row + last_page_len + speculative_num_steps].clone()
-                at = pid * speculative_num_steps * topk + topk_id * speculative_num_steps
-                out_cache_loc[at : at + speculative_num_steps] = indices.to(out_cache_loc.dtype)
+        # (the kernel's Part 3 runs whether or not anything was duplicated)
+        _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, speculative_num_steps, page_size)
 
 
 def assign_draft_cache_locs_0555(
@@ -167,32 +168,29 @@ def assign_draft_cache_locs_0555(
     bs_upper,
     iter_upper,
 ):
-    """0.5.5.post1's `assign_draft_cache_locs`: no duplication lists; at topk > 1 its Part 2 copies the
-    last partial page's slot numbers into each topk's first page of the row."""
+    """0.5.5.post1's `assign_draft_cache_locs`: no duplication lists; at top-k > 1 its Part 2 copies the
+    last partial page's slot numbers into each top-k's first page of the row."""
     table = req_to_token.view(-1)
     for pid in range(grid[0]):
-        if page_size == 1 or topk == 1:
-            copy_len = topk * speculative_num_steps
-            src = pid * topk * speculative_num_steps
-        else:
-            copy_len = int(extend_lens[pid])
-            src = int(extend_lens[:pid].sum())
-        kv_start = int(seq_lens[pid])
-        base = int(req_pool_indices[pid]) * pool_len
-        table[base + kv_start : base + kv_start + copy_len] = out_cache_loc[src : src + copy_len].to(table.dtype)
-        if page_size == 1 or topk == 1:
+        row = (
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            num_new_pages_per_topk,
+            out_cache_loc,
+            pool_len,
+            topk,
+            speculative_num_steps,
+            page_size,
+        )
+        layout = _draft_row(pid, table, *row)
+        if layout is None:
             continue
-        prefix_len = int(seq_lens[pid])
-        last_page_len = prefix_len % page_size
-        pages = int(num_new_pages_per_topk[pid])
-        prefix_base = base + prefix_len - last_page_len
+        prefix_base, last_page_len, pages = layout
         for topk_id in range(topk):
             at = prefix_base + topk_id * pages * page_size
             table[at : at + last_page_len] = table[prefix_base : prefix_base + last_page_len].clone()
-        for topk_id in range(topk):
-            row = prefix_base + topk_id * pages * page_size + last_page_len
-            at = pid * topk * speculative_num_steps + topk_id * speculative_num_steps
-            out_cache_loc[at : at + speculative_num_steps] = table[row : row + speculative_num_steps].to(out_cache_loc.dtype)
+        _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, speculative_num_steps, page_size)
 
 
 def align_evict_mask_to_page_size(grid, seq_lens, evict_mask, page_size, num_draft_tokens, block_size):
