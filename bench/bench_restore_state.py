@@ -32,7 +32,7 @@ def per_call_ms(size: int, calls: int, fast: bool) -> float:
         for _ in range(calls):
             led.on_alloc(free[1000:1032], 2, only_page_starts=False)  # the draft's allocation
             if fast:
-                led.on_restore_returned(taken_since(backup, current))
+                led.on_free(taken_since(backup, current), 3, evicting=False, as_pages=True)
             else:
                 led.on_restore(backup, current, 3)
         best = min(best, (time.perf_counter() - t0) / calls * 1e3)

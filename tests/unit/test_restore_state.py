@@ -71,7 +71,7 @@ def test_on_a_gpu_the_restore_is_followed_without_a_synchronisation():
         led.on_restore(backup, current, 2)
         led.on_alloc(again, 3, only_page_starts=True)
         taken = taken_since(backup, current)  # the usual draft step: only the pages taken are touched
-        led.on_restore_returned(taken)
+        led.on_free(taken, 4, evicting=False, as_pages=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert taken.tolist() == [1, 2, 3]
@@ -96,7 +96,7 @@ def test_a_restore_after_allocations_only_is_followed_in_the_pages_taken_with_th
         led.on_alloc(slots_of([3, 4, 5]), 3, only_page_starts=True)
     taken = taken_since(backup, current)
     assert taken is not None and taken.tolist() == [3, 4, 5]
-    fast.on_restore_returned(taken)
+    fast.on_free(taken, 4, evicting=False, as_pages=True)
     full.on_restore(backup, current, 4)
     for name in ("state", "owner", "alloc_site"):
         assert np.array_equal(xp.to_host(getattr(fast, name)), xp.to_host(getattr(full, name))), name

@@ -224,10 +224,11 @@ class SlotLedger(SlotReadback):
         """The allocator's `restore_state(state)`: its free lists (page ids; slots at page size 1)
         are set back to `restored`, those `backup_state` returned, from `current`. Pages in the
         restored lists but not the current ones were handed out since and are free again without a
-        `free` (EAGLE's draft takes its slots with `backup_state=True` and gives them back so);
-        pages in the current lists but not the restored ones were freed since and are held again,
-        by nobody (an orphan with this call's site). A few whole-array operations, no value read
-        back."""
+        `free` (EAGLE's draft takes its slots with `backup_state=True` and gives them back so), as a
+        free leaves them; pages in the current lists but not the restored ones were freed since and
+        are held again, by nobody (an orphan with this call's site). A few whole-array operations
+        over the pool, no value read back: where only pages taken from the front of the free list
+        are given back, the role frees just those instead (`speculative.taken_since`)."""
         xp = self.xp
         n = self.num_pages + 2
         was, now = xp.zeros(n, "int8"), xp.zeros(n, "int8")
@@ -240,22 +241,9 @@ class SlotLedger(SlotReadback):
         state = self.state
         freed = xp.cast((state & TREE) | FREE, state)
         self.state[:] = xp.cast(xp.where(returned, freed, xp.where(retaken, OWNED, state)), state)
-        self.owner[:] = xp.cast(xp.where(returned | retaken, -1, self.owner), self.owner)
+        self.owner[:] = xp.cast(xp.where(retaken, -1, self.owner), self.owner)
         self.alloc_site[:] = xp.cast(xp.where(retaken, site, self.alloc_site), self.alloc_site)
         self._set(self.state, 0, RESERVED)
-        self._set(self.state, self.sink, RESERVED)
-
-    def on_restore_returned(self, pages_tensor: Any) -> None:
-        """`on_restore` where the allocator only took `pages` from the front of its free list since
-        the backup and freed nothing: those pages are free again. Work in the pages taken (a draft
-        step's few), not in the pool: `on_restore` marks every page of the pool, 10 ms a call at a
-        million slots on the host."""
-        xp = self.xp
-        pages = xp.index(pages_tensor)
-        pages = xp.where((pages < 1) | (pages > self.num_pages), self.sink, pages)
-        state = self.state[pages]
-        self.state[pages] = xp.cast((state & TREE) | FREE, state)
-        self._fill(self.owner, pages, -1)
         self._set(self.state, self.sink, RESERVED)
 
     def on_tree_insert(self, slots_tensor: Any, site: int) -> None:

@@ -81,8 +81,8 @@ class RestoreStateRole(Role):
             return
         taken = taken_since(restored, current)
         with ledger.lock:
-            if taken is not None:
-                ledger.on_restore_returned(taken)
+            if taken is not None:  # a free of what was taken, in the pages taken, not in the pool
+                ledger.on_free(taken, site, evicting=False, as_pages=True)
             else:
                 ledger.on_restore(restored, current, site)
 
