@@ -26,6 +26,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default="")
+    # one tiny kernel per step and no probe: what any one launch per step costs the stream
+    ap.add_argument("--noop-kernel", action="store_true")
     a = ap.parse_args()
     probe = None
     if a.probe:
@@ -79,10 +81,13 @@ def main() -> int:
 
     held = []
     calls0 = probe.calls if probe else 0
+    noop = torch.zeros(a.bs, dtype=torch.int64, device=dev)
 
     def run(n):
         for _i in range(n):
             out = allocator.alloc(a.bs)
+            if a.noop_kernel:
+                noop.add_(1)
             loc.copy_(out, non_blocking=True)
             graph.replay()
             held.append(out)
@@ -110,7 +115,15 @@ def main() -> int:
     if held:  # the sequences still running end, as a server's would: a clean run replays clean
         allocator.free(torch.cat(held))
         held.clear()
-    result = {"probe": a.probe, "bs": a.bs, "steps": a.steps, "layers": a.layers, "hidden": a.hidden, "error": err}
+    result = {
+        "probe": a.probe,
+        "noop_kernel": a.noop_kernel,
+        "bs": a.bs,
+        "steps": a.steps,
+        "layers": a.layers,
+        "hidden": a.hidden,
+        "error": err,
+    }
     if err is None:
         result["gpu_ms_per_step"] = start.elapsed_time(end) / a.steps
         result["host_ms_per_step"] = t_host * 1000 / a.steps
@@ -125,6 +138,9 @@ def main() -> int:
         result["compiled_launches"] = sum(launcher.fast_launches for k in kernels for launcher in k.launchers())
         result["driver_launches"] = sum(launcher.driver_launches for k in kernels for launcher in k.launchers())
         result["ledger_launch"] = os.environ.get("KVDOCTOR_LEDGER_LAUNCH", "default")
+        from kvdoctor.probe import hotpath
+
+        result["c_launches"] = hotpath.NATIVE.stats().get("device_launches", 0) if hotpath.NATIVE is not None else 0
         result["probe_gpu_bytes"] = sum(
             t.numel() * t.element_size()
             for led in sglang_state(probe).ledgers.values()

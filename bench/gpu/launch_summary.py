@@ -1,7 +1,7 @@
 """The table of bench/gpu/run_launch.sh: per step size, the decode step off and on (the ledger's
-kernels through Triton's launcher, launched compiled through Triton's launcher, and through the CUDA
-driver), the ratios, and the host time the probe
-adds per hooked call. Medians over the rounds.
+kernels through Triton's launcher, launched compiled through Triton's launcher, through the CUDA
+driver from Python (`direct`, `driver`) and from the C fast path (`c`)), the ratios, the host time
+the probe adds per hooked call and the GPU time it adds per step. Medians over the rounds.
 
     python bench/gpu/launch_summary.py graph_launch.jsonl
 """
@@ -31,7 +31,14 @@ def main(path: str) -> None:
             continue
         step_off = max(off["gpu_ms_per_step"], off["host_ms_per_step"])
         entry = {"step": f"{layers} x {hidden}", "off_ms": round(step_off, 4), "host_off_ms": round(off["host_ms_per_step"], 4)}
-        for mode in ("triton", "compiled", "direct"):
+        # where the GPU is the slower side, the host's time per step includes the waits of a full
+        # launch queue: its difference per call is then not the probe's own host time
+        entry["host_bound"] = off["host_ms_per_step"] >= 0.95 * off["gpu_ms_per_step"]
+        if "noop" in med:  # one tiny kernel a step, no probe: the floor of any launch per step
+            step_noop = max(med["noop"]["gpu_ms_per_step"], med["noop"]["host_ms_per_step"])
+            entry["noop_ratio"] = round(step_noop / step_off, 4)
+            entry["noop_gpu_us_added_per_step"] = round((med["noop"]["gpu_ms_per_step"] - off["gpu_ms_per_step"]) * 1000, 2)
+        for mode in ("triton", "compiled", "direct", "driver", "c"):
             if mode not in med:
                 continue
             calls = statistics.median(r["hooked_calls_per_step"] for r in clean[mode])
@@ -41,6 +48,9 @@ def main(path: str) -> None:
             entry[f"{mode}_host_us_per_call"] = round((med[mode]["host_ms_per_step"] - off["host_ms_per_step"]) * 1000 / calls, 1)
             entry[f"{mode}_compiled_launches"] = sum(r.get("compiled_launches", 0) for r in modes[mode])
             entry[f"{mode}_driver_launches"] = sum(r.get("driver_launches", 0) for r in modes[mode])
+            entry[f"{mode}_c_launches"] = sum(r.get("c_launches", 0) for r in modes[mode])
+            # the ledger's kernels' time on the stream, per step (what the GPU side adds)
+            entry[f"{mode}_gpu_us_added_per_step"] = round((med[mode]["gpu_ms_per_step"] - off["gpu_ms_per_step"]) * 1000, 2)
             entry[f"{mode}_errors"] = [r["error"] for r in modes[mode] if r.get("error")]
         table.append(entry)
     print(json.dumps(table, indent=1))

@@ -219,7 +219,7 @@ def sync(probe: Probe | None) -> None:
     if probe is None:
         NATIVE.configure(None, False, 0, False, 0)
         return
-    _ensure_torch()
+    ensure_torch()
     NATIVE.configure(
         probe, probe.ledger_on, LEDGER_BITS.mask(probe.ledgers_off), bool(probe.fixes), ROLE_BITS.mask(probe.inject), probe.sites.at
     )
@@ -228,7 +228,7 @@ def sync(probe: Probe | None) -> None:
 _TORCH_SEEN: Any = None
 
 
-def _ensure_torch() -> None:
+def ensure_torch() -> None:
     """What an index tensor is, once torch is loaded (the probe never imports it itself)."""
     global _TORCH_SEEN
     import sys
@@ -298,7 +298,7 @@ def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> boo
     if NATIVE is None or not getattr(ledger.xp, "sync_free_branching", False) or ledger.kernels is not None:
         return False
     group_attr = options.get("group_attr") or None
-    _ensure_torch()
+    ensure_torch()
     return bool(
         NATIVE.register_ledger(
             allocator,

@@ -96,7 +96,7 @@ def test_the_dlpack_reader_reads_what_the_getters_read():
     readers give the same element count, width, address and value, or both decline."""
     import torch
 
-    hotpath._ensure_torch()
+    hotpath.ensure_torch()
     assert hotpath.NATIVE.stats()["dlpack_reader"]
     base = torch.arange(40, dtype=torch.int64)
     more = [base[3:], base[::5], base.view(5, 8)[:, ::2], base.view(8, 5)[2], torch.tensor([7], dtype=torch.int32)]
@@ -113,7 +113,7 @@ def test_the_in_place_reader_reads_what_dlpack_reads_and_leaves_the_rest_to_it()
     inline dimensions, meta, subclasses) is left to DLPack."""
     import torch
 
-    hotpath._ensure_torch()
+    hotpath.ensure_torch()
     native = hotpath.NATIVE
     assert native.stats()["direct_reader"]
     base = torch.arange(60, dtype=torch.int64)
@@ -165,13 +165,13 @@ def test_the_in_place_reader_is_compared_with_dlpack_and_turns_off_on_a_differen
         native.direct_check_every(0)
         runtime.deactivate()
         hotpath._TORCH_SEEN = None
-        hotpath._ensure_torch()  # learned again: on for the tests after this one
+        hotpath.ensure_torch()  # learned again: on for the tests after this one
     assert native.stats()["direct_reader"]
     monkeypatch.setenv(hotpath.ENV_DIRECT, "0")
-    hotpath._ensure_torch()
+    hotpath.ensure_torch()
     assert not native.stats()["direct_reader"] and native.stats()["dlpack_reader"]
     monkeypatch.delenv(hotpath.ENV_DIRECT)
-    hotpath._ensure_torch()
+    hotpath.ensure_torch()
     assert native.stats()["direct_reader"]
 
 

@@ -143,6 +143,9 @@ ints_at(const Ints *v, Py_ssize_t i)
 /* A CPU integer tensor's values, without a copy: 1 read, 0 not a tensor read here (no error set),
  * -1 an error (set). Only exact torch.Tensor objects on the CPU, int32/int64, contiguous. */
 int read_ints(PyObject *t, Ints *out);
+/* A device index tensor's address, count and width (no value read: no sync); 1 read, 0 not one
+ * this reader takes (another device, dtype or layout, or no DLPack reader), never an error. */
+int read_device_ints(PyObject *t, int device_type, int device_id, const void **data, Py_ssize_t *n, int *itemsize);
 void ints_clear(Ints *out);
 
 typedef struct {
@@ -169,6 +172,33 @@ typedef struct {
 extern PyTypeObject FastLockType;
 int fastlock_take(FastLock *self, int blocking);
 int fastlock_give(FastLock *self);
+
+/* A ledger's lock, whichever kind it is (ledger.c): 0 taken, -1 an error. */
+int lock_take(PyObject *lock);
+int lock_give(PyObject *lock);
+
+/* A fast path's update of a ledger: no Python code, the GIL held throughout. Where the ledger's
+ * FastLock is held by nobody, no other thread can take it before this thread lets go of the GIL
+ * (taking it needs the GIL), so the update is already exclusive and the lock is left alone. Held
+ * by anyone (this thread's Python role, or another thread waiting out a census), it is taken as
+ * usual. Returns 1 taken (give it back with lock_leave), 0 not needed, -1 an error. */
+static inline int
+lock_enter(PyObject *lock)
+{
+    if (Py_TYPE(lock) == &FastLockType && ((FastLock *)lock)->count == 0)
+        return 0;
+    return lock_take(lock) < 0 ? -1 : 1;
+}
+
+static inline int
+lock_leave(PyObject *lock, int taken)
+{
+    return taken ? lock_give(lock) : 0;
+}
+
+/* A Python ledger method called under the ledger's lock (the slow path of every fast path). */
+int slow_call(PyObject *ledger, PyObject *lock, PyObject *method, PyObject *const *args, size_t nargs,
+              PyObject *kwnames);
 
 /* ------------------------------------------------------------------ host ledgers (ledger.c) */
 
@@ -274,6 +304,9 @@ extern HotPathState H; /* one per process */
     X(request_rows_freed, "request_rows_freed")   \
     X(rid, "rid")                                 \
     X(req_to_token, "req_to_token")               \
+    X(launch_enter_hook, "launch_enter_hook")     \
+    X(launch_exit_hook, "launch_exit_hook")       \
+    X(hook_calls, "calls")                        \
     X(unknown_rid, "?")
 
 #define HOTPATH_DECLARE_NAME(var, text) extern PyObject *S_##var;
@@ -379,8 +412,47 @@ PyObject *m_set_primary(PyObject *m, PyObject *allocator);
 PyObject *m_set_row_extent(PyObject *m, PyObject *arr);
 PyObject *m_set_divert(PyObject *m, PyObject *flag);
 
-/* launch.c: a compiled Triton kernel launched through the CUDA driver (kvdoctor/probe/ledger/launch.py). */
+/* launch.c: a compiled Triton kernel launched through the CUDA driver (kvdoctor/probe/ledger/launch.py),
+ * and the GPU slot ledgers whose healthy update is one such launch from the fast paths. */
 PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+
+#define DEVICE_MAX_PARAMS 32
+/* Which kernel a call takes: its rule (alloc, or free with as_pages/evicting), then the index
+ * tensor's width and alignment, as ledger/kernels.py's device_rule keys them. */
+#define DEVICE_RULE_ALLOC(page_starts) ((page_starts) ? 1 : 0)
+#define DEVICE_RULE_FREE(as_pages, evicting) (4 | ((as_pages) ? 2 : 0) | ((evicting) ? 1 : 0))
+#define DEVICE_PLAN_SLOTS 32
+
+typedef struct {
+    void *function; /* the compiled kernel (a CUfunction); NULL: none yet (the Python path compiles it) */
+    unsigned block, shared;
+    int n; /* runtime parameters */
+    char kinds[DEVICE_MAX_PARAMS];
+    uint64_t cells[DEVICE_MAX_PARAMS]; /* the fixed ones; the index, its count and the site per call */
+    int at_index, at_count, at_site;
+} DevicePlan;
+
+typedef struct {
+    PyObject *allocator; /* strong: the key, compared by identity */
+    PyObject *ledger;    /* the Python SlotLedger (its kernels' Python path, evidence) */
+    PyObject *lock;
+    PyObject *stream_of, *device_arg; /* stream_of(device_arg): the current stream's raw handle */
+    PyObject *hooks;                  /* Triton's runtime knobs (launch hooks), or NULL */
+    int device_type, device_id;       /* DLPack's: the index tensors this ledger takes */
+    long page_size, block_max;        /* block_max: more indices take two kernels (the Python path) */
+    int off;                          /* a launch was refused: the Python path from now on */
+    DevicePlan plans[DEVICE_PLAN_SLOTS];
+} DeviceLedger;
+
+DeviceLedger *device_ledger_of(PyObject *allocator);
+/* The healthy case of a hooked call on a device ledger: its rule's kernel launched on the current
+ * stream. 1 launched, 0 not taken here (the Python ledger method takes it), -1 an error (set). */
+int device_update(DeviceLedger *d, int rule, PyObject *index, int site);
+void device_ledgers_release(void);
+unsigned long long device_launch_count(void);
+PyObject *m_register_device_ledger(PyObject *m, PyObject *a, PyObject *kw);
+PyObject *m_device_plan(PyObject *m, PyObject *a, PyObject *kw);
+PyObject *m_launch_record(PyObject *m, PyObject *list);
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop

@@ -13,6 +13,15 @@
  * success); never raises but for arguments of the wrong shape. libcuda is found at the first call
  * with dlopen (the process already has it loaded: torch made the context); where it cannot be
  * found, every call returns -1 and the caller goes back to Triton's launcher.
+ *
+ * Device ledgers: the same launch without Python at all. A hooked alloc or free on a GPU slot
+ * ledger (sglang_paths.c) reads the index tensor through DLPack (no value, no sync), picks the
+ * kernel its rule, index width and alignment select, fills in the index's address, its count and
+ * the call site, and launches on the current stream: the update the Python role makes through
+ * ledger/kernels.py for a call of at most one block. The plans (the compiled kernel, its fixed
+ * parameters) are handed here by that Python path once it has compiled and launched the kernel
+ * itself (`device_plan`); a call with no plan yet, a larger call, a launch hook set or a refused
+ * launch takes the Python path, which records exactly as it did before.
  */
 #include "hotpath.h"
 
@@ -40,6 +49,45 @@ driver_launch(void)
     return cu_launch_kernel;
 }
 
+/* Packs `values` as `kinds` says into one 8-byte cell each (a 32-bit integer in its cell's first 4
+ * bytes), and points `params` at them, with the two NULL scratch pointers after: 0, or -1 (set). */
+static int
+pack_cells(const char *kinds, Py_ssize_t n, PyObject *const *values, uint64_t *cells, void **params)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = values[i];
+        cells[i] = 0;
+        if (kinds[i] == 'p') {
+            cells[i] = (uint64_t)PyLong_AsUnsignedLongLong(v);
+        }
+        else if (kinds[i] == 'l') {
+            int64_t x = (int64_t)PyLong_AsLongLong(v);
+            memcpy(&cells[i], &x, sizeof x);
+        }
+        else if (kinds[i] == 'i') {
+            long long x = PyLong_AsLongLong(v);
+            if (!(x == -1 && PyErr_Occurred()) && (x < INT32_MIN || x > INT32_MAX)) {
+                PyErr_SetString(PyExc_OverflowError, "launch_kernel: a 32-bit parameter out of range");
+                return -1;
+            }
+            int32_t y = (int32_t)x;
+            memcpy(&cells[i], &y, sizeof y);
+        }
+        else {
+            PyErr_SetString(PyExc_TypeError, "launch_kernel: kinds are 'p', 'i' or 'l'");
+            return -1;
+        }
+        if (PyErr_Occurred())
+            return -1;
+        params[i] = &cells[i];
+    }
+    cells[n] = 0;     /* global scratch */
+    cells[n + 1] = 0; /* profile scratch */
+    params[n] = &cells[n];
+    params[n + 1] = &cells[n + 1];
+    return 0;
+}
+
 PyObject *
 m_launch_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -59,40 +107,10 @@ m_launch_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
         if (head[i] == (unsigned long long)-1 && PyErr_Occurred())
             return NULL;
     }
-    /* one 8-byte cell per parameter: a 32-bit integer is read from its cell's first 4 bytes */
     uint64_t cells[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = args[6 + i];
-        cells[i] = 0;
-        if (kinds[i] == 'p') {
-            cells[i] = (uint64_t)PyLong_AsUnsignedLongLong(v);
-        }
-        else if (kinds[i] == 'l') {
-            int64_t x = (int64_t)PyLong_AsLongLong(v);
-            memcpy(&cells[i], &x, sizeof x);
-        }
-        else if (kinds[i] == 'i') {
-            long long x = PyLong_AsLongLong(v);
-            if (!(x == -1 && PyErr_Occurred()) && (x < INT32_MIN || x > INT32_MAX)) {
-                PyErr_SetString(PyExc_OverflowError, "launch_kernel: a 32-bit parameter out of range");
-                return NULL;
-            }
-            int32_t y = (int32_t)x;
-            memcpy(&cells[i], &y, sizeof y);
-        }
-        else {
-            PyErr_SetString(PyExc_TypeError, "launch_kernel: kinds are 'p', 'i' or 'l'");
-            return NULL;
-        }
-        if (PyErr_Occurred())
-            return NULL;
-        params[i] = &cells[i];
-    }
-    cells[n] = 0; /* global scratch */
-    cells[n + 1] = 0; /* profile scratch */
-    params[n] = &cells[n];
-    params[n + 1] = &cells[n + 1];
+    if (pack_cells(kinds, n, args + 6, cells, params) < 0)
+        return NULL;
     if (head[1] == 0)
         return PyLong_FromLong(0); /* an empty grid: Triton's launcher launches nothing either */
     cu_launch_kernel_t launch = driver_launch();
@@ -104,4 +122,274 @@ m_launch_kernel(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t n
                 (void *)(uintptr_t)head[4], params, NULL);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
+}
+
+/* ------------------------------------------------------------------ device ledgers */
+
+#define DL_CPU_DEVICE 1
+
+static DeviceLedger device_ledgers[MAX_LEDGERS];
+static int n_device_ledgers;
+static unsigned long long device_launches;
+/* Tests: a list each device launch is appended to, (function, grid, block, shared, stream,
+ * values), instead of going to the driver; NULL: the driver. A CPU ledger launches only into it. */
+static PyObject *launch_record;
+
+DeviceLedger *
+device_ledger_of(PyObject *allocator)
+{
+    for (int i = 0; i < n_device_ledgers; i++)
+        if (device_ledgers[i].allocator == allocator)
+            return &device_ledgers[i];
+    return NULL;
+}
+
+/* Whether a launch hook (a profiler's) is set: Triton's launcher calls it, this launch cannot
+ * (ledger/launch.py's _hooks_set). Anything unexpected counts as set. */
+static int
+hooks_set(PyObject *knobs)
+{
+    PyObject *names[2] = {S_launch_enter_hook, S_launch_exit_hook};
+    for (int i = 0; i < 2; i++) {
+        PyObject *hook = PyObject_GetAttr(knobs, names[i]);
+        if (hook == NULL) {
+            PyErr_Clear();
+            return 1;
+        }
+        int set = 0;
+        if (hook != Py_None) {
+            PyObject *calls = PyObject_GetAttr(hook, S_hook_calls);
+            if (calls == NULL) {
+                PyErr_Clear();
+                set = 1; /* a plain function */
+            }
+            else {
+                set = PyObject_IsTrue(calls) != 0;
+                if (set < 0)
+                    PyErr_Clear();
+                Py_DECREF(calls);
+            }
+        }
+        Py_DECREF(hook);
+        if (set)
+            return 1;
+    }
+    return 0;
+}
+
+static PyObject *
+recorded_value(char kind, uint64_t cell)
+{
+    if (kind == 'p')
+        return PyLong_FromUnsignedLongLong(cell);
+    if (kind == 'l') {
+        int64_t x;
+        memcpy(&x, &cell, sizeof x);
+        return PyLong_FromLongLong(x);
+    }
+    int32_t y;
+    memcpy(&y, &cell, sizeof y);
+    return PyLong_FromLong(y);
+}
+
+static int
+record_launch(const DevicePlan *p, void *stream, const uint64_t *cells)
+{
+    PyObject *values = PyTuple_New(p->n);
+    if (values == NULL)
+        return -1;
+    for (int i = 0; i < p->n; i++) {
+        PyObject *v = recorded_value(p->kinds[i], cells[i]);
+        if (v == NULL) {
+            Py_DECREF(values);
+            return -1;
+        }
+        PyTuple_SET_ITEM(values, i, v);
+    }
+    PyObject *entry = Py_BuildValue("(KiIIKN)", (unsigned long long)(uintptr_t)p->function, 1, p->block, p->shared,
+                                    (unsigned long long)(uintptr_t)stream, values);
+    if (entry == NULL)
+        return -1;
+    int rc = PyList_Append(launch_record, entry);
+    Py_DECREF(entry);
+    return rc;
+}
+
+int
+device_update(DeviceLedger *d, int rule, PyObject *index, int site)
+{
+    if (d->off)
+        return 0;
+    const void *data = NULL;
+    Py_ssize_t n = 0;
+    int itemsize = 0;
+    if (!read_device_ints(index, d->device_type, d->device_id, &data, &n, &itemsize))
+        return 0;
+    if (n == 0)
+        return 1; /* the Python method launches nothing for an empty call either */
+    if (n > d->block_max || n > INT32_MAX || data == NULL)
+        return 0;
+    int aligned = ((uintptr_t)data % 16) == 0; /* the compiled kernel may assume it */
+    const DevicePlan *p = &d->plans[(rule << 2) | ((itemsize == 8) << 1) | aligned];
+    if (p->function == NULL)
+        return 0;
+    if (launch_record == NULL && d->device_type == DL_CPU_DEVICE)
+        return 0;
+    if (d->hooks != NULL && hooks_set(d->hooks))
+        return 0;
+    PyObject *s = PyObject_CallOneArg(d->stream_of, d->device_arg);
+    if (s == NULL)
+        return -1;
+    void *stream = PyLong_AsVoidPtr(s);
+    Py_DECREF(s);
+    if (stream == NULL && PyErr_Occurred())
+        return -1;
+    uint64_t cells[DEVICE_MAX_PARAMS];
+    void *params[DEVICE_MAX_PARAMS];
+    memcpy(cells, p->cells, sizeof cells);
+    cells[p->at_index] = (uint64_t)(uintptr_t)data;
+    int32_t count = (int32_t)n, at = (int32_t)site;
+    memcpy(&cells[p->at_count], &count, sizeof count);
+    memcpy(&cells[p->at_site], &at, sizeof at);
+    for (int i = 0; i < p->n + 2; i++)
+        params[i] = &cells[i];
+    int taken = lock_enter(d->lock);
+    if (taken < 0)
+        return -1;
+    int rc;
+    if (launch_record != NULL) {
+        rc = record_launch(p, stream, cells);
+        if (rc < 0) {
+            lock_leave(d->lock, taken);
+            return -1;
+        }
+    }
+    else {
+        cu_launch_kernel_t launch = driver_launch();
+        rc = launch == NULL ? -1 : launch(p->function, 1, 1, 1, p->block, 1, 1, p->shared, stream, params, NULL);
+    }
+    if (lock_leave(d->lock, taken) < 0)
+        return -1;
+    if (rc != 0) {
+        d->off = 1; /* refused, nothing launched: the Python path (Triton's launcher) from now on */
+        return 0;
+    }
+    device_launches++;
+    return 1;
+}
+
+static void
+device_ledger_release(DeviceLedger *d)
+{
+    Py_CLEAR(d->allocator);
+    Py_CLEAR(d->ledger);
+    Py_CLEAR(d->lock);
+    Py_CLEAR(d->stream_of);
+    Py_CLEAR(d->device_arg);
+    Py_CLEAR(d->hooks);
+}
+
+void
+device_ledgers_release(void)
+{
+    for (int i = 0; i < n_device_ledgers; i++)
+        device_ledger_release(&device_ledgers[i]);
+    n_device_ledgers = 0;
+}
+
+unsigned long long
+device_launch_count(void)
+{
+    return device_launches;
+}
+
+/* A GPU slot ledger the fast paths may update with its kernels (False: no room; it stays on the
+ * Python path). Its plans come later, one per kernel, from device_plan. */
+PyObject *
+m_register_device_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"allocator",   "ledger",    "lock",      "stream_of", "device_arg", "hooks",
+                            "device_type", "device_id", "page_size", "block_max", NULL};
+    PyObject *allocator, *ledger, *lock, *stream_of, *device_arg, *hooks;
+    int device_type, device_id;
+    long page_size, block_max;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOiill", names, &allocator, &ledger, &lock, &stream_of,
+                                     &device_arg, &hooks, &device_type, &device_id, &page_size, &block_max))
+        return NULL;
+    if (device_ledger_of(allocator) != NULL || n_device_ledgers >= MAX_LEDGERS || page_size < 1 || block_max < 1 ||
+        !PyCallable_Check(stream_of))
+        Py_RETURN_FALSE;
+    DeviceLedger *d = &device_ledgers[n_device_ledgers];
+    memset(d, 0, sizeof(*d));
+    d->allocator = Py_NewRef(allocator);
+    d->ledger = Py_NewRef(ledger);
+    d->lock = Py_NewRef(lock);
+    d->stream_of = Py_NewRef(stream_of);
+    d->device_arg = Py_NewRef(device_arg);
+    d->hooks = hooks == Py_None ? NULL : Py_NewRef(hooks);
+    d->device_type = device_type;
+    d->device_id = device_id;
+    d->page_size = page_size;
+    d->block_max = block_max;
+    n_device_ledgers++;
+    Py_RETURN_TRUE;
+}
+
+/* One kernel of a device ledger, as ledger/kernels.py launched it: the slot its rule, width and
+ * alignment select, the compiled function, the kinds and values of its runtime parameters (the
+ * index, count and site positions' values are filled in per call). False: no such ledger. */
+PyObject *
+m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"ledger", "slot",     "function", "kinds",   "block", "shared",
+                            "values", "at_index", "at_count", "at_site", NULL};
+    PyObject *ledger, *values;
+    int slot, at_index, at_count, at_site;
+    unsigned long long function;
+    unsigned block, shared;
+    const char *kinds;
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiKy#IIO!iii", names, &ledger, &slot, &function, &kinds, &n, &block,
+                                     &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site))
+        return NULL;
+    if (slot < 0 || slot >= DEVICE_PLAN_SLOTS || n + 2 > DEVICE_MAX_PARAMS || PyTuple_GET_SIZE(values) != n ||
+        at_index < 0 || at_index >= n || at_count < 0 || at_count >= n || at_site < 0 || at_site >= n ||
+        kinds[at_index] != 'p' || kinds[at_count] != 'i' || kinds[at_site] != 'i' || function == 0) {
+        PyErr_SetString(PyExc_ValueError, "device_plan: not a plan of a ledger kernel");
+        return NULL;
+    }
+    DeviceLedger *d = NULL;
+    for (int i = 0; i < n_device_ledgers; i++)
+        if (device_ledgers[i].ledger == ledger)
+            d = &device_ledgers[i];
+    if (d == NULL)
+        Py_RETURN_FALSE;
+    DevicePlan plan;
+    memset(&plan, 0, sizeof plan);
+    void *params[DEVICE_MAX_PARAMS];
+    if (pack_cells(kinds, n, &PyTuple_GET_ITEM(values, 0), plan.cells, params) < 0)
+        return NULL;
+    memcpy(plan.kinds, kinds, (size_t)n);
+    plan.function = (void *)(uintptr_t)function;
+    plan.block = block;
+    plan.shared = shared;
+    plan.n = (int)n;
+    plan.at_index = at_index;
+    plan.at_count = at_count;
+    plan.at_site = at_site;
+    plan.cells[at_count] = 0;
+    plan.cells[at_site] = 0;
+    d->plans[slot] = plan;
+    Py_RETURN_TRUE;
+}
+
+PyObject *
+m_launch_record(PyObject *Py_UNUSED(module), PyObject *list)
+{
+    if (list != Py_None && !PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "launch_record(list or None)");
+        return NULL;
+    }
+    Py_XSETREF(launch_record, list == Py_None ? NULL : Py_NewRef(list));
+    Py_RETURN_NONE;
 }

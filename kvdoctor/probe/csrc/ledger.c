@@ -17,47 +17,40 @@ ledger_of(PyObject *allocator)
     return NULL;
 }
 
-static int
-lock_ledger(Ledger *l)
+int
+lock_take(PyObject *lock)
 {
-    if (Py_TYPE(l->lock) == &FastLockType)
-        return fastlock_take((FastLock *)l->lock, 1) < 0 ? -1 : 0;
-    PyObject *r = call0(l->lock, S_acquire);
+    if (Py_TYPE(lock) == &FastLockType)
+        return fastlock_take((FastLock *)lock, 1) < 0 ? -1 : 0;
+    PyObject *r = call0(lock, S_acquire);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
     return 0;
 }
 
-static int
-unlock_ledger(Ledger *l)
+int
+lock_give(PyObject *lock)
 {
-    if (Py_TYPE(l->lock) == &FastLockType)
-        return fastlock_give((FastLock *)l->lock);
-    PyObject *r = call0(l->lock, S_release);
+    if (Py_TYPE(lock) == &FastLockType)
+        return fastlock_give((FastLock *)lock);
+    PyObject *r = call0(lock, S_release);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
     return 0;
 }
 
-/* A fast path's update of a ledger: pure C, no Python code, the GIL held throughout. Where the
- * ledger's FastLock is held by nobody, no other thread can take it before this thread lets go of
- * the GIL (taking it needs the GIL), so the update is already exclusive and the lock is left alone.
- * Held by anyone (this thread's Python role, or another thread waiting out a census), it is taken
- * as usual. Returns 1 taken (give it back with ledger_leave), 0 not needed, -1 an error. */
 static inline int
 ledger_enter(Ledger *l)
 {
-    if (Py_TYPE(l->lock) == &FastLockType && ((FastLock *)l->lock)->count == 0)
-        return 0;
-    return lock_ledger(l) < 0 ? -1 : 1;
+    return lock_enter(l->lock);
 }
 
 static inline int
 ledger_leave(Ledger *l, int taken)
 {
-    return taken ? unlock_ledger(l) : 0;
+    return lock_leave(l->lock, taken);
 }
 
 /* A ledger's shape in locals for its loops: the state array is int8, which may alias anything, so
@@ -317,11 +310,11 @@ last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req)
 /* The Python ledger method, under the ledger's lock, for what the fast path does not record itself
  * (a violation: its evidence is made there, exactly as without this module). */
 COLD int
-ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
+slow_call(PyObject *ledger, PyObject *lock, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
 {
-    if (lock_ledger(l) < 0)
+    if (lock_take(lock) < 0)
         return -1;
-    PyObject *m = PyObject_GetAttr(l->ledger, method);
+    PyObject *m = PyObject_GetAttr(ledger, method);
     PyObject *r = m ? PyObject_Vectorcall(m, args, nargs, kwnames) : NULL;
     Py_XDECREF(m);
     int rc = r ? 0 : -1;
@@ -329,12 +322,18 @@ ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, Py
     if (rc < 0) {
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
-        if (unlock_ledger(l) < 0)
+        if (lock_give(lock) < 0)
             PyErr_Clear();
         PyErr_Restore(t, v, tb);
         return -1;
     }
-    return unlock_ledger(l);
+    return lock_give(lock);
+}
+
+int
+ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
+{
+    return slow_call(l->ledger, l->lock, method, args, nargs, kwnames);
 }
 
 static void
@@ -424,4 +423,5 @@ ledgers_release(void)
         ledger_release(&H.ledgers[i]);
     H.n_ledgers = 0;
     H.primary = NULL;
+    device_ledgers_release();
 }

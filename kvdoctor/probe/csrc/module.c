@@ -404,12 +404,12 @@ m_stats(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     int direct_frames;
     call_site_stats(&site_keys, &site_slots, &direct_frames);
     TensorReaderStats t = tensor_reader_stats();
-    return Py_BuildValue("{s:n,s:n,s:i,s:i,s:N,s:N,s:N,s:O,s:O,s:O,s:k,s:k,s:k}", "site_keys", site_keys, "site_slots",
-                         site_slots, "ledgers", H.n_ledgers, "depth", this_thread.depth, "fast", fast, "diverted",
-                         diverted, "slow", slow, "direct_frames", direct_frames ? Py_True : Py_False, "dlpack_reader",
-                         t.dlpack_reader ? Py_True : Py_False, "direct_reader", t.direct_reader ? Py_True : Py_False,
-                         "direct_reads", t.direct_reads, "direct_checked", t.direct_checked, "direct_mismatches",
-                         t.direct_mismatches);
+    return Py_BuildValue(
+        "{s:n,s:n,s:i,s:i,s:N,s:N,s:N,s:O,s:O,s:O,s:k,s:k,s:k,s:K}", "site_keys", site_keys, "site_slots", site_slots,
+        "ledgers", H.n_ledgers, "depth", this_thread.depth, "fast", fast, "diverted", diverted, "slow", slow,
+        "direct_frames", direct_frames ? Py_True : Py_False, "dlpack_reader", t.dlpack_reader ? Py_True : Py_False,
+        "direct_reader", t.direct_reader ? Py_True : Py_False, "direct_reads", t.direct_reads, "direct_checked",
+        t.direct_checked, "direct_mismatches", t.direct_mismatches, "device_launches", device_launch_count());
 }
 
 static PyMethodDef module_methods[] = {
@@ -438,6 +438,12 @@ static PyMethodDef module_methods[] = {
     {"stats", m_stats, METH_NOARGS, "Sizes of what this module holds."},
     {"launch_kernel", (PyCFunction)(void (*)(void))m_launch_kernel, METH_FASTCALL,
      "A compiled Triton kernel launched through the CUDA driver (launch.c)."},
+    {"register_device_ledger", (PyCFunction)(void (*)(void))m_register_device_ledger, METH_VARARGS | METH_KEYWORDS,
+     "A GPU slot ledger whose healthy updates the fast paths launch (its lock, stream, device, page size)."},
+    {"device_plan", (PyCFunction)(void (*)(void))m_device_plan, METH_VARARGS | METH_KEYWORDS,
+     "One compiled kernel of a GPU slot ledger, with its fixed parameters."},
+    {"launch_record", m_launch_record, METH_O,
+     "Tests: device ledgers' launches appended to this list instead of going to the driver (None: the driver)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

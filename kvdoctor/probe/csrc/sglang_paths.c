@@ -41,13 +41,24 @@ note_tree(PyObject *tree)
     return 0;
 }
 
+/* The Python ledger method given a call the fast path did not take: a host ledger's, or a device
+ * ledger's (its kernels' Python path). */
+static int
+ledger_method(Ledger *l, DeviceLedger *d, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames)
+{
+    if (l != NULL)
+        return ledger_slow(l, method, args, nargs, kwnames);
+    return slow_call(d->ledger, d->lock, method, args, nargs, kwnames);
+}
+
 /* --- alloc / alloc_extend / alloc_decode --- */
 PyObject *
 fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *obj = args[0];
     Ledger *l = ledger_of(obj);
-    if (l == NULL)
+    DeviceLedger *d = l == NULL ? device_ledger_of(obj) : NULL;
+    if (l == NULL && d == NULL)
         return DIVERT;
     if (H.divert) {
         /* the idle census the last release asked for: taken here, as the Python role does */
@@ -66,6 +77,8 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
     if (self->last_loc_pos >= 0) {
         PyObject *last_loc = arg_at(args, nargs, kwnames, self->last_loc_pos, self->last_loc_name);
         if (last_loc != NULL && last_loc != Py_None) {
+            if (d != NULL)
+                return DIVERT; /* on a device ledger the Python role checks it with its kernel */
             Ints last, req;
             int rc = read_ints(last_loc, &last);
             if (rc != 1) {
@@ -112,13 +125,21 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
     PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
     if (result == NULL || result == Py_None || gen != H.generation)
         return result;
-    Ints v;
-    int rc = read_ints(result, &v);
-    if (rc == 1 && maybe_test_failure(self) < 0)
-        rc = -1;
-    if (rc < 0)
-        goto failed;
-    int healthy = rc == 1 ? ledger_alloc(l, &v, self->only_page_starts, site) : 0;
+    int healthy;
+    if (d != NULL) {
+        healthy = device_update(d, DEVICE_RULE_ALLOC(self->only_page_starts && d->page_size > 1), result, site);
+        if (healthy == 1 && maybe_test_failure(self) < 0)
+            healthy = -1;
+    }
+    else {
+        Ints v;
+        int rc = read_ints(result, &v);
+        if (rc == 1 && maybe_test_failure(self) < 0)
+            rc = -1;
+        if (rc < 0)
+            goto failed;
+        healthy = rc == 1 ? ledger_alloc(l, &v, self->only_page_starts, site) : 0;
+    }
     if (healthy < 0)
         goto failed;
     if (!healthy) {
@@ -131,7 +152,7 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
         }
         PyObject *call_args[3] = {result, site_obj, self->only_page_starts ? Py_True : Py_False};
         H.n_slow[K_ALLOC]++;
-        int src = ledger_slow(l, S_on_alloc, call_args, 2, kw);
+        int src = ledger_method(l, d, S_on_alloc, call_args, 2, kw);
         Py_DECREF(site_obj);
         Py_DECREF(kw);
         if (src < 0)
@@ -172,7 +193,8 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
     if (open) /* staged in the group; recorded when the group ends */
         return call_pushed(self, obj, args, nargsf, kwnames);
     Ledger *l = ledger_of(obj);
-    if (l == NULL)
+    DeviceLedger *d = l == NULL ? device_ledger_of(obj) : NULL;
+    if (l == NULL && d == NULL)
         return DIVERT;
     PyObject *index = nargs >= 2 ? args[1] : (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0 ? args[nargs] : NULL);
     if (index == NULL)
@@ -184,15 +206,27 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
         Py_DECREF(index);
         return result;
     }
+    int evicting = this_thread.evicting > 0;
+    if (d != NULL) {
+        int site = current_site();
+        if (site < 0)
+            goto failed;
+        int launched = device_update(d, DEVICE_RULE_FREE(self->as_pages, evicting), index, site);
+        if (launched == 1 && maybe_test_failure(self) < 0)
+            launched = -1;
+        if (launched < 0)
+            goto failed;
+        if (launched)
+            goto done;
+    }
     Ints v;
-    int rc = read_ints(index, &v);
+    int rc = d != NULL ? 0 : read_ints(index, &v);
     if (rc == 1 && maybe_test_failure(self) < 0)
         rc = -1;
     if (rc < 0)
         goto failed;
     if (rc == 1 && v.n == 0)
         goto done;
-    int evicting = this_thread.evicting > 0;
     if (rc == 1) {
         int healthy = ledger_free(l, &v, self->as_pages, evicting);
         if (healthy < 0)
@@ -226,7 +260,7 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
         }
         PyObject *call_args[4] = {index, site_obj, evicting ? Py_True : Py_False, self->as_pages ? Py_True : Py_False};
         H.n_slow[K_FREE]++;
-        int src = ledger_slow(l, S_on_free, call_args, 2, kw);
+        int src = ledger_method(l, d, S_on_free, call_args, 2, kw);
         Py_DECREF(site_obj);
         Py_DECREF(kw);
         if (src < 0)

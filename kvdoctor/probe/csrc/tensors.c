@@ -583,6 +583,26 @@ read_ints(PyObject *t, Ints *out)
     return rc;
 }
 
+int
+read_device_ints(PyObject *t, int device_type, int device_id, const void **data, Py_ssize_t *n, int *itemsize)
+{
+    if (dl_read == NULL || H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
+        return 0;
+    DlTensor d;
+    if (dl_read(t, &d) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (d.device.device_type != device_type || d.device.device_id != device_id || d.dtype.code != DL_INT ||
+        d.dtype.lanes != 1 || (d.dtype.bits != 64 && d.dtype.bits != 32) || d.ndim < 0)
+        return 0;
+    if (!contiguous_count(d.shape, d.strides, d.ndim, n))
+        return 0;
+    *itemsize = d.dtype.bits / 8;
+    *data = (const char *)d.data + d.byte_offset;
+    return 1;
+}
+
 /* ------------------------------------------------------------------ the readers compared, and set up */
 
 /* Both readers on one tensor: whether they agree (a result, or both declining). */

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvdoctor.probe.ledger import states
-from kvdoctor.probe.ledger.launch import CompiledLaunch, aligned, fits_i32
+from kvdoctor.probe.ledger.launch import CompiledLaunch, aligned, device_plan, fits_i32
 from kvdoctor.probe.ledger.states import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
 from kvdoctor.trace import schema
 
@@ -168,8 +168,17 @@ def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size
     tl.store(owner_ptr + page, req, mask=ok & (st == OWNED))
 
 
+def device_slot(op: int, idx: Any, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> int:
+    """Which of a device ledger's compiled plans an alloc or free takes in the C fast path (launch.c,
+    DEVICE_RULE_*): its rule, then the index tensor's width and alignment."""
+    rule = (1 if page_starts else 0) if op == OP_ALLOC else 4 | (2 if as_pages else 0) | (1 if evicting else 0)
+    return rule << 2 | (2 if idx.dtype == torch.int64 else 0) | (1 if aligned(idx) else 0)
+
+
 class LedgerKernels:
     """Binds the kernels to one ledger's tensors."""
+
+    block = BLOCK
 
     def __init__(self, ledger: Any) -> None:
         self.led = ledger
@@ -187,6 +196,11 @@ class LedgerKernels:
         # the ledger's own tensors are torch's allocations (aligned); were one not, nothing is keyed on it
         self.keyable = fits_i32(*self.sizes) and all(aligned(t) for t in ledger_tensors)
         self._constants: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._planned: set[tuple[Any, ...]] = set()  # fused kernels handed to the C fast path
+
+    def direct(self) -> bool:
+        """Whether the fused kernel launches through the CUDA driver (then the C fast path may too)."""
+        return self.keyable and self.fused_launch.driver is not None
 
     def launchers(self) -> tuple[CompiledLaunch, ...]:
         return (self.check_launch, self.write_launch, self.fused_launch, self.owner_launch)
@@ -239,10 +253,31 @@ class LedgerKernels:
             constants = self._rule("fused", op, kind, page_starts=page_starts, as_pages=as_pages, evicting=evicting, weight=weight)
             args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site,
                     *self.sizes, site)
-            self._launch(self.fused_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
+            key = self._key(constants, idx) if fits_i32(site) else ()
+            self._launch(self.fused_launch, n, args, constants, key)
+            if key and key not in self._planned and op != OP_TREE_INSERT:
+                self._hand_to_fast_path(key, device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting), args)
             return
         self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
         self._write(idx, site, op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
+
+    def _hand_to_fast_path(self, key: tuple[Any, ...], slot: int, args: tuple[Any, ...]) -> None:
+        """The fused kernel this call compiled and launched through the driver, handed to the C fast
+        path (launch.c) with its fixed parameters: the next such call launches from there."""
+        launch = self.fused_launch
+        plan, kernel = launch.plans.get(key), launch.compiled.get(key)
+        if kernel is None:
+            return
+        self._planned.add(key)
+        if plan is None or launch.driver is None:
+            return
+        kinds, block, shared = plan
+        last = len(args) - 1  # the site; the index and its count come first
+        try:
+            values = tuple(0 if i in (0, 1, last) else a.data_ptr() if k == 112 else a for i, (a, k) in enumerate(zip(args, kinds, strict=True)))
+            device_plan(self.led, slot, kernel.function, kinds, block, shared, values, 0, 1, last)
+        except Exception:  # a plan C does not take: this kernel stays on the Python path
+            return
 
     def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
                req: Any = None, weight: int = 1) -> None:

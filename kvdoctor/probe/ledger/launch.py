@@ -22,6 +22,11 @@ Only on Triton releases whose kernel parameters were checked that way on a GPU (
 `KVDOCTOR_LEDGER_LAUNCH=compiled` keeps Triton's compiled launcher, `=direct` takes the driver on
 an unchecked release too (to check it). A launch the driver refuses goes through Triton's launcher
 instead, and this kernel stays there.
+
+Where the driver launch is taken, the healthy alloc or free of at most one block is launched from
+the C fast path itself, with no Python at all (csrc/launch.c, `device_update`): the Python path
+hands it each fused kernel's plan after its first launch (kernels.py). `=driver` keeps every call
+on the Python path, to compare the two.
 """
 
 from __future__ import annotations
@@ -178,6 +183,63 @@ class CompiledLaunch:
                         self.plans[key] = made
             except Exception as exc:  # the interpreter returns no compiled kernel: stay on Triton's path
                 self.declined = f"{type(exc).__name__}: {exc}"[:200]
+
+
+# DLPack's device types of the index tensors a device ledger takes (a CPU one launches only into a
+# test's launch record: ledger/kernels.py's path on CPU tensors).
+_DLPACK_DEVICE = {"cuda": 2, "cpu": 1}
+
+
+def register_device_ledger(allocator: Any, ledger: Any) -> bool:
+    """Lets the alloc and free fast paths update a GPU ledger by launching its compiled kernels
+    from C (launch.c), where its kernels launch through the CUDA driver; each kernel's plan comes
+    from the Python path's first launch of it (ledger/kernels.py). `KVDOCTOR_LEDGER_LAUNCH=driver`
+    keeps every call on the Python path (the driver launch from there), to compare the two."""
+    from kvdoctor.probe import hotpath
+
+    kernels = getattr(ledger, "kernels", None)
+    register = getattr(hotpath.NATIVE, "register_device_ledger", None)
+    if register is None or kernels is None or not kernels.direct() or os.environ.get("KVDOCTOR_LEDGER_LAUNCH") == "driver":
+        return False
+    device = ledger.state.device
+    device_type = _DLPACK_DEVICE.get(device.type)
+    if device_type is None:
+        return False
+    hotpath.ensure_torch()
+    launch = kernels.fused_launch
+    return bool(
+        register(
+            allocator,
+            ledger,
+            ledger.lock,
+            launch.stream,
+            kernels.device,
+            launch.knobs,
+            device_type,
+            device.index or 0,
+            ledger.page_size,
+            kernels.block,
+        )
+    )
+
+
+def device_plan(
+    ledger: Any,
+    slot: int,
+    function: int,
+    kinds: bytes,
+    block: int,
+    shared: int,
+    values: tuple[Any, ...],
+    at_index: int,
+    at_count: int,
+    at_site: int,
+) -> bool:
+    """One compiled kernel of a registered device ledger (False: the ledger is not registered)."""
+    from kvdoctor.probe import hotpath
+
+    plan = getattr(hotpath.NATIVE, "device_plan", None)
+    return plan is not None and bool(plan(ledger, slot, function, kinds, block, shared, values, at_index, at_count, at_site))
 
 
 def aligned(tensor: Any) -> bool:

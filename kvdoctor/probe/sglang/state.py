@@ -20,6 +20,7 @@ import numpy as np
 from kvdoctor.probe import hotpath
 from kvdoctor.probe.hooks import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus
+from kvdoctor.probe.ledger.launch import register_device_ledger
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.patching import say
@@ -138,6 +139,7 @@ class SglangState(CoverageJudging):
             probe.rendezvous.register()
         if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
             hotpath.set_primary(allocator)
+        register_device_ledger(allocator, ledger)
         return ledger
 
     def _say_unproven(self, name: str, found: dict[str, Any]) -> None:

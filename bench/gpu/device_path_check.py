@@ -1,0 +1,119 @@
+"""On the GPU: the ledger's alloc and free launched from the C fast path (csrc/launch.c) against the
+same calls on the Python path, through SGLang 0.5.9's real `TokenToKVPoolAllocator` with the probe.
+
+Two allocators in one process take the same seeded sequence of calls: the first with
+KVDOCTOR_LEDGER_LAUNCH=driver (every call on the Python path: its kernels launched through the
+driver from Python), the second with the C fast path on. Calls of one block or less, more than a
+block, int32 and unaligned index views, and faults (a double free, which SGLang's free list then
+hands out twice: double allocations follow). The loop runs under
+torch.cuda.set_sync_debug_mode("error"). At the end (a sync is fine there) every array of the two
+ledgers is compared, and the counters named. Prints RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+
+def drive(allocator, torch, seed: int) -> int:
+    rng = random.Random(seed)
+    held: list = []
+    freed_once = None
+    calls = 0
+    for step in range(400):
+        if held and (rng.random() < 0.45 or allocator.available_size() < 700):
+            t = held.pop(rng.randrange(len(held)))
+            way = rng.choice(["whole", "int32", "views"])
+            if way == "whole":
+                allocator.free(t)
+                calls += 1
+                if freed_once is None and step > 100:
+                    freed_once = t
+            elif way == "int32":
+                allocator.free(t.to(torch.int32))
+                calls += 1
+            else:  # an unaligned view, then the rest
+                if t.numel() > 1:
+                    allocator.free(t[1:])
+                    allocator.free(t[:1])
+                    calls += 2
+                else:
+                    allocator.free(t)
+                    calls += 1
+        else:
+            n = rng.randint(1, 64) if rng.random() < 0.9 else rng.randint(513, 600)
+            out = allocator.alloc(n)
+            calls += 1
+            if out is not None:
+                held.append(out)
+        if step == 300 and freed_once is not None:
+            allocator.free(freed_once)  # a double free (SGLang's free list now holds these slots twice)
+            calls += 1
+    for t in held:
+        allocator.free(t)
+        calls += 1
+    return calls
+
+
+def main() -> int:
+    device = sys.argv[1] if len(sys.argv) > 1 else "cuda"  # "cpu": a dry run of this script (host ledgers)
+    from kvdoctor.probe import hotpath, runtime
+
+    probe = runtime.activate(None)
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    if device == "cpu":
+        torch.cuda.set_sync_debug_mode = torch.cuda.synchronize = lambda *a: None
+    out = {"gpu": torch.cuda.get_device_name() if device != "cpu" else "cpu", "torch": torch.__version__}
+    ledgers = []
+    for mode in ("driver", "c"):
+        os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode  # read when the allocator's ledger is made
+        allocator = TokenToKVPoolAllocator(4096, dtype=torch.bfloat16, device=device, kvcache=None, need_sort=False)
+        allocator.free(allocator.alloc(1))  # the ledger is made (and its kernels' first launch) here
+        torch.cuda.synchronize()
+        launches0 = hotpath.NATIVE.stats()["device_launches"]
+        err = None
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            calls = drive(allocator, torch, seed=7)
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            calls = -1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        ledger = sglang_state(probe).ledger_for(allocator)
+        out[mode] = {
+            "error": err,
+            "hooked_calls": calls,
+            "c_launches": hotpath.NATIVE.stats()["device_launches"] - launches0,
+            "counters": [int(c) for c in ledger.counters.tolist()],
+        }
+        ledgers.append(ledger)
+    names = ("state", "owner", "alloc_site", "flags", "violation_site", "counters", "oor_value")
+    a, b = ledgers
+    out["mismatched_entries"] = {n: int((getattr(a, n) != getattr(b, n)).sum()) for n in names}
+    out["probe_on"] = probe.ledger_on
+    out["off_reason"] = probe.off_reason
+    out["ok"] = (
+        not any(out["mismatched_entries"].values())
+        and out["driver"]["error"] is None
+        and out["c"]["error"] is None
+        and out["driver"]["c_launches"] == 0
+        and out["c"]["c_launches"] > 0
+        and any(out["c"]["counters"])
+        and probe.ledger_on
+    )
+    print("RESULT " + json.dumps(out), flush=True)
+    runtime.deactivate()
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""On the GPU: the host time of one hooked call, SGLang 0.5.9's real `TokenToKVPoolAllocator.alloc(32)`
+and its `free`, without the probe, with it on the Python path (its kernels launched through the
+driver from Python, KVDOCTOR_LEDGER_LAUNCH=driver) and with the C fast path (the default).
+
+graph_decode.py's host time per step includes the waits of a full launch queue whenever the GPU is
+the slower side, so its per-call difference is not the probe's own cost. Here each call is timed
+alone (perf_counter around it), the stream is drained (untimed) every 32 pairs so the queue never
+fills, and the three arms alternate in one process, each round on a fresh allocator (the probe
+activated and deactivated around its arm). Medians and quartiles in microseconds; RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def arm(torch, allocator_cls, pairs: int) -> tuple[list[float], list[float]]:
+    allocator = allocator_cls(65536, dtype=torch.bfloat16, device="cuda", kvcache=None, need_sort=False)
+    allocator.free(allocator.alloc(32))  # the ledger (if any) is made here, and its kernels compiled
+    torch.cuda.synchronize()
+    allocs, frees = [], []
+    clock = time.perf_counter
+    for i in range(pairs):
+        t0 = clock()
+        out = allocator.alloc(32)
+        t1 = clock()
+        allocator.free(out)
+        t2 = clock()
+        allocs.append((t1 - t0) * 1e6)
+        frees.append((t2 - t1) * 1e6)
+        if i % 32 == 31:
+            torch.cuda.synchronize()
+    return allocs, frees
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=4)
+    return {"median": round(statistics.median(values), 2), "q1": round(q[0], 2), "q3": round(q[2], 2)}
+
+
+def main() -> int:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    from kvdoctor.probe import hotpath, runtime
+
+    times: dict[str, dict[str, list[float]]] = {m: {"alloc": [], "free": []} for m in ("off", "driver", "c")}
+    launches = {"driver": 0, "c": 0}
+    for _ in range(rounds):
+        for mode in ("off", "driver", "c"):
+            if mode != "off":
+                os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode
+                runtime.activate(None)
+            before = hotpath.NATIVE.stats()["device_launches"]
+            a, f = arm(torch, TokenToKVPoolAllocator, pairs)
+            times[mode]["alloc"] += a[pairs // 10 :]  # the first tenth is warm-up
+            times[mode]["free"] += f[pairs // 10 :]
+            if mode != "off":
+                launches[mode] += hotpath.NATIVE.stats()["device_launches"] - before
+                runtime.deactivate()
+    out = {
+        "gpu": torch.cuda.get_device_name(),
+        "rounds": rounds,
+        "pairs": pairs,
+        "host_us": {m: {k: summary(v) for k, v in ops.items()} for m, ops in times.items()},
+        "c_launches": launches,
+    }
+    for mode in ("driver", "c"):
+        out[f"{mode}_added_us"] = {
+            k: round(out["host_us"][mode][k]["median"] - out["host_us"]["off"][k]["median"], 2) for k in ("alloc", "free")
+        }
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The GPU ledger's C fast path (csrc/launch.c, device_update) against its Python path, on SGLang's
+real `TokenToKVPoolAllocator`, with no GPU: what each path would hand the CUDA driver is recorded
+instead of launched, and compared call by call.
+
+The ledger is the GPU one (torch arrays, the Triton kernels' path) on CPU tensors. What needs a GPU
+is stood in for, only that: `kernel[grid]`'s first call per compiled kernel compiles it for an
+H100 with the installed Triton (the parameters the driver launch packs are that kernel's own) and
+returns it with a made-up handle; the driver launch is a recorder on both paths (Python's
+`CompiledLaunch.driver`, C's `launch_record`); the current stream is a fixed handle. The ledger's
+values do not change (no kernel runs): the comparison is of launches, every parameter of them.
+
+Prints `RESULT {json}`: per step, which path launched what, and the Python path's launch for the
+same call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ["KVDOCTOR_LEDGER_KERNELS"] = "1"  # the kernels' path on a torch ledger, though on CPU tensors
+os.environ["KVDOCTOR_LEDGER_LAUNCH"] = "direct"  # the driver launch on the installed Triton too
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvdoctor.probe.ledger import arrays, kernels, launch, slots  # noqa: E402
+
+STREAM = 0x5000
+FIRST: list = []  # first calls per compiled kernel (through `kernel[grid]`, the Python path)
+PY: list = []  # the Python path's driver launches
+C: list = []  # the C fast path's
+TRITON: list = []  # launches through Triton's own launcher (a launch hook set)
+_TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8"}
+
+
+class CompileOnly:
+    """`kernel[grid](*args, **constants)` where no GPU is: the kernel compiled for an H100 by the
+    installed Triton, returned with a made-up handle; nothing runs."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.arg_names = fn.arg_names
+
+    def __getitem__(self, grid):
+        def first_call(*args, **constants):
+            names = self.fn.arg_names
+            signature = {}
+            for name, arg in zip(names, [*args, *constants.values()], strict=True):
+                signature[name] = "constexpr" if name in constants else _TYPES[arg.dtype] if hasattr(arg, "dtype") else "i32"
+            src = ASTSource(fn=self.fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            handle = 0x1000 + 0x10 * len(FIRST)
+            FIRST.append({"function": handle, "grid": grid[0], "n": int(args[1])})
+
+            def run(*a):
+                TRITON.append({"function": a[4], "grid": a[0]})
+
+            return types.SimpleNamespace(
+                function=handle,
+                metadata=compiled.metadata,
+                src=compiled.src,
+                packed_metadata=None,
+                launch_metadata=lambda *a: None,
+                run=run,
+            )
+
+        return first_call
+
+
+def recorder(function, grid, block, shared, stream, kinds, *values):
+    PY.append([function, grid, block, shared, stream, list(values)])
+    return 0
+
+
+original_init = kernels.LedgerKernels.__init__
+
+
+def stood_in(self, ledger) -> None:
+    original_init(self, ledger)
+    for one in self.launchers():
+        one.fn = CompileOnly(one.fn)
+        if one.driver is not None:
+            one.driver = recorder
+
+
+kernels.LedgerKernels.__init__ = stood_in
+slots.arrays_for = lambda device: arrays.DeviceArrays("cpu")
+launch._raw_stream = lambda: lambda device: STREAM + device
+
+
+def main() -> int:
+    trace = sys.argv[1]
+    from kvdoctor.probe import hotpath, runtime
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    probe = runtime.activate(trace)
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    hotpath.NATIVE.launch_record(C)
+    allocator = TokenToKVPoolAllocator(4096, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+    steps = []
+
+    def step(name, call):
+        before = (len(FIRST), len(PY), len(C), len(TRITON))
+        out = call()
+        steps.append(
+            {"name": name, "first": FIRST[before[0] :], "python": PY[before[1] :], "c": C[before[2] :], "triton": TRITON[before[3] :]}
+        )
+        return out
+
+    def python_path_of(last_c, index, op, **rule):
+        """The Python ledger path's launch for the same call (its kernels, its driver launch)."""
+        ledger = sglang_state(probe).ledger_for(allocator)
+        site = last_c[5][-1]
+        mark = len(PY)
+        if op == "alloc":
+            ledger.kernels.alloc(ledger.kernels.index(index), site, False)
+        else:
+            ledger.kernels.free(ledger.kernels.index(index), site, rule.get("evicting", False), False)
+        return PY[mark:]
+
+    a = step("alloc 8, first", lambda: allocator.alloc(8))
+    b = step("alloc 8", lambda: allocator.alloc(8))
+    steps[-1]["python_same_call"] = python_path_of(steps[-1]["c"][0], b, "alloc") if steps[-1]["c"] else []
+    step("free 8, first", lambda: allocator.free(a))
+    c = step("alloc 16", lambda: allocator.alloc(16))
+    step("free 8", lambda: allocator.free(b))
+    steps[-1]["python_same_call"] = python_path_of(steps[-1]["c"][0], b, "free") if steps[-1]["c"] else []
+    wide = c.clone()
+    step("free int32, first", lambda: allocator.free(wide[:8].to(torch.int32)))
+    narrow = wide[8:].to(torch.int32)
+    step("free int32", lambda: allocator.free(narrow))
+    steps[-1]["python_same_call"] = python_path_of(steps[-1]["c"][0], narrow, "free") if steps[-1]["c"] else []
+    d = step("alloc 8 again", lambda: allocator.alloc(8))
+    step("free unaligned, first", lambda: allocator.free(d[1:4]))
+    tail = d[5:8]
+    step("free unaligned", lambda: allocator.free(tail))
+    steps[-1]["python_same_call"] = python_path_of(steps[-1]["c"][0], tail, "free") if steps[-1]["c"] else []
+    step("free empty", lambda: allocator.free(d[:0]))
+    big = step("alloc 600 (more than a block)", lambda: allocator.alloc(600))
+    step("free 600", lambda: allocator.free(big))
+    from triton import knobs
+
+    hook = lambda *a: None
+    knobs.runtime.launch_enter_hook.add(hook)
+    e = step("alloc 8, a launch hook set", lambda: allocator.alloc(8))
+    e = e.clone()
+    knobs.runtime.launch_enter_hook.remove(hook)
+    sites = {s["name"]: probe.sites.name(s["c"][0][5][-1]) for s in steps if s["c"]}
+    stats = hotpath.NATIVE.stats()
+    ledger = sglang_state(probe).ledger_for(allocator)
+    pointers = {"state": ledger.state.data_ptr(), "owner": ledger.owner.data_ptr(), "alloc_site": ledger.alloc_site.data_ptr()}
+    available = allocator.available_size()
+    hotpath.NATIVE.fail_after(hotpath.KINDS["free"])
+    step("free 8, failing after the host's call", lambda: allocator.free(e))
+    hotpath.NATIVE.fail_after(-1)
+    hotpath.NATIVE.launch_record(None)
+    result = {
+        "steps": steps,
+        "sites": sites,
+        "device_launches": stats["device_launches"],
+        "pointers": pointers,
+        "freed_by_the_host": allocator.available_size() - available,
+        "probe_on_after_failure": probe.ledger_on,
+        "off_reason": probe.off_reason,
+    }
+    runtime.deactivate()
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
