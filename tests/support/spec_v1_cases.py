@@ -105,6 +105,22 @@ def _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, steps, page_s
         out_cache_loc[at : at + steps] = table[row : row + steps].clone().to(out_cache_loc.dtype)
 
 
+def _draft_rows(
+    grid, req_to_token, req_pool_indices, seq_lens, extend_lens, num_new_pages_per_topk, out_cache_loc, pool_len, topk, steps, page_size
+):
+    """Both releases' program loop: Part 1 for each program, then (where a row has top-k pages)
+    yields `(pid, table, layout)` for the release's own Part 2, then Part 3."""
+    table = req_to_token.view(-1)
+    for pid in range(grid[0]):
+        layout = _draft_row(
+            pid, table, req_pool_indices, seq_lens, extend_lens, num_new_pages_per_topk, out_cache_loc, pool_len, topk, steps, page_size
+        )
+        if layout is None:
+            continue
+        yield pid, table, layout
+        _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, steps, page_size)
+
+
 def assign_draft_cache_locs(
     grid,
     req_pool_indices,
@@ -124,23 +140,20 @@ def assign_draft_cache_locs(
     bs_upper,
     iter_upper,
 ):
-    table = req_to_token.view(-1)
-    for pid in range(grid[0]):
-        row = (
-            req_pool_indices,
-            seq_lens,
-            extend_lens,
-            num_new_pages_per_topk,
-            out_cache_loc,
-            pool_len,
-            topk,
-            speculative_num_steps,
-            page_size,
-        )
-        layout = _draft_row(pid, table, *row)
-        if layout is None:
-            continue
-        prefix_base, last_page_len, pages = layout
+    rows = _draft_rows(
+        grid,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        num_new_pages_per_topk,
+        out_cache_loc,
+        pool_len,
+        topk,
+        speculative_num_steps,
+        page_size,
+    )
+    for pid, table, (prefix_base, last_page_len, pages) in rows:
         if duplicate_cache_len > 0:
             # Part 2: the last partial page's slots, to copy into each other top-k's first page
             cum = int(last_page_lens_cumsum[pid])
@@ -149,8 +162,7 @@ def assign_draft_cache_locs(
                 source_cache_loc[at : at + last_page_len] = table[prefix_base : prefix_base + last_page_len]
                 tgt = prefix_base + topk_id * pages * page_size
                 target_cache_loc[at : at + last_page_len] = table[tgt : tgt + last_page_len]
-        # (the kernel's Part 3 runs whether or not anything was duplicated)
-        _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, speculative_num_steps, page_size)
+        # (the kernel's Part 3, in _draft_rows, runs whether or not anything was duplicated)
 
 
 def assign_draft_cache_locs_0555(
@@ -170,27 +182,23 @@ def assign_draft_cache_locs_0555(
 ):
     """0.5.5.post1's `assign_draft_cache_locs`: no duplication lists; at top-k > 1 its Part 2 copies the
     last partial page's slot numbers into each top-k's first page of the row."""
-    table = req_to_token.view(-1)
-    for pid in range(grid[0]):
-        row = (
-            req_pool_indices,
-            seq_lens,
-            extend_lens,
-            num_new_pages_per_topk,
-            out_cache_loc,
-            pool_len,
-            topk,
-            speculative_num_steps,
-            page_size,
-        )
-        layout = _draft_row(pid, table, *row)
-        if layout is None:
-            continue
-        prefix_base, last_page_len, pages = layout
+    rows = _draft_rows(
+        grid,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        num_new_pages_per_topk,
+        out_cache_loc,
+        pool_len,
+        topk,
+        speculative_num_steps,
+        page_size,
+    )
+    for _pid, table, (prefix_base, last_page_len, pages) in rows:
         for topk_id in range(topk):
             at = prefix_base + topk_id * pages * page_size
             table[at : at + last_page_len] = table[prefix_base : prefix_base + last_page_len].clone()
-        _draft_slots_to_front(pid, table, out_cache_loc, layout, topk, speculative_num_steps, page_size)
 
 
 def align_evict_mask_to_page_size(grid, seq_lens, evict_mask, page_size, num_draft_tokens, block_size):

@@ -207,8 +207,9 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
         return result;
     }
     int evicting = this_thread.evicting > 0;
+    int site = -1; /* the call site: a device ledger's kernel records it; else only a violation needs it */
     if (d != NULL) {
-        int site = current_site();
+        site = current_site();
         if (site < 0)
             goto failed;
         int launched = device_update(d, DEVICE_RULE_FREE(self->as_pages, evicting), index, site);
@@ -248,8 +249,7 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
             goto done;
     }
     {
-        int site = current_site();
-        if (site < 0)
+        if (site < 0 && (site = current_site()) < 0)
             goto failed;
         PyObject *site_obj = PyLong_FromLong(site);
         PyObject *kw = Py_BuildValue("(OO)", S_evicting, S_as_pages);

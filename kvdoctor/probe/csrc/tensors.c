@@ -94,28 +94,40 @@ contiguous_count(const int64_t *shape, const int64_t *strides, int64_t ndim, Py_
     return 1;
 }
 
+static int
+is_index_dtype(const DlTensor *d, int bits)
+{
+    return d->dtype.code == DL_INT && d->dtype.lanes == 1 && d->dtype.bits == bits;
+}
+
+/* What DLPack says of an index tensor, on any device: 1 contiguous 32- or 64-bit integers (`d`, `n`
+ * set), 0 not that, -1 with an error set where torch declines the tensor. No value is read. */
+static int
+dl_index(PyObject *t, DlTensor *d, Py_ssize_t *n)
+{
+    if (dl_read(t, d) != 0)
+        return -1;
+    if (!(is_index_dtype(d, 64) || is_index_dtype(d, 32)) || d->ndim < 0)
+        return 0;
+    return contiguous_count(d->shape, d->strides, d->ndim, n);
+}
+
 /* read_ints through DLPack: the same answers as torch's getters below (the tests compare them),
  * -1 with an error set where torch declines the tensor. */
 static int
 read_ints_dlpack(PyObject *t, Ints *out)
 {
     DlTensor d;
-    if (dl_read(t, &d) != 0)
-        return -1;
-    int host =
-        d.device.device_type == DL_CPU || d.device.device_type == DL_CUDA_HOST || d.device.device_type == DL_ROCM_HOST;
-    if (!host || d.dtype.code != DL_INT || d.dtype.lanes != 1 || (d.dtype.bits != 64 && d.dtype.bits != 32) ||
-        d.ndim < 0)
-        return 0;
     Py_ssize_t n;
-    int contiguous = contiguous_count(d.shape, d.strides, d.ndim, &n);
-    int itemsize = d.dtype.bits / 8;
+    int rc = dl_index(t, &d, &n);
+    if (rc <= 0)
+        return rc;
+    if (d.device.device_type != DL_CPU && d.device.device_type != DL_CUDA_HOST && d.device.device_type != DL_ROCM_HOST)
+        return 0;
     out->n = n;
-    out->itemsize = itemsize;
+    out->itemsize = d.dtype.bits / 8;
     if (n == 0)
         return 1;
-    if (!contiguous)
-        return 0;
     const char *ptr = (const char *)d.data + d.byte_offset;
     if (ptr == NULL)
         return 0;
@@ -297,12 +309,6 @@ only_offset(const Sample *s, int n, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t ste
         }
     }
     return found;
-}
-
-static int
-is_index_dtype(const DlTensor *d, int bits)
-{
-    return d->dtype.code == DL_INT && d->dtype.lanes == 1 && d->dtype.bits == bits;
 }
 
 static int
@@ -589,14 +595,10 @@ read_device_ints(PyObject *t, int device_type, int device_id, const void **data,
     if (dl_read == NULL || H.tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)H.tensor_type)
         return 0;
     DlTensor d;
-    if (dl_read(t, &d) != 0) {
+    int rc = dl_index(t, &d, n);
+    if (rc < 0)
         PyErr_Clear();
-        return 0;
-    }
-    if (d.device.device_type != device_type || d.device.device_id != device_id || d.dtype.code != DL_INT ||
-        d.dtype.lanes != 1 || (d.dtype.bits != 64 && d.dtype.bits != 32) || d.ndim < 0)
-        return 0;
-    if (!contiguous_count(d.shape, d.strides, d.ndim, n))
+    if (rc <= 0 || d.device.device_type != device_type || d.device.device_id != device_id)
         return 0;
     *itemsize = d.dtype.bits / 8;
     *data = (const char *)d.data + d.byte_offset;
