@@ -38,7 +38,9 @@ needs_sglang = pytest.mark.usefixtures("needs_sglang_server")
 needs_vllm = pytest.mark.skipif(bool(vllm_server.available()), reason=vllm_server.available() or "ok")
 
 PROMPTS = 40
-CPU_SERVER_FLAGS = "--device cpu --max-total-tokens 16384 --mem-fraction-static 0.05 --sleep-on-idle --log-level warning"
+CPU_SERVER_FLAGS = (
+    f"--device cpu --max-total-tokens 16384 --mem-fraction-static {sglang_server.MEM_FRACTION} --sleep-on-idle --log-level warning"
+)
 
 
 def _run(workdir: str, *, fault: str = "", baseline: str = "") -> dict:

@@ -32,7 +32,12 @@ FAULT_DIR = os.path.join(SUPPORT, "sglang_fault")
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-model")
 SWA_MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-swa-model")  # made on first use (a sliding-window Mellum)
-BASE_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--mem-fraction-static", "0.05", "--sleep-on-idle", "--log-level", "warning"]
+# The pool is sized by --max-total-tokens (every server here passes it). SGLang's CPU profile counts
+# the host's available memory before and after loading the weights, so a server or model another
+# test loads meanwhile counts as weights: at 0.05 a concurrent 1.1 GB made a start fail ("Loaded
+# weights leave no GPU memory for the KV cache"). 0.25 leaves room for that; the pool is the same.
+MEM_FRACTION = "0.25"
+BASE_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--mem-fraction-static", MEM_FRACTION, "--sleep-on-idle", "--log-level", "warning"]
 
 
 @functools.cache
