@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvdoctor.probe.objects import instance_items
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -75,15 +76,13 @@ def walk_sizes(root: Any, package: str) -> dict[str, int]:
 
 
 def _attributes(obj: Any) -> list[tuple[str, Any]]:
-    """The instance's own attributes: its `__dict__` (a copy, taken under the GIL in one C call)
-    and its `__slots__`; nothing that runs the engine's code."""
+    """The instance's own attributes (read by name, without CPython building its `__dict__`: see
+    objects.py) and its `__slots__`; nothing that runs the engine's code."""
     found: list[tuple[str, Any]] = []
     try:
-        own = object.__getattribute__(obj, "__dict__")
+        found.extend(instance_items(obj))
     except Exception:
-        own = None
-    if isinstance(own, dict):
-        found.extend(dict(own).items())
+        pass
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:

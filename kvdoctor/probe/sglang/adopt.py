@@ -180,13 +180,12 @@ def find_holders(allocator: Any, tree_classes: set[str], index_attr: str) -> Hol
 
     def look_at(obj: Any) -> None:
         name = type(obj).__name__
-        attrs = objects.instance_dict(obj)
-        if attrs is not None and attrs.get(ALLOCATOR_ATTR) is allocator:
+        if objects.own(obj, ALLOCATOR_ATTR) is allocator:
             if name in tree_classes:
                 out.add_tree(obj)
             else:
                 out.add_holder(obj)
-        elif name.endswith(REQUEST_CLASS_SUFFIXES) and attrs is not None:
+        elif name.endswith(REQUEST_CLASS_SUFFIXES) and objects.has_attributes(obj):
             out.add_request(obj, index_attr, length_attr)
 
     for obj in gc.get_objects():
@@ -273,8 +272,7 @@ def _children(obj: Any) -> list[Any]:
             return list(obj)
         if isinstance(obj, dict):
             return list(obj.values())
-        attrs = objects.instance_dict(obj)
-        return list(attrs.values()) if attrs is not None else []
+        return [value for _, value in objects.instance_items(obj)]
     except Exception:  # a container changed while read (another thread): skip it
         return []
 

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from kvdoctor.probe.objects import instance_dict, own, own_slot
+from kvdoctor.probe.objects import instance_items, own, own_slot
 
 MAX_FRAMES = 64
 MAX_SPECULATIVE_SEEKS = 8  # allocations whose callers are searched for the engine's speculative algorithm
@@ -200,9 +200,8 @@ def values(obj: Any) -> list[Any]:
 
 
 def values_by_name(obj: Any) -> list[tuple[str, Any]]:
-    """An object's instance attributes with their names (no property runs)."""
-    attrs = instance_dict(obj)
-    return list(attrs.items()) if attrs is not None else []
+    """An object's instance attributes with their names (no property runs, no `__dict__` built)."""
+    return instance_items(obj)
 
 
 def is_hook(function: Any) -> bool:
