@@ -1,5 +1,7 @@
 """Probe cost on SGLang's real allocator + radix tree multi-turn workload (CPU: no model work to
-hide behind, the worst case). Four arms, each in its own fresh interpreter, alternating within
+hide behind, the worst case), in two shapes: the allocator loop (17 decode allocations and 18 row
+writes a request) and a tree-heavy loop (short answers on a small pool: 3 allocations a request,
+and an insert and 0.8 evictions each, so the tree's calls are 13 % of the hooked calls, not 4 %). Four arms, each in its own fresh interpreter, alternating within
 one run: no probe; a bare pass-through wrapper on exactly the methods the probe hooks (the floor:
 what any wrapper costs); the probe with its compiled hot path; the probe in pure Python
 (KVDOCTOR_HOTPATH=0, the fallback where the extension is not built). Ratios are minimum over
@@ -18,13 +20,13 @@ import tempfile
 ARM = r"""
 import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
-arm, page_size, trace, repeats = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+arm, page_size, trace, repeats, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 probe = None
 if arm != "off":
     from kvdoctor.probe import hotpath, runtime
     probe = runtime.activate(trace)
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
-cfg = WorkloadConfig(page_size=page_size, conversations=32, turns=6, pool_tokens=4096)
+cfg = WorkloadConfig(page_size=page_size, **shape)
 if arm == "bare":
     # the same methods, each behind a pass-through wrapper that only calls the original
     import functools, importlib
@@ -56,29 +58,37 @@ if probe is not None:
 print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls, "compiled": compiled}))
 """
 
+# name -> WorkloadConfig fields; the report's keys are page_size_N (the first) and NAME_page_size_N
+SHAPES = {
+    "allocator_loop": {"conversations": 32, "turns": 6, "pool_tokens": 4096},
+    "tree_heavy": {"conversations": 64, "turns": 3, "output_tokens": 2, "batch": 4, "pool_tokens": 2048},
+}
 ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_HOTPATH": "1"}, "python": {"KVDOCTOR_HOTPATH": "0"}}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arms import rounds_parser, run_arm  # noqa: E402
 
 
-def probe_arm(arm: str, page_size: int, repeats: int, trace: str) -> dict:
+def probe_arm(arm: str, page_size: int, repeats: int, trace: str, shape: str) -> dict:
     env = dict(os.environ, **ARMS[arm])
-    return run_arm([sys.executable, "-c", ARM, arm, str(page_size), trace, str(repeats)], env=env)
+    return run_arm([sys.executable, "-c", ARM, arm, str(page_size), trace, str(repeats), json.dumps(SHAPES[shape])], env=env)
 
 
 def main() -> None:
-    args = rounds_parser().parse_args()
+    parser = rounds_parser()
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    args = parser.parse_args()
     report: dict = {}
     tmp = tempfile.mkdtemp()
-    for page_size in (1, 4):
+    first = next(iter(SHAPES))
+    for shape, page_size in [(s, p) for s in args.shapes.split(",") for p in (1, 4)]:
         times: dict[str, list[float]] = {arm: [] for arm in ARMS}
         paired: list[float] = []  # per round: its compiled minimum over its unprobed minimum
         calls, compiled = 0, None
         for r in range(args.rounds):
             best_in_round = {}
             for arm in ARMS:
-                result = probe_arm(arm, page_size, args.repeats, os.path.join(tmp, f"p{page_size}-{arm}-{r}.json"))
+                result = probe_arm(arm, page_size, args.repeats, os.path.join(tmp, f"{shape}-p{page_size}-{arm}-{r}.json"), shape)
                 times[arm] += result["times_s"]
                 best_in_round[arm] = min(result["times_s"])
                 if arm == "compiled":
@@ -88,7 +98,8 @@ def main() -> None:
         best = {arm: min(t) for arm, t in times.items()}
         median = {arm: statistics.median(t) for arm, t in times.items()}
         off = best["off"]
-        report[f"page_size_{page_size}"] = {
+        report[f"page_size_{page_size}" if shape == first else f"{shape}_page_size_{page_size}"] = {
+            "shape": shape,
             "loop_s_min": {arm: round(v, 5) for arm, v in best.items()},
             "loop_s_median": {arm: round(v, 5) for arm, v in median.items()},
             "ratio": round(best["compiled"] / off, 3),

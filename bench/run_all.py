@@ -70,9 +70,9 @@ def main() -> None:
     print(f"\nwritten: {os.path.relpath(path, ROOT)}")
 
 
-def _probe_rows(page_size: int, p: dict) -> list[tuple[str, str, str]]:
+def _probe_rows(page_size: int, p: dict, loop: str = "allocator + tree loop") -> list[tuple[str, str, str]]:
     """The probe's ratio with the floor beside it: a bare pass-through wrapper on the same methods."""
-    name = f"probe cost, allocator + tree loop, page_size {page_size} (CPU)"
+    name = f"probe cost, {loop}, page_size {page_size} (CPU)"
     measured = f"{p['ratio']}x ({p['cost_per_hooked_call_us']} us/hooked call"
     measured += f"; rounds' own ratios, median {p['ratio_paired_median']}x)" if "ratio_paired_median" in p else ")"
     if "floor_ratio_bare_wrapper" not in p:
@@ -90,9 +90,16 @@ def table(r: dict) -> str:
     mem = r["probe_memory"]
     rep = r["replay"]
     watch = r["watch"]
+    tree_heavy = [
+        row
+        for ps in (1, 4)
+        if f"tree_heavy_page_size_{ps}" in r["probe_cost_cpu"]
+        for row in _probe_rows(ps, r["probe_cost_cpu"][f"tree_heavy_page_size_{ps}"], "tree-heavy loop")
+    ]
     rows = [
         *_probe_rows(1, p1),
         *_probe_rows(4, p4),
+        *tree_heavy,
         ("anchor: tracemalloc on the same loop", f"{anchors['tracemalloc']['ratio']}x", "-"),
         (
             "anchor: memray on the same loop",
