@@ -14,11 +14,13 @@ its class's code stores, checked against what the collector sees the object hold
 
 from __future__ import annotations
 
+import dis
 import gc
 import types
 from typing import Any
 
 _MISSING = object()
+_HOOK_MODULE = "kvdoctor.probe._hotpath"  # the compiled hook's type, which keeps the original as __wrapped__
 _NAMES_CACHE_MAX = 512  # classes whose attribute names were learned (a server has a few dozen)
 _names_of_class: dict[type, tuple[tuple[str, Any], ...]] = {}
 
@@ -95,22 +97,45 @@ def own(obj: Any, name: str) -> Any:
     return None if value is _MISSING else value
 
 
+def _codes(member: Any) -> list[types.CodeType]:
+    """The code of a class member that is a function: a method, a classmethod or staticmethod, a
+    property's accessors, and what a hook or a functools.wraps wrapper wraps. Only CPython's own
+    function types and the probe's compiled hook are looked into: reading an attribute of anything
+    else could run the host's code."""
+    parts: list[Any]
+    if isinstance(member, property):
+        parts = [member.fget, member.fset, member.fdel]
+    elif isinstance(member, (classmethod, staticmethod)):
+        parts = [member.__func__]
+    else:
+        parts = [member]
+    codes: list[types.CodeType] = []
+    for function in parts:
+        for _ in range(8):  # wrappers of wrappers, bounded
+            if type(function) is types.FunctionType:
+                codes.append(function.__code__)
+                function = function.__dict__.get("__wrapped__")
+            elif type(function).__qualname__ == "Hooked" and type(function).__module__ == _HOOK_MODULE:
+                function = function.__wrapped__
+            else:
+                break
+    return codes
+
+
 def _stored_names(cls: type) -> tuple[tuple[str, Any], ...]:
-    """The names the code of `cls` and its bases may store on an instance (their functions' names,
-    nested functions included), each with what the class holds under it (_MISSING: nothing), slots
-    left out: where an object's attributes are looked for, by name."""
+    """The attribute names the code of `cls` and its bases stores (`x.name = ...` in any of their
+    functions, nested ones included), each with what the class holds under it (_MISSING: nothing),
+    slots left out: where an object's attributes are looked for, by name."""
     names = _names_of_class.get(cls)
     if names is not None:
         return names
     found: dict[str, None] = {}
     for klass in cls.__mro__:
         for member in list(vars(klass).values()):
-            function = getattr(member, "__func__", member)  # classmethods and staticmethods too
-            code = getattr(function, "__code__", None)
-            stack = [code] if isinstance(code, types.CodeType) else []
+            stack = _codes(member)
             while stack:
                 code = stack.pop()
-                found.update(dict.fromkeys(code.co_names))
+                found.update(dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"))
                 stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     declared = ((name, _class_attribute(cls, name)) for name in found)
     names = tuple((name, d) for name, d in declared if not isinstance(d, types.MemberDescriptorType))
@@ -122,9 +147,10 @@ def _stored_names(cls: type) -> tuple[tuple[str, Any], ...]:
 
 def instance_items(obj: Any) -> list[tuple[str, Any]]:
     """An object's instance attributes with their names (no property runs), without building its
-    `__dict__` where its class's code names every attribute it holds: the names are read one by
+    `__dict__` where its class's code stores every attribute it holds: the names are read one by
     one, and kept only if the collector finds each value among what the object holds, as many as
-    it holds. Otherwise (an attribute set from outside its class) its `__dict__`, as before."""
+    it holds (in the order it holds them, which is the dict's). Otherwise (an attribute set from
+    outside its class, or by `setattr`) its `__dict__`, as before."""
     if not _plain(obj):
         return []
     cls = type(obj)
@@ -132,16 +158,18 @@ def instance_items(obj: Any) -> list[tuple[str, Any]]:
     built = _built_dict(obj, held)
     if built is not None:
         return list(built.items())
-    if held:
-        found = []
-        for name, declared in _stored_names(cls):
-            value = _read(obj, name, declared)
-            if value is not _MISSING:
-                found.append((name, value))
-        if len(found) == len(held) and all(any(v is h for h in held) for _, v in found):
-            return found
-    else:
+    if not held:
         return []
+    found = []
+    for name, declared in _stored_names(cls):
+        value = _read(obj, name, declared)
+        if value is not _MISSING:
+            found.append((name, value))
+            if len(found) == len(held):  # each value is one reference the object holds: no more to find
+                break
+    places = [next((i for i, h in enumerate(held) if h is v), -1) for _, v in found]
+    if len(found) == len(held) and -1 not in places:
+        return [item for _, item in sorted(zip(places, found, strict=True), key=lambda pair: pair[0])]  # in the order CPython keeps
     attrs = instance_dict(obj)
     return list(attrs.items()) if attrs is not None else []
 

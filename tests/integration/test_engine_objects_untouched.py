@@ -84,6 +84,14 @@ def test_an_attach_that_searches_the_heap_leaves_requests_and_holders_inline(tmp
     assert built == dict.fromkeys(built, False)
 
 
+def _passthrough(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
 class _Base:
     level = 0  # a class default an instance may shadow
 
@@ -125,4 +133,16 @@ def test_reads_by_name_run_no_host_code_and_match_vars():
     assert objects.instance_items(late) == list(vars(late).items())
 
     assert objects.instance_items(_Holder) == [] and objects.instance_items([1, 2]) == []
+
+    class Wrapped:  # a method behind a wrapper (a Python hook's, functools.wraps) stores an attribute
+        def __init__(self):
+            self.first = 1
+
+        def later(self):
+            self.second = 2
+
+    Wrapped.later = _passthrough(Wrapped.later)
+    wrapped = Wrapped()
+    wrapped.later()
+    assert objects.instance_items(wrapped) == [("first", 1), ("second", 2)] and not dict_built(wrapped)
     assert objects.has_attributes(holder) and not objects.has_attributes([1])
