@@ -13,12 +13,15 @@ import gc
 import sys
 
 import pytest
-import torch
+from conftest import SUPPORT
 
-from kvdoctor.demo.workload import Engine, Request, WorkloadConfig, run_workload
+from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
 from kvdoctor.probe import objects, runtime
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
+
+sys.path.insert(0, SUPPORT)
+from late_attach import attach_late, live_request
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="instances keep their attributes inline from CPython 3.11")
 
@@ -64,21 +67,9 @@ def test_an_attach_that_searches_the_heap_leaves_requests_and_holders_inline(tmp
     live requests: it finds them (its books verified) and builds none of their dicts."""
     engine = Engine(pool_tokens=4096, page_size=1)
     run_workload(WorkloadConfig(), engine=engine)  # no probe yet
-    req = Request("live-at-attach")
-    (row,) = engine.req_pool.alloc([req])
-    req.kv.req_pool_idx = row
-    slots = engine.allocator.alloc(24)
-    engine.req_pool.write((row, slice(0, 24)), slots.to(torch.int32))
-    req.kv.kv_allocated_len = 24
-    trace = tmp_path / "late.kvtrace.json"
-    probe = runtime.activate(str(trace))
-    try:
-        assert probe is not None
-        extra = engine.allocator.alloc(4)  # the first hooked call meets the allocator in use
-        engine.allocator.free(extra)
-    finally:
-        runtime.deactivate()
-    (adopted,) = [e.args for e in iter_events(str(trace)) if e.name == schema.PROBE_STATUS and e.args.get("adopted")]
+    req, _slots = live_request(engine, 24)
+    events = attach_late(engine, str(tmp_path / "late.kvtrace.json"))
+    (adopted,) = [e.args for e in events if e.name == schema.PROBE_STATUS and e.args.get("adopted")]
     assert adopted["live_requests"] == 1 and adopted["verified"], adopted
     built = {name: dict_built(o) for name, o in {**engine_objects(engine), "request": req, "its state": req.kv}.items()}
     assert built == dict.fromkeys(built, False)
