@@ -68,13 +68,11 @@ def _built_dict(obj: Any, held: list[Any]) -> dict[str, Any] | None:
     return instance_dict(obj) if len(held) == 1 and type(held[0]) is dict else None
 
 
-def _read(obj: Any, name: str, declared: Any = None) -> Any:
+def _read(obj: Any, name: str, declared: Any) -> Any:
     """The instance attribute `name` of a plain object, or _MISSING (`declared`: what its class
-    holds under that name, where the caller looked it up already). Where that is a descriptor
-    that is not a data descriptor (a method, a cached_property), the value is only in the instance
-    dict: read where CPython built one already, else taken as missing."""
-    if declared is None:
-        declared = _class_attribute(type(obj), name)
+    holds under that name, _MISSING for nothing). Where that is a descriptor that is not a data
+    descriptor (a method, a cached_property), the value is only in the instance dict: read where
+    CPython built one already, else taken as missing."""
     if declared is not _MISSING:
         kind = type(declared)
         if hasattr(kind, "__set__") or hasattr(kind, "__delete__"):
@@ -93,7 +91,7 @@ def own(obj: Any, name: str) -> Any:
     """An instance attribute, never a property or a class attribute (no host code runs)."""
     if not _plain(obj):
         return None
-    value = _read(obj, name)
+    value = _read(obj, name, _class_attribute(type(obj), name))
     return None if value is _MISSING else value
 
 
@@ -167,7 +165,8 @@ def instance_items(obj: Any) -> list[tuple[str, Any]]:
             found.append((name, value))
             if len(found) == len(held):  # each value is one reference the object holds: no more to find
                 break
-    places = [next((i for i, h in enumerate(held) if h is v), -1) for _, v in found]
+    first_place = {id(h): i for i, h in reversed(list(enumerate(held)))}
+    places = [first_place.get(id(v), -1) for _, v in found]
     if len(found) == len(held) and -1 not in places:
         return [item for _, item in sorted(zip(places, found, strict=True), key=lambda pair: pair[0])]  # in the order CPython keeps
     attrs = instance_dict(obj)

@@ -80,7 +80,7 @@ def part_name(allocator: Any) -> str:
         for holder in (obj, own(obj, "token_to_kv_pool_allocator")):
             if holder is None or holder is allocator:
                 continue
-            for key, value in values_by_name(holder):
+            for key, value in instance_items(holder):
                 if value is allocator and key not in ENGINE_ATTRS:  # the engine's own allocator is no part
                     return _part_label(key)
     return ""
@@ -196,12 +196,7 @@ def speculative_rows_unseen(algorithm: str | None, writers: list[str], launched_
 
 def values(obj: Any) -> list[Any]:
     """An object's instance attributes (no property runs)."""
-    return [value for _, value in values_by_name(obj)]
-
-
-def values_by_name(obj: Any) -> list[tuple[str, Any]]:
-    """An object's instance attributes with their names (no property runs, no `__dict__` built)."""
-    return instance_items(obj)
+    return [value for _, value in instance_items(obj)]
 
 
 def is_hook(function: Any) -> bool:
@@ -235,7 +230,7 @@ def describe(view: Any) -> dict[str, str]:
             continue
         out[attr] = type(obj).__name__
         if attr in ("token_to_kv_pool_allocator", "req_to_token_pool"):
-            for key, value in values_by_name(obj):
+            for key, value in instance_items(obj):
                 kind = type(value).__name__
                 if value is not obj and ("Allocator" in kind or (attr == "req_to_token_pool" and "Pool" in kind)):
                     out[f"{attr}.{key}"] = kind
