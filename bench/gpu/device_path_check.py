@@ -5,7 +5,10 @@ Two allocators in one process take the same seeded sequence of calls: the first 
 KVDOCTOR_LEDGER_LAUNCH=driver (every call on the Python path: its kernels launched through the
 driver from Python), the second with the C fast path on. Calls of one block or less, more than a
 block, int32 and unaligned index views, and faults (a double free, which SGLang's free list then
-hands out twice: double allocations follow). The loop runs under
+hands out twice: double allocations follow). Each allocation is written into a real
+`ReqToTokenPool` (the owner kernel): into one row, or a row per slot as a decode step writes, with
+int64 and int32 slots and rows that start unaligned; each allocator in turn is the one whose slots
+the request rows point at. The loop runs under
 torch.cuda.set_sync_debug_mode("error"). At the end (a sync is fine there) every array of the two
 ledgers is compared, and the counters named. Prints RESULT {json}.
 """
@@ -18,7 +21,20 @@ import random
 import sys
 
 
-def drive(allocator, torch, seed: int) -> int:
+def write(pool, out, rng, torch, table) -> int:
+    """The slots just allocated written into the request table, one of three ways."""
+    n = out.numel()
+    way = rng.choice(["one row", "one row int32", "rows", "int32 rows"])
+    if way.startswith("one row"):
+        pool.write((rng.randrange(64), slice(0, n)), out.to(torch.int32) if way == "one row int32" else out)
+    else:  # a batched write takes int32 slots, as SGLang's decode gives it
+        start = rng.randrange(64)  # rows and columns are views at any offset: aligned or not
+        rows = table["rows32" if way == "int32 rows" else "rows"][start : start + n]
+        pool.write((rows, table["columns"][start : start + n]), out.to(torch.int32))
+    return 1
+
+
+def drive(allocator, pool, torch, seed: int, table) -> int:
     rng = random.Random(seed)
     held: list = []
     freed_once = None
@@ -49,6 +65,7 @@ def drive(allocator, torch, seed: int) -> int:
             calls += 1
             if out is not None:
                 held.append(out)
+                calls += write(pool, out, rng, torch, table)
         if step == 300 and freed_once is not None:
             allocator.free(freed_once)  # a double free (SGLang's free list now holds these slots twice)
             calls += 1
@@ -65,6 +82,7 @@ def main() -> int:
     probe = runtime.activate(None)
     import torch
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from kvdoctor.probe.sglang.state import sglang_state
 
@@ -76,12 +94,18 @@ def main() -> int:
         os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode  # read when the allocator's ledger is made
         allocator = TokenToKVPoolAllocator(4096, dtype=torch.bfloat16, device=device, kvcache=None, need_sort=False)
         allocator.free(allocator.alloc(1))  # the ledger is made (and its kernels' first launch) here
+        state = sglang_state(probe)
+        state.primary = state.ledger_for(allocator)  # request rows point at this allocator's slots now
+        hotpath.set_primary(allocator)
+        pool = ReqToTokenPool(64, 1024, device, False)
+        rows = torch.arange(1300, device=device) % 64
+        table = {"rows": rows, "rows32": rows.to(torch.int32), "columns": torch.arange(1300, device=device) % 1024}
         torch.cuda.synchronize()
         launches0 = hotpath.NATIVE.stats()["device_launches"]
         err = None
         torch.cuda.set_sync_debug_mode("error")
         try:
-            calls = drive(allocator, torch, seed=7)
+            calls = drive(allocator, pool, torch, 7, table)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
             calls = -1

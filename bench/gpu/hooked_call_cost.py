@@ -1,5 +1,5 @@
-"""On the GPU: the host time of one hooked call, SGLang 0.5.9's real `TokenToKVPoolAllocator.alloc(32)`
-and its `free`, without the probe, with it on the Python path (its kernels launched through the
+"""On the GPU: the host time of one hooked call, SGLang 0.5.9's real `TokenToKVPoolAllocator.alloc(32)`,
+the decode step's batched `ReqToTokenPool.write` of those 32 slots (a row each) and the `free`, without the probe, with it on the Python path (its kernels launched through the
 driver from Python, KVDOCTOR_LEDGER_LAUNCH=driver) and with the C fast path (the default).
 
 graph_decode.py's host time per step includes the waits of a full launch queue whenever the GPU is
@@ -18,23 +18,33 @@ import sys
 import time
 
 
-def arm(torch, allocator_cls, pairs: int) -> tuple[list[float], list[float]]:
+def arm(torch, allocator_cls, pool_cls, pairs: int) -> dict[str, list[float]]:
     allocator = allocator_cls(65536, dtype=torch.bfloat16, device="cuda", kvcache=None, need_sort=False)
-    allocator.free(allocator.alloc(32))  # the ledger (if any) is made here, and its kernels compiled
+    pool = pool_cls(64, 4096, "cuda", False)
+    rows = torch.arange(32, device="cuda")
+    columns = torch.full((32,), 7, device="cuda")
+    first = allocator.alloc(32)  # the ledger (if any) is made here, and its kernels compiled
+    pool.write((rows, columns), first.to(torch.int32))
+    allocator.free(first)
     torch.cuda.synchronize()
-    allocs, frees = [], []
+    times: dict[str, list[float]] = {"alloc": [], "write": [], "free": []}
     clock = time.perf_counter
     for i in range(pairs):
         t0 = clock()
         out = allocator.alloc(32)
         t1 = clock()
-        allocator.free(out)
+        slots = out.to(torch.int32)  # as SGLang's decode does before its write; not timed
         t2 = clock()
-        allocs.append((t1 - t0) * 1e6)
-        frees.append((t2 - t1) * 1e6)
+        pool.write((rows, columns), slots)
+        t3 = clock()
+        allocator.free(out)
+        t4 = clock()
+        times["alloc"].append((t1 - t0) * 1e6)
+        times["write"].append((t3 - t2) * 1e6)
+        times["free"].append((t4 - t3) * 1e6)
         if i % 32 == 31:
             torch.cuda.synchronize()
-    return allocs, frees
+    return times
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -47,10 +57,12 @@ def main() -> int:
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     import torch
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from kvdoctor.probe import hotpath, runtime
 
-    times: dict[str, dict[str, list[float]]] = {m: {"alloc": [], "free": []} for m in ("off", "driver", "c")}
+    ops = ("alloc", "write", "free")
+    times: dict[str, dict[str, list[float]]] = {m: {op: [] for op in ops} for m in ("off", "driver", "c")}
     launches = {"driver": 0, "c": 0}
     for _ in range(rounds):
         for mode in ("off", "driver", "c"):
@@ -58,9 +70,8 @@ def main() -> int:
                 os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode
                 runtime.activate(None)
             before = hotpath.NATIVE.stats()["device_launches"]
-            a, f = arm(torch, TokenToKVPoolAllocator, pairs)
-            times[mode]["alloc"] += a[pairs // 10 :]  # the first tenth is warm-up
-            times[mode]["free"] += f[pairs // 10 :]
+            for op, values in arm(torch, TokenToKVPoolAllocator, ReqToTokenPool, pairs).items():
+                times[mode][op] += values[pairs // 10 :]  # the first tenth is warm-up
             if mode != "off":
                 launches[mode] += hotpath.NATIVE.stats()["device_launches"] - before
                 runtime.deactivate()
@@ -68,13 +79,11 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "rounds": rounds,
         "pairs": pairs,
-        "host_us": {m: {k: summary(v) for k, v in ops.items()} for m, ops in times.items()},
+        "host_us": {m: {k: summary(v) for k, v in by_op.items()} for m, by_op in times.items()},
         "c_launches": launches,
     }
     for mode in ("driver", "c"):
-        out[f"{mode}_added_us"] = {
-            k: round(out["host_us"][mode][k]["median"] - out["host_us"]["off"][k]["median"], 2) for k in ("alloc", "free")
-        }
+        out[f"{mode}_added_us"] = {k: round(out["host_us"][mode][k]["median"] - out["host_us"]["off"][k]["median"], 2) for k in ops}
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -25,13 +25,19 @@ pytestmark = pytest.mark.skipif(not hotpath.active(), reason="the compiled hot p
 CASES = os.path.join(SUPPORT, "device_fast_path_cases.py")
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    trace = str(tmp_path_factory.mktemp("device") / "trace.json")
-    proc = subprocess.run([sys.executable, CASES, trace], cwd=REPO, env=sglang_env("0.5.23"), capture_output=True, text=True, timeout=600)
+def run_cases(folder, *mode: str) -> dict:
+    trace = str(folder / "trace.json")
+    proc = subprocess.run(
+        [sys.executable, CASES, trace, *mode], cwd=REPO, env=sglang_env("0.5.23"), capture_output=True, text=True, timeout=600
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[0][len("RESULT ") :])
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = run_cases(tmp_path_factory.mktemp("device"))
     out["by_name"] = {s["name"]: s for s in out["steps"]}
     return out
 
@@ -84,10 +90,55 @@ def test_what_c_does_not_take_goes_to_the_python_path(result):
     hooked = steps["alloc 8, a launch hook set"]
     assert not hooked["c"] and not hooked["python"] and len(hooked["triton"]) == 1, hooked
     c_launches = sum(len(s["c"]) for s in result["steps"] if not s["name"].startswith("free 8, failing"))
-    assert result["device_launches"] == c_launches == 6
+    assert result["device_launches"] == c_launches == 14  # 6 allocs and frees, 4 more allocs, 4 request-table writes
 
 
 def test_a_failure_in_the_c_launch_turns_the_probe_off_and_spares_the_host(result):
     assert result["freed_by_the_host"] == 8
     assert result["probe_on_after_failure"] is False
     assert "fault injected into the free fast path" in result["off_reason"]
+
+
+# request-table writes: the owner kernel's first call, then a later call of the same plan
+WRITES = [
+    ("write one row, first", "write one row", 8),
+    ("write rows, first", "write rows", 4),
+    ("write int32 rows, first", "write int32 rows", 4),
+]
+
+
+@pytest.mark.parametrize("first,later,n", WRITES)
+def test_a_request_table_writes_owner_update_launches_from_c_after_its_first_call(result, first, later, n):
+    one, two = result["by_name"][first], result["by_name"][later]
+    assert len(one["first"]) == 1 and not one["c"] and not one["python"], one
+    assert len(two["c"]) == 1 and not two["python"] and not two["first"] and not two["triton"], two
+    function, grid, _block, _shared, stream, values = two["c"][0]
+    assert function == one["first"][0]["function"] and grid == 1 and stream == 0x5000
+    assert values[1] == n and values[3] == result["pointers"]["owner"]
+    assert two["python_same_call"] == two["c"], two
+
+
+def test_one_row_is_passed_as_its_number_and_rows_as_their_tensor(result):
+    steps = result["by_name"]
+    one = steps["write one row"]["c"][0][5]
+    assert one[4] == one[0] and one[5] == 1  # no rows' tensor: the slots in its place, and the row
+    rows = steps["write rows"]["c"][0][5]
+    assert rows[4] != rows[0] and rows[5] == 0
+    narrow = steps["write int32 rows"]["c"][0][5]
+    assert narrow[4] != rows[4] and narrow[0] == rows[0]
+    # one row, int64 rows and int32 rows: three compiled kernels
+    assert len(set(result["owner_first_handles"])) == 3
+
+
+def test_a_large_write_launches_one_program_a_block_and_a_mismatched_one_none(result):
+    big = result["by_name"]["write one row of 600 slots"]
+    assert [c[1] for c in big["c"]] == [2] and big["python_same_call"] == big["c"], big
+    other = result["by_name"]["write rows of another length"]
+    assert not any(other[k] for k in ("first", "python", "c", "triton")), other
+
+
+def test_a_failure_in_a_writes_c_path_turns_the_probe_off_and_spares_the_host(tmp_path):
+    out = run_cases(tmp_path, "write-failure")
+    assert out["c_launches"] == 1 and out["row_written"] is True
+    assert out["probe_on_after_failure"] is False
+    assert "fault injected into the" in out["off_reason"], out

@@ -95,6 +95,14 @@ slots.arrays_for = lambda device: arrays.DeviceArrays("cpu")
 launch._raw_stream = lambda: lambda device: STREAM + device
 
 
+def gpu_table_writes() -> None:
+    """The request pool's table is on the CPU here: its rows' extents, which the probe keeps for a
+    host table only, are not kept, as for a GPU table."""
+    from kvdoctor.probe.sglang import state
+
+    state.SglangState.note_row_write = lambda self, pool, rows, columns, values: None
+
+
 def main() -> int:
     trace = sys.argv[1]
     from kvdoctor.probe import hotpath, runtime
@@ -105,6 +113,8 @@ def main() -> int:
 
     hotpath.NATIVE.launch_record(C)
     allocator = TokenToKVPoolAllocator(4096, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
+    if sys.argv[2:] == ["write-failure"]:
+        return write_failure(probe, allocator)
     steps = []
 
     def step(name, call):
@@ -154,6 +164,7 @@ def main() -> int:
     e = e.clone()
     knobs.runtime.launch_enter_hook.remove(hook)
     sites = {s["name"]: probe.sites.name(s["c"][0][5][-1]) for s in steps if s["c"]}
+    request_table_writes(probe, allocator, step, steps)
     stats = hotpath.NATIVE.stats()
     ledger = sglang_state(probe).ledger_for(allocator)
     pointers = {"state": ledger.state.data_ptr(), "owner": ledger.owner.data_ptr(), "alloc_site": ledger.alloc_site.data_ptr()}
@@ -164,10 +175,76 @@ def main() -> int:
     hotpath.NATIVE.launch_record(None)
     result = {
         "steps": steps,
+        "owner_first_handles": [f["function"] for s in steps if s["name"].startswith("write") for f in s["first"]],
         "sites": sites,
         "device_launches": stats["device_launches"],
         "pointers": pointers,
         "freed_by_the_host": allocator.available_size() - available,
+        "probe_on_after_failure": probe.ledger_on,
+        "off_reason": probe.off_reason,
+    }
+    runtime.deactivate()
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+def request_table_writes(probe, allocator, step, steps) -> None:
+    """SGLang's `ReqToTokenPool.write`: one row (a prefill's) and a row per slot (a decode step's
+    batched write), each first through Python, then from C; beside each later call, the Python
+    path's owner launch for the same call."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    gpu_table_writes()
+    pool = ReqToTokenPool(8, 1024, "cpu", False)
+
+    def python_path_of(values, rows):
+        ledger = sglang_state(probe).ledger_for(allocator)
+        mark = len(PY)
+        ledger.kernels.owner(ledger.kernels.index(values), rows if isinstance(rows, int) else ledger.kernels.index(rows))
+        steps[-1]["python_same_call"] = PY[mark:]
+
+    first, later = (step("alloc for a write", lambda: allocator.alloc(8)).clone() for _ in range(2))
+    step("write one row, first", lambda: pool.write((0, slice(0, 8)), first))
+    step("write one row", lambda: pool.write((1, slice(0, 8)), later))
+    python_path_of(later, 1)
+    rows = torch.tensor([2, 3, 4, 5], dtype=torch.int64)
+    columns = torch.tensor([7, 7, 9, 9], dtype=torch.int64)
+    a, b = (step("alloc for a write", lambda: allocator.alloc(4)).to(torch.int32) for _ in range(2))
+    step("write rows, first", lambda: pool.write((rows, columns), a))
+    moved = rows + 1
+    step("write rows", lambda: pool.write((moved, columns), b))
+    python_path_of(b, moved)
+    narrow = rows.to(torch.int32)
+    step("write int32 rows, first", lambda: pool.write((narrow, columns), a))
+    step("write int32 rows", lambda: pool.write((narrow, columns), b))
+    python_path_of(b, narrow)
+    big = step("alloc for a write", lambda: allocator.alloc(600)).clone()
+    step("write one row of 600 slots", lambda: pool.write((6, slice(0, 600)), big))
+    python_path_of(big, 6)
+    # one row's tensor broadcast over three columns: the Python role names no owner then, nor does C
+    step("write rows of another length", lambda: pool.write((rows[:1], columns[:3]), b[:3]))
+
+
+def write_failure(probe, allocator) -> int:
+    """A failure in the C path of a request-table write, after the host's own write."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from kvdoctor.probe import hotpath, runtime
+
+    gpu_table_writes()
+    pool = ReqToTokenPool(8, 64, "cpu", False)
+    first, later = allocator.alloc(8).clone(), allocator.alloc(8).clone()
+    pool.write((0, slice(0, 8)), first)  # the owner kernel's first call: the Python path
+    hotpath.NATIVE.fail_after(hotpath.KINDS["req_write"])
+    launched = len(C)
+    pool.write((1, slice(0, 8)), later)
+    hotpath.NATIVE.fail_after(-1)
+    hotpath.NATIVE.launch_record(None)
+    result = {
+        "c_launches": len(C) - launched,
+        "row_written": pool.req_to_token[1, :8].tolist() == later.tolist(),
         "probe_on_after_failure": probe.ledger_on,
         "off_reason": probe.off_reason,
     }

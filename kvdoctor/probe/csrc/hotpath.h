@@ -263,6 +263,7 @@ typedef struct {
     Ledger ledgers[MAX_LEDGERS];
     int n_ledgers;
     Ledger *primary;
+    struct DeviceLedger *primary_device; /* the same, where the first allocator's ledger is a GPU one */
     Py_buffer b_extent;
     int64_t *extent;
     Py_ssize_t extent_n;
@@ -421,7 +422,12 @@ PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
  * tensor's width and alignment, as ledger/kernels.py's device_rule keys them. */
 #define DEVICE_RULE_ALLOC(page_starts) ((page_starts) ? 1 : 0)
 #define DEVICE_RULE_FREE(as_pages, evicting) (4 | ((as_pages) ? 2 : 0) | ((evicting) ? 1 : 0))
-#define DEVICE_PLAN_SLOTS 32
+/* The owner kernel's plans (req_to_token writes) come after the 32 alloc and free ones: 4 for a
+ * row given as one integer (the slots' width and alignment), 16 for rows given as a tensor (the
+ * slots', then the rows' width and alignment), as ledger/kernels.py's owner_slot keys them. */
+#define DEVICE_OWNER_SLOT(tensor, slots_bits, rows_bits) \
+    (32 + ((tensor) ? 4 + ((slots_bits) << 2 | (rows_bits)) : (slots_bits)))
+#define DEVICE_PLAN_SLOTS 52
 
 typedef struct {
     void *function; /* the compiled kernel (a CUfunction); NULL: none yet (the Python path compiles it) */
@@ -430,9 +436,10 @@ typedef struct {
     char kinds[DEVICE_MAX_PARAMS];
     uint64_t cells[DEVICE_MAX_PARAMS]; /* the fixed ones; the index, its count and the site per call */
     int at_index, at_count, at_site;
+    int at_rows; /* the owner kernel's: where the rows' address goes (at_site then holds the row); else -1 */
 } DevicePlan;
 
-typedef struct {
+typedef struct DeviceLedger {
     PyObject *allocator; /* strong: the key, compared by identity */
     PyObject *ledger;    /* the Python SlotLedger (its kernels' Python path, evidence) */
     PyObject *lock;
@@ -448,6 +455,17 @@ DeviceLedger *device_ledger_of(PyObject *allocator);
 /* The healthy case of a hooked call on a device ledger: its rule's kernel launched on the current
  * stream. 1 launched, 0 not taken here (the Python ledger method takes it), -1 an error (set). */
 int device_update(DeviceLedger *d, int rule, PyObject *index, int site);
+/* A req_to_token write's owner update: `values` the slots written, `rows` the rows' tensor or NULL
+ * for one row `row`. Both are read before the host's call (`device_owner_reads`: 1 they are the
+ * ledger's kind, 0 not, the Python role takes the call); `device_owner` after it, with the same
+ * answers as device_update. */
+typedef struct {
+    const void *slots, *rows;
+    Py_ssize_t n;
+    int slots_bits, rows_bits; /* width (8 bytes: 2) | 16-byte alignment (1) */
+} OwnerCall;
+int device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall *call);
+int device_owner(DeviceLedger *d, const OwnerCall *call, long row);
 void device_ledgers_release(void);
 unsigned long long device_launch_count(void);
 PyObject *m_register_device_ledger(PyObject *m, PyObject *a, PyObject *kw);

@@ -193,7 +193,7 @@ recorded_value(char kind, uint64_t cell)
 }
 
 static int
-record_launch(const DevicePlan *p, void *stream, const uint64_t *cells)
+record_launch(const DevicePlan *p, unsigned grid, void *stream, const uint64_t *cells)
 {
     PyObject *values = PyTuple_New(p->n);
     if (values == NULL)
@@ -206,13 +206,58 @@ record_launch(const DevicePlan *p, void *stream, const uint64_t *cells)
         }
         PyTuple_SET_ITEM(values, i, v);
     }
-    PyObject *entry = Py_BuildValue("(KiIIKN)", (unsigned long long)(uintptr_t)p->function, 1, p->block, p->shared,
+    PyObject *entry = Py_BuildValue("(KIIIKN)", (unsigned long long)(uintptr_t)p->function, grid, p->block, p->shared,
                                     (unsigned long long)(uintptr_t)stream, values);
     if (entry == NULL)
         return -1;
     int rc = PyList_Append(launch_record, entry);
     Py_DECREF(entry);
     return rc;
+}
+
+/* A plan's kernel launched on the current stream with this call's cells, under the ledger's lock
+ * (the Python path's launches take it too): 1 launched, 0 not (the Python path takes the call),
+ * -1 an error (set). */
+static int
+launch_plan(DeviceLedger *d, const DevicePlan *p, unsigned grid, uint64_t *cells)
+{
+    if (launch_record == NULL && d->device_type == DL_CPU_DEVICE)
+        return 0;
+    if (d->hooks != NULL && hooks_set(d->hooks))
+        return 0;
+    PyObject *s = PyObject_CallOneArg(d->stream_of, d->device_arg);
+    if (s == NULL)
+        return -1;
+    void *stream = PyLong_AsVoidPtr(s);
+    Py_DECREF(s);
+    if (stream == NULL && PyErr_Occurred())
+        return -1;
+    void *params[DEVICE_MAX_PARAMS];
+    for (int i = 0; i < p->n + 2; i++)
+        params[i] = &cells[i];
+    int taken = lock_enter(d->lock);
+    if (taken < 0)
+        return -1;
+    int rc;
+    if (launch_record != NULL) {
+        rc = record_launch(p, grid, stream, cells);
+        if (rc < 0) {
+            lock_leave(d->lock, taken);
+            return -1;
+        }
+    }
+    else {
+        cu_launch_kernel_t launch = driver_launch();
+        rc = launch == NULL ? -1 : launch(p->function, grid, 1, 1, p->block, 1, 1, p->shared, stream, params, NULL);
+    }
+    if (lock_leave(d->lock, taken) < 0)
+        return -1;
+    if (rc != 0) {
+        d->off = 1; /* refused, nothing launched: the Python path (Triton's launcher) from now on */
+        return 0;
+    }
+    device_launches++;
+    return 1;
 }
 
 int
@@ -233,49 +278,62 @@ device_update(DeviceLedger *d, int rule, PyObject *index, int site)
     const DevicePlan *p = &d->plans[(rule << 2) | ((itemsize == 8) << 1) | aligned];
     if (p->function == NULL)
         return 0;
-    if (launch_record == NULL && d->device_type == DL_CPU_DEVICE)
-        return 0;
-    if (d->hooks != NULL && hooks_set(d->hooks))
-        return 0;
-    PyObject *s = PyObject_CallOneArg(d->stream_of, d->device_arg);
-    if (s == NULL)
-        return -1;
-    void *stream = PyLong_AsVoidPtr(s);
-    Py_DECREF(s);
-    if (stream == NULL && PyErr_Occurred())
-        return -1;
     uint64_t cells[DEVICE_MAX_PARAMS];
-    void *params[DEVICE_MAX_PARAMS];
     memcpy(cells, p->cells, sizeof cells);
     cells[p->at_index] = (uint64_t)(uintptr_t)data;
     int32_t count = (int32_t)n, at = (int32_t)site;
     memcpy(&cells[p->at_count], &count, sizeof count);
     memcpy(&cells[p->at_site], &at, sizeof at);
-    for (int i = 0; i < p->n + 2; i++)
-        params[i] = &cells[i];
-    int taken = lock_enter(d->lock);
-    if (taken < 0)
-        return -1;
-    int rc;
-    if (launch_record != NULL) {
-        rc = record_launch(p, stream, cells);
-        if (rc < 0) {
-            lock_leave(d->lock, taken);
-            return -1;
-        }
-    }
-    else {
-        cu_launch_kernel_t launch = driver_launch();
-        rc = launch == NULL ? -1 : launch(p->function, 1, 1, 1, p->block, 1, 1, p->shared, stream, params, NULL);
-    }
-    if (lock_leave(d->lock, taken) < 0)
-        return -1;
-    if (rc != 0) {
-        d->off = 1; /* refused, nothing launched: the Python path (Triton's launcher) from now on */
+    return launch_plan(d, p, 1, cells);
+}
+
+/* One tensor of an owner update: its address and its width and alignment bits. */
+static int
+owner_read(DeviceLedger *d, PyObject *t, const void **data, Py_ssize_t *n, int *bits)
+{
+    int itemsize = 0;
+    if (!read_device_ints(t, d->device_type, d->device_id, data, n, &itemsize))
         return 0;
-    }
-    device_launches++;
+    *bits = ((itemsize == 8) << 1) | (((uintptr_t)*data % 16) == 0);
     return 1;
+}
+
+int
+device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall *call)
+{
+    memset(call, 0, sizeof *call);
+    if (d->off || !owner_read(d, values, &call->slots, &call->n, &call->slots_bits))
+        return 0;
+    if (rows == NULL)
+        return 1;
+    Py_ssize_t n_rows = 0;
+    /* rows of another length: the Python role leaves the call alone, so it takes it */
+    return owner_read(d, rows, &call->rows, &n_rows, &call->rows_bits) && n_rows == call->n;
+}
+
+int
+device_owner(DeviceLedger *d, const OwnerCall *call, long row)
+{
+    if (d->off)
+        return 0;
+    if (call->n == 0)
+        return 1; /* the Python method launches nothing for an empty call either */
+    if (call->n > INT32_MAX || call->slots == NULL || (call->rows == NULL && (row < INT32_MIN || row > INT32_MAX)))
+        return 0;
+    int tensor = call->rows != NULL;
+    const DevicePlan *p = &d->plans[DEVICE_OWNER_SLOT(tensor, call->slots_bits, call->rows_bits)];
+    if (p->function == NULL || p->at_rows < 0)
+        return 0;
+    uint64_t cells[DEVICE_MAX_PARAMS];
+    memcpy(cells, p->cells, sizeof cells);
+    cells[p->at_index] = (uint64_t)(uintptr_t)call->slots;
+    /* one row: the kernel reads no rows' tensor, and Python passes the slots in its place */
+    cells[p->at_rows] = (uint64_t)(uintptr_t)(tensor ? call->rows : call->slots);
+    int32_t count = (int32_t)call->n, value = tensor ? 0 : (int32_t)row;
+    memcpy(&cells[p->at_count], &count, sizeof count);
+    memcpy(&cells[p->at_site], &value, sizeof value);
+    unsigned grid = (unsigned)((call->n + d->block_max - 1) / d->block_max); /* the kernel's BLOCK a program */
+    return launch_plan(d, p, grid, cells);
 }
 
 static void
@@ -295,6 +353,7 @@ device_ledgers_release(void)
     for (int i = 0; i < n_device_ledgers; i++)
         device_ledger_release(&device_ledgers[i]);
     n_device_ledgers = 0;
+    H.primary_device = NULL;
 }
 
 unsigned long long
@@ -341,20 +400,22 @@ m_register_device_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *
 PyObject *
 m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"ledger", "slot",     "function", "kinds",   "block", "shared",
-                            "values", "at_index", "at_count", "at_site", NULL};
+    static char *names[] = {"ledger", "slot",     "function", "kinds",   "block",   "shared",
+                            "values", "at_index", "at_count", "at_site", "at_rows", NULL};
     PyObject *ledger, *values;
-    int slot, at_index, at_count, at_site;
+    int slot, at_index, at_count, at_site, at_rows = -1;
     unsigned long long function;
     unsigned block, shared;
     const char *kinds;
     Py_ssize_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiKy#IIO!iii", names, &ledger, &slot, &function, &kinds, &n, &block,
-                                     &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiKy#IIO!iii|i", names, &ledger, &slot, &function, &kinds, &n,
+                                     &block, &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site, &at_rows))
         return NULL;
+    int owner = slot >= DEVICE_OWNER_SLOT(0, 0, 0); /* an owner kernel's plan names where its rows go */
     if (slot < 0 || slot >= DEVICE_PLAN_SLOTS || n + 2 > DEVICE_MAX_PARAMS || PyTuple_GET_SIZE(values) != n ||
         at_index < 0 || at_index >= n || at_count < 0 || at_count >= n || at_site < 0 || at_site >= n ||
-        kinds[at_index] != 'p' || kinds[at_count] != 'i' || kinds[at_site] != 'i' || function == 0) {
+        kinds[at_index] != 'p' || kinds[at_count] != 'i' || kinds[at_site] != 'i' || function == 0 ||
+        (owner ? (at_rows < 0 || at_rows >= n || kinds[at_rows] != 'p') : at_rows != -1)) {
         PyErr_SetString(PyExc_ValueError, "device_plan: not a plan of a ledger kernel");
         return NULL;
     }
@@ -377,6 +438,7 @@ m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     plan.at_index = at_index;
     plan.at_count = at_count;
     plan.at_site = at_site;
+    plan.at_rows = at_rows;
     plan.cells[at_count] = 0;
     plan.cells[at_site] = 0;
     d->plans[slot] = plan;

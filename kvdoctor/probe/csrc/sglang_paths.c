@@ -490,19 +490,69 @@ fast_tree_unlock(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t 
     return call_pushed(self, obj, args, nargsf, kwnames);
 }
 
+/* --- ReqToTokenPool.write((rows, columns), values) on a GPU ledger ---
+ * The Python role's update, one owner kernel launched from C (launch.c): the slots written now
+ * belong to their row, for one row (an integer) or a row per slot (a tensor, a decode step's
+ * batched write). How far a row was written is kept for host tables only: a GPU table's releases
+ * are left to the rolling census, so nothing else is noted. */
+static PyObject *
+device_req_write(Hooked *self, DeviceLedger *d, PyObject *const *args, size_t nargsf, PyObject *kwnames,
+                 PyObject *indices, PyObject *values)
+{
+    PyObject *row = PyTuple_GET_ITEM(indices, 0);
+    int tensor_rows = Py_TYPE(row) == (PyTypeObject *)H.tensor_type;
+    if (H.extent != NULL || (!tensor_rows && !PyLong_CheckExact(row)))
+        return DIVERT; /* a host table's extents (the Python role), or rows of another kind */
+    long r = 0;
+    if (!tensor_rows) {
+        r = PyLong_AsLong(row);
+        if (r == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return DIVERT;
+        }
+    }
+    OwnerCall call;
+    if (!device_owner_reads(d, values, tensor_rows ? row : NULL, &call))
+        return DIVERT;
+    Py_INCREF(values);
+    Py_INCREF(indices);
+    unsigned long gen = H.generation;
+    PyObject *result = call_pushed(self, args[0], args, nargsf, kwnames);
+    if (result == NULL || gen != H.generation)
+        goto done;
+    int launched = device_owner(d, &call, r);
+    if (launched == 1 && maybe_test_failure(self) < 0)
+        launched = -1;
+    if (launched == 0) {
+        /* no plan yet, a launch hook, a row past 32 bits: the ledger's own method, as the role calls it */
+        H.n_slow[K_REQ_WRITE]++;
+        PyObject *b[2] = {values, row};
+        launched = slow_call(d->ledger, d->lock, S_on_owner, b, 2, NULL) < 0 ? -1 : 1;
+    }
+    if (launched < 0)
+        result = kept_after_failure(self->name, result);
+done:
+    Py_DECREF(values);
+    Py_DECREF(indices);
+    return result;
+}
+
 /* --- ReqToTokenPool.write((row, columns), values) --- */
 PyObject *
 fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *obj = args[0];
     Ledger *l = H.primary;
-    if (l == NULL || H.extent == NULL)
+    DeviceLedger *d = H.primary_device;
+    if ((l == NULL || H.extent == NULL) && d == NULL)
         return DIVERT; /* the Python role sets both up on its first call */
     PyObject *indices = arg_at(args, nargs, kwnames, self->indices_pos, self->indices_name);
     PyObject *values = arg_at(args, nargs, kwnames, self->values_pos, self->values_name);
     if (indices == NULL || values == NULL || !PyTuple_CheckExact(indices) || PyTuple_GET_SIZE(indices) != 2 ||
         H.tensor_type == NULL || Py_TYPE(values) != (PyTypeObject *)H.tensor_type)
         return DIVERT;
+    if (l == NULL)
+        return device_req_write(self, d, args, nargsf, kwnames, indices, values);
     PyObject *row = PyTuple_GET_ITEM(indices, 0);
     PyObject *columns = PyTuple_GET_ITEM(indices, 1);
     if (!PyLong_CheckExact(row) || !PySlice_Check(columns))
@@ -894,7 +944,8 @@ PyObject *
 m_set_primary(PyObject *Py_UNUSED(module), PyObject *allocator)
 {
     H.primary = ledger_of(allocator);
-    return PyBool_FromLong(H.primary != NULL);
+    H.primary_device = H.primary == NULL ? device_ledger_of(allocator) : NULL;
+    return PyBool_FromLong(H.primary != NULL || H.primary_device != NULL);
 }
 
 PyObject *

@@ -168,11 +168,21 @@ def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size
     tl.store(owner_ptr + page, req, mask=ok & (st == OWNED))
 
 
+def _bits(tensor: Any) -> int:
+    return (2 if tensor.dtype == torch.int64 else 0) | (1 if aligned(tensor) else 0)
+
+
 def device_slot(op: int, idx: Any, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> int:
     """Which of a device ledger's compiled plans an alloc or free takes in the C fast path (launch.c,
     DEVICE_RULE_*): its rule, then the index tensor's width and alignment."""
     rule = (1 if page_starts else 0) if op == OP_ALLOC else 4 | (2 if as_pages else 0) | (1 if evicting else 0)
-    return rule << 2 | (2 if idx.dtype == torch.int64 else 0) | (1 if aligned(idx) else 0)
+    return rule << 2 | _bits(idx)
+
+
+def owner_slot(idx: Any, rows: Any) -> int:
+    """The owner kernel's plan in the C fast path (launch.c, DEVICE_OWNER_SLOT): one row, or a
+    tensor of rows, then the slots' (and the rows') width and alignment."""
+    return 32 + (4 + (_bits(idx) << 2 | _bits(rows)) if rows is not None else _bits(idx))
 
 
 class LedgerKernels:
@@ -196,7 +206,7 @@ class LedgerKernels:
         # the ledger's own tensors are torch's allocations (aligned); were one not, nothing is keyed on it
         self.keyable = fits_i32(*self.sizes) and all(aligned(t) for t in ledger_tensors)
         self._constants: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self._planned: set[tuple[Any, ...]] = set()  # fused kernels handed to the C fast path
+        self._planned: set[tuple[Any, ...]] = set()  # (kernel, key) handed to the C fast path
 
     def direct(self) -> bool:
         """Whether the fused kernel launches through the CUDA driver (then the C fast path may too)."""
@@ -255,27 +265,28 @@ class LedgerKernels:
                     *self.sizes, site)
             key = self._key(constants, idx) if fits_i32(site) else ()
             self._launch(self.fused_launch, n, args, constants, key)
-            if key and key not in self._planned and op != OP_TREE_INSERT:
-                self._hand_to_fast_path(key, device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting), args)
+            if key and (self.fused_launch.fn, key) not in self._planned and op != OP_TREE_INSERT:
+                slot = device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
+                self._hand_to_fast_path(self.fused_launch, key, slot, args, (0, 1, len(args) - 1))
             return
         self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
         self._write(idx, site, op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
 
-    def _hand_to_fast_path(self, key: tuple[Any, ...], slot: int, args: tuple[Any, ...]) -> None:
-        """The fused kernel this call compiled and launched through the driver, handed to the C fast
-        path (launch.c) with its fixed parameters: the next such call launches from there."""
-        launch = self.fused_launch
+    def _hand_to_fast_path(self, launch: CompiledLaunch, key: tuple[Any, ...], slot: int, args: tuple[Any, ...],
+                           per_call: tuple[int, ...]) -> None:
+        """A kernel this call compiled and launched through the driver, handed to the C fast path
+        (launch.c) with its fixed parameters: the next such call launches from there. `per_call`:
+        where the index, its count and the site go (and the owner kernel's rows), which C fills in."""
         plan, kernel = launch.plans.get(key), launch.compiled.get(key)
         if kernel is None:
             return
-        self._planned.add(key)
+        self._planned.add((launch.fn, key))
         if plan is None or launch.driver is None:
             return
         kinds, block, shared = plan
-        last = len(args) - 1  # the site; the index and its count come first
         try:
-            values = tuple(0 if i in (0, 1, last) else a.data_ptr() if k == 112 else a for i, (a, k) in enumerate(zip(args, kinds, strict=True)))
-            device_plan(self.led, slot, kernel.function, kinds, block, shared, values, 0, 1, last)
+            values = tuple(0 if i in per_call else a.data_ptr() if k == 112 else a for i, (a, k) in enumerate(zip(args, kinds, strict=True)))
+            device_plan(self.led, slot, kernel.function, kinds, block, shared, values, *per_call)
         except Exception:  # a plan C does not take: this kernel stays on the Python path
             return
 
@@ -325,3 +336,7 @@ class LedgerKernels:
         args = (idx, n, led.state, led.owner, req_arg, 0 if tensor else req, led.rows, led.page_size, led.sink)
         key = self._key(constants, idx, req_arg) if fits_i32(0 if tensor else req) else ()
         self._launch(self.owner_launch, n, args, constants, key)
+        if key and fits_i32(n) and (self.owner_launch.fn, key) not in self._planned:
+            # per call: the slots (0), their count (1), the rows (4) and the row (5)
+            self._hand_to_fast_path(self.owner_launch, key, owner_slot(idx, req if tensor else None), args, (0, 1, 5, 4))
+

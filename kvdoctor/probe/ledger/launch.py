@@ -234,12 +234,13 @@ def device_plan(
     at_index: int,
     at_count: int,
     at_site: int,
+    at_rows: int = -1,
 ) -> bool:
     """One compiled kernel of a registered device ledger (False: the ledger is not registered)."""
     from kvdoctor.probe import hotpath
 
     plan = getattr(hotpath.NATIVE, "device_plan", None)
-    return plan is not None and bool(plan(ledger, slot, function, kinds, block, shared, values, at_index, at_count, at_site))
+    return plan is not None and bool(plan(ledger, slot, function, kinds, block, shared, values, at_index, at_count, at_site, at_rows))
 
 
 def aligned(tensor: Any) -> bool:

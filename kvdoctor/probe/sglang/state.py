@@ -137,9 +137,10 @@ class SglangState(CoverageJudging):
         self.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
-        if hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator)) and self.primary is ledger:
+        registered = hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator))
+        registered = register_device_ledger(allocator, ledger) or registered
+        if registered and self.primary is ledger:
             hotpath.set_primary(allocator)
-        register_device_ledger(allocator, ledger)
         return ledger
 
     def _say_unproven(self, name: str, found: dict[str, Any]) -> None:
