@@ -1,5 +1,6 @@
 """On the GPU: the host time of one hooked call, SGLang 0.5.9's real `TokenToKVPoolAllocator.alloc(32)`,
-the decode step's batched `ReqToTokenPool.write` of those 32 slots (a row each) and the `free`, without the probe, with it on the Python path (its kernels launched through the
+the decode step's batched `ReqToTokenPool.write` of those 32 slots (a row each) and the `free`, and a
+paged decode step's `get_last_loc` and `alloc_decode` with its last_loc (page 16), without the probe, with it on the Python path (its kernels launched through the
 driver from Python, KVDOCTOR_LEDGER_LAUNCH=driver) and with the C fast path (the default).
 
 graph_decode.py's host time per step includes the waits of a full launch queue whenever the GPU is
@@ -16,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 
 def arm(torch, allocator_cls, pool_cls, pairs: int) -> dict[str, list[float]]:
@@ -47,6 +49,34 @@ def arm(torch, allocator_cls, pool_cls, pairs: int) -> dict[str, list[float]]:
     return times
 
 
+def paged_arm(torch, sglang, pairs: int) -> dict[str, list[float]]:
+    """A paged decode step's two hooked calls: `get_last_loc` over 32 requests' rows, then
+    `alloc_decode` with that last_loc (its check kernel, then the alloc's). Each request sits inside
+    a page (17 of 16 tokens, page 16), so every step takes the same slots again and nothing grows."""
+    allocator = sglang.PagedTokenToKVPoolAllocator(65536, 16, dtype=torch.bfloat16, device="cuda", kvcache=None, need_sort=False)
+    pool = sglang.ReqToTokenPool(64, 4096, "cuda", False)
+    rows = torch.arange(32, device="cuda")
+    zeros, lengths = torch.zeros(32, dtype=torch.int64), torch.full((32,), 17, dtype=torch.int64)
+    out = allocator.alloc_extend(zeros.cuda(), zeros, lengths.cuda(), lengths, torch.full((32,), -1, device="cuda"), 17 * 32)
+    for r in range(32):
+        pool.write((r, slice(0, 17)), out[17 * r : 17 * (r + 1)])
+    before, after, after_cpu = lengths.cuda(), (lengths + 1).cuda(), lengths + 1
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {"get_last_loc": [], "alloc_decode": []}
+    clock = time.perf_counter
+    for i in range(pairs):
+        t0 = clock()
+        last = sglang.get_last_loc_torch(pool.req_to_token, rows, before)
+        t1 = clock()
+        allocator.alloc_decode(after, after_cpu, last)
+        t2 = clock()
+        times["get_last_loc"].append((t1 - t0) * 1e6)
+        times["alloc_decode"].append((t2 - t1) * 1e6)
+        if i % 32 == 31:
+            torch.cuda.synchronize()
+    return times
+
+
 def summary(values: list[float]) -> dict[str, float]:
     q = statistics.quantiles(values, n=4)
     return {"median": round(statistics.median(values), 2), "q1": round(q[0], 2), "q3": round(q[2], 2)}
@@ -61,7 +91,12 @@ def main() -> int:
 
     from kvdoctor.probe import hotpath, runtime
 
-    ops = ("alloc", "write", "free")
+    sglang = types.SimpleNamespace(ReqToTokenPool=ReqToTokenPool)
+    from sglang.srt.mem_cache import common  # the hooked function is looked up on its module each call
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    sglang.PagedTokenToKVPoolAllocator = PagedTokenToKVPoolAllocator
+    ops = ("alloc", "write", "free", "get_last_loc", "alloc_decode")
     times: dict[str, dict[str, list[float]]] = {m: {op: [] for op in ops} for m in ("off", "driver", "c")}
     launches = {"driver": 0, "c": 0}
     for _ in range(rounds):
@@ -70,7 +105,9 @@ def main() -> int:
                 os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode
                 runtime.activate(None)
             before = hotpath.NATIVE.stats()["device_launches"]
-            for op, values in arm(torch, TokenToKVPoolAllocator, ReqToTokenPool, pairs).items():
+            sglang.get_last_loc_torch = common.get_last_loc_torch  # hooked or not, as this arm's probe left it
+            timed = arm(torch, TokenToKVPoolAllocator, ReqToTokenPool, pairs) | paged_arm(torch, sglang, pairs)
+            for op, values in timed.items():
                 times[mode][op] += values[pairs // 10 :]  # the first tenth is warm-up
             if mode != "off":
                 launches[mode] += hotpath.NATIVE.stats()["device_launches"] - before

@@ -90,7 +90,8 @@ def test_what_c_does_not_take_goes_to_the_python_path(result):
     hooked = steps["alloc 8, a launch hook set"]
     assert not hooked["c"] and not hooked["python"] and len(hooked["triton"]) == 1, hooked
     c_launches = sum(len(s["c"]) for s in result["steps"] if not s["name"].startswith("free 8, failing"))
-    assert result["device_launches"] == c_launches == 14  # 6 allocs and frees, 4 more allocs, 4 request-table writes
+    # 6 allocs and frees, 4 more allocs, 4 request-table writes, 2 paged allocs with their last_loc checks
+    assert result["device_launches"] == c_launches == 18
 
 
 def test_a_failure_in_the_c_launch_turns_the_probe_off_and_spares_the_host(result):
@@ -142,3 +143,21 @@ def test_a_failure_in_a_writes_c_path_turns_the_probe_off_and_spares_the_host(tm
     assert out["c_launches"] == 1 and out["row_written"] is True
     assert out["probe_on_after_failure"] is False
     assert "fault injected into the" in out["off_reason"], out
+
+
+def test_a_paged_allocs_last_loc_check_and_its_alloc_launch_from_c(result):
+    steps = result["by_name"]
+    first = steps["extend, first"]["first"]
+    check, alloc = first[0]["function"], first[1]["function"]
+    assert not steps["extend, first"]["c"] and len(first) == 2, first
+    with_rows = steps["decode with rows, first"]  # the check with rows: its first call, the whole call in Python
+    assert len(with_rows["first"]) == 1 and not with_rows["c"] and len(with_rows["python"]) == 1, with_rows
+    for name, check_kernel in (("decode with rows", with_rows["first"][0]["function"]), ("extend, last_loc given", check)):
+        step = steps[name]
+        assert [c[0] for c in step["c"]] == [check_kernel, alloc] and not step["python"] and not step["first"], step
+        assert step["python_same_call"] == step["c"], step
+        (_, _, _, _, _, checked), (_, _, _, _, _, allocated) = step["c"]
+        assert checked[-1] == allocated[-1] != 0  # one call site for both kernels
+    decode = steps["decode with rows"]["c"][0][5]
+    given = steps["extend, last_loc given"]["c"][0][5]
+    assert decode[8] != decode[0] and given[8] == given[0]  # the rows get_last_loc read, or none

@@ -165,6 +165,7 @@ def main() -> int:
     knobs.runtime.launch_enter_hook.remove(hook)
     sites = {s["name"]: probe.sites.name(s["c"][0][5][-1]) for s in steps if s["c"]}
     request_table_writes(probe, allocator, step, steps)
+    paged_last_loc(probe, step, steps)
     stats = hotpath.NATIVE.stats()
     ledger = sglang_state(probe).ledger_for(allocator)
     pointers = {"state": ledger.state.data_ptr(), "owner": ledger.owner.data_ptr(), "alloc_site": ledger.alloc_site.data_ptr()}
@@ -225,6 +226,46 @@ def request_table_writes(probe, allocator, step, steps) -> None:
     python_path_of(big, 6)
     # one row's tensor broadcast over three columns: the Python role names no owner then, nor does C
     step("write rows of another length", lambda: pool.write((rows[:1], columns[:3]), b[:3]))
+
+
+def paged_last_loc(probe, step, steps) -> None:
+    """SGLang's paged `alloc_extend` and `alloc_decode` with the `last_loc` they are given: the
+    check kernel first (with the rows `get_last_loc` read it for, where it did), then the alloc,
+    both from C once the Python path has launched each kernel once."""
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    paged = PagedTokenToKVPoolAllocator(4096, 4, torch.float16, "cpu", None, False)
+    table = torch.zeros((4, 64), dtype=torch.int32)
+
+    def python_path_of(last, rows, out):
+        ledger = sglang_state(probe).ledger_for(paged)
+        site = steps[-1]["c"][0][5][-1] if steps[-1]["c"] else 0
+        mark = len(PY)
+        ledger.kernels.last_loc(ledger.kernels.index(last), site, None if rows is None else ledger.kernels.index(rows))
+        ledger.kernels.alloc(ledger.kernels.index(out), site, True)
+        steps[-1]["python_same_call"] = PY[mark:]
+
+    def extend(prefix, seq, last):
+        n = sum(seq) - sum(prefix)
+        as_tensor = torch.tensor
+        return paged.alloc_extend(as_tensor(prefix), as_tensor(prefix), as_tensor(seq), as_tensor(seq), last, n)
+
+    def decode(rows, seq):
+        last = allocation.get_last_loc_torch(table, rows, torch.tensor(seq) - 1)  # remembers the rows it read
+        return last, paged.alloc_decode(torch.tensor(seq), torch.tensor(seq), last)
+
+    out = step("extend, first", lambda: extend([0, 0], [5, 6], torch.tensor([-1, -1])))
+    table[0, :5], table[1, :6] = out[:5].to(torch.int32), out[5:].to(torch.int32)
+    rows = torch.tensor([0, 1])
+    step("decode with rows, first", lambda: decode(rows, [6, 7]))
+    last, out = step("decode with rows", lambda: decode(rows, [6, 7]))
+    python_path_of(last, rows, out)
+    given = torch.tensor([int(out[0]), int(out[1])])
+    out = step("extend, last_loc given", lambda: extend([6, 6], [9, 8], given))
+    python_path_of(given, None, out)
 
 
 def write_failure(probe, allocator) -> int:

@@ -425,9 +425,12 @@ PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* The owner kernel's plans (req_to_token writes) come after the 32 alloc and free ones: 4 for a
  * row given as one integer (the slots' width and alignment), 16 for rows given as a tensor (the
  * slots', then the rows' width and alignment), as ledger/kernels.py's owner_slot keys them. */
-#define DEVICE_OWNER_SLOT(tensor, slots_bits, rows_bits) \
-    (32 + ((tensor) ? 4 + ((slots_bits) << 2 | (rows_bits)) : (slots_bits)))
-#define DEVICE_PLAN_SLOTS 52
+#define DEVICE_ROWS_SLOT(base, tensor, slots_bits, rows_bits) \
+    ((base) + ((tensor) ? 4 + ((slots_bits) << 2 | (rows_bits)) : (slots_bits)))
+#define DEVICE_OWNER_SLOT(tensor, slots_bits, rows_bits) DEVICE_ROWS_SLOT(32, tensor, slots_bits, rows_bits)
+/* The last_loc check's (a paged alloc's): the same 20, for last_loc and the rows it was read for. */
+#define DEVICE_LAST_LOC_SLOT(tensor, slots_bits, rows_bits) DEVICE_ROWS_SLOT(52, tensor, slots_bits, rows_bits)
+#define DEVICE_PLAN_SLOTS 72
 
 typedef struct {
     void *function; /* the compiled kernel (a CUfunction); NULL: none yet (the Python path compiles it) */
@@ -458,7 +461,9 @@ int device_update(DeviceLedger *d, int rule, PyObject *index, int site);
 /* A req_to_token write's owner update: `values` the slots written, `rows` the rows' tensor or NULL
  * for one row `row`. Both are read before the host's call (`device_owner_reads`: 1 they are the
  * ledger's kind, 0 not, the Python role takes the call); `device_owner` after it, with the same
- * answers as device_update. */
+ * answers as device_update. A paged alloc's last_loc check reads last_loc and the rows it was read
+ * for the same way (rows of another length are dropped, as the Python check drops them), and
+ * `device_last_loc` launches its check before the host's call. */
 typedef struct {
     const void *slots, *rows;
     Py_ssize_t n;
@@ -466,6 +471,8 @@ typedef struct {
 } OwnerCall;
 int device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall *call);
 int device_owner(DeviceLedger *d, const OwnerCall *call, long row);
+int device_last_loc_reads(DeviceLedger *d, PyObject *last_loc, PyObject *rows, OwnerCall *call);
+int device_last_loc(DeviceLedger *d, const OwnerCall *call, int site);
 void device_ledgers_release(void);
 unsigned long long device_launch_count(void);
 PyObject *m_register_device_ledger(PyObject *m, PyObject *a, PyObject *kw);

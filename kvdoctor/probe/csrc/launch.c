@@ -298,42 +298,80 @@ owner_read(DeviceLedger *d, PyObject *t, const void **data, Py_ssize_t *n, int *
     return 1;
 }
 
-int
-device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall *call)
+/* The rows beside `slots` (NULL for none); `drop_other`: rows of another length are dropped (the
+ * last_loc check drops them), else they decline the call (the owner update, which the Python role
+ * then leaves alone). */
+static int
+rows_reads(DeviceLedger *d, PyObject *slots, PyObject *rows, OwnerCall *call, int drop_other)
 {
     memset(call, 0, sizeof *call);
-    if (d->off || !owner_read(d, values, &call->slots, &call->n, &call->slots_bits))
+    if (d->off || !owner_read(d, slots, &call->slots, &call->n, &call->slots_bits))
         return 0;
     if (rows == NULL)
         return 1;
     Py_ssize_t n_rows = 0;
-    /* rows of another length: the Python role leaves the call alone, so it takes it */
-    return owner_read(d, rows, &call->rows, &n_rows, &call->rows_bits) && n_rows == call->n;
+    if (!owner_read(d, rows, &call->rows, &n_rows, &call->rows_bits))
+        return 0;
+    if (n_rows == call->n)
+        return 1;
+    call->rows = NULL;
+    call->rows_bits = 0;
+    return drop_other;
 }
 
 int
-device_owner(DeviceLedger *d, const OwnerCall *call, long row)
+device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall *call)
+{
+    return rows_reads(d, values, rows, call, 0);
+}
+
+int
+device_last_loc_reads(DeviceLedger *d, PyObject *last_loc, PyObject *rows, OwnerCall *call)
+{
+    return rows_reads(d, last_loc, rows, call, 1);
+}
+
+/* A kernel over slots and, per slot, a row (the owner kernel and the last_loc check): its plan
+ * selected from `base` by whether there is a rows' tensor and both widths and alignments; `value`
+ * goes where the plan's site is (the row, or the call site). As many programs as the kernel's
+ * BLOCK needs. */
+static int
+rows_launch(DeviceLedger *d, int base, const OwnerCall *call, int32_t value)
 {
     if (d->off)
         return 0;
     if (call->n == 0)
         return 1; /* the Python method launches nothing for an empty call either */
-    if (call->n > INT32_MAX || call->slots == NULL || (call->rows == NULL && (row < INT32_MIN || row > INT32_MAX)))
+    if (call->n > INT32_MAX || call->slots == NULL)
         return 0;
     int tensor = call->rows != NULL;
-    const DevicePlan *p = &d->plans[DEVICE_OWNER_SLOT(tensor, call->slots_bits, call->rows_bits)];
+    const DevicePlan *p = &d->plans[DEVICE_ROWS_SLOT(base, tensor, call->slots_bits, call->rows_bits)];
     if (p->function == NULL || p->at_rows < 0)
         return 0;
     uint64_t cells[DEVICE_MAX_PARAMS];
     memcpy(cells, p->cells, sizeof cells);
     cells[p->at_index] = (uint64_t)(uintptr_t)call->slots;
-    /* one row: the kernel reads no rows' tensor, and Python passes the slots in its place */
+    /* no rows' tensor: the kernel reads none, and Python passes the slots in its place */
     cells[p->at_rows] = (uint64_t)(uintptr_t)(tensor ? call->rows : call->slots);
-    int32_t count = (int32_t)call->n, value = tensor ? 0 : (int32_t)row;
+    int32_t count = (int32_t)call->n;
     memcpy(&cells[p->at_count], &count, sizeof count);
     memcpy(&cells[p->at_site], &value, sizeof value);
     unsigned grid = (unsigned)((call->n + d->block_max - 1) / d->block_max); /* the kernel's BLOCK a program */
     return launch_plan(d, p, grid, cells);
+}
+
+int
+device_owner(DeviceLedger *d, const OwnerCall *call, long row)
+{
+    if (call->rows == NULL && (row < INT32_MIN || row > INT32_MAX))
+        return 0;
+    return rows_launch(d, DEVICE_OWNER_SLOT(0, 0, 0), call, call->rows != NULL ? 0 : (int32_t)row);
+}
+
+int
+device_last_loc(DeviceLedger *d, const OwnerCall *call, int site)
+{
+    return rows_launch(d, DEVICE_LAST_LOC_SLOT(0, 0, 0), call, (int32_t)site);
 }
 
 static void
@@ -411,7 +449,7 @@ m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiKy#IIO!iii|i", names, &ledger, &slot, &function, &kinds, &n,
                                      &block, &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site, &at_rows))
         return NULL;
-    int owner = slot >= DEVICE_OWNER_SLOT(0, 0, 0); /* an owner kernel's plan names where its rows go */
+    int owner = slot >= DEVICE_OWNER_SLOT(0, 0, 0); /* the owner and last_loc plans name where their rows go */
     if (slot < 0 || slot >= DEVICE_PLAN_SLOTS || n + 2 > DEVICE_MAX_PARAMS || PyTuple_GET_SIZE(values) != n ||
         at_index < 0 || at_index >= n || at_count < 0 || at_count >= n || at_site < 0 || at_site >= n ||
         kinds[at_index] != 'p' || kinds[at_count] != 'i' || kinds[at_site] != 'i' || function == 0 ||

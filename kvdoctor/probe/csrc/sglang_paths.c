@@ -51,6 +51,31 @@ ledger_method(Ledger *l, DeviceLedger *d, PyObject *method, PyObject *const *arg
     return slow_call(d->ledger, d->lock, method, args, nargs, kwnames);
 }
 
+/* The rows a last_loc was read for, where get_last_loc's hook remembered them (`*rows` borrowed,
+ * NULL for none): 1, or 0 where the lookup failed (the Python role takes the call). */
+static int
+last_loc_rows(PyObject *last_loc, PyObject **rows)
+{
+    *rows = NULL;
+    if (H.last_loc_sources == NULL)
+        return 1;
+    PyObject *key = PyLong_FromVoidPtr(last_loc);
+    if (key == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *source = PyDict_GetItemWithError(H.last_loc_sources, key); /* borrowed */
+    Py_DECREF(key);
+    if (source == NULL && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (source != NULL && PyTuple_Check(source) && PyTuple_GET_SIZE(source) >= 2 &&
+        PyTuple_GET_ITEM(source, 0) == last_loc && PyTuple_GET_ITEM(source, 1) != Py_None)
+        *rows = PyTuple_GET_ITEM(source, 1);
+    return 1;
+}
+
 /* --- alloc / alloc_extend / alloc_decode --- */
 PyObject *
 fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
@@ -74,49 +99,44 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
         if (!H.active)
             return call_original(self, args, nargsf, kwnames);
     }
+    int site = -1;
     if (self->last_loc_pos >= 0) {
         PyObject *last_loc = arg_at(args, nargs, kwnames, self->last_loc_pos, self->last_loc_name);
+        PyObject *req_indices = NULL;
         if (last_loc != NULL && last_loc != Py_None) {
-            if (d != NULL)
-                return DIVERT; /* on a device ledger the Python role checks it with its kernel */
-            Ints last, req;
-            int rc = read_ints(last_loc, &last);
-            if (rc != 1) {
-                PyErr_Clear();
+            if (!last_loc_rows(last_loc, &req_indices))
                 return DIVERT;
-            }
-            Ints *reqp = NULL;
-            if (H.last_loc_sources != NULL) {
-                PyObject *key = PyLong_FromVoidPtr(last_loc);
-                if (key == NULL) {
+            if (d != NULL) {
+                /* its check kernel, launched before the host's call as the Python role's is */
+                OwnerCall call;
+                if (!device_last_loc_reads(d, last_loc, req_indices, &call) || (site = current_site()) < 0) {
                     PyErr_Clear();
                     return DIVERT;
                 }
-                PyObject *source = PyDict_GetItemWithError(H.last_loc_sources, key); /* borrowed */
-                Py_DECREF(key);
-                if (source == NULL && PyErr_Occurred()) {
+                int launched = device_last_loc(d, &call, site);
+                if (launched < 0) {
+                    if (report_failure(self->name, "fail") < 0)
+                        return NULL;
+                    return call_original(self, args, nargsf, kwnames); /* the probe is off now */
+                }
+                if (!launched)
+                    return DIVERT;
+            }
+            else {
+                Ints last, req;
+                if (read_ints(last_loc, &last) != 1 || (req_indices != NULL && read_ints(req_indices, &req) != 1)) {
                     PyErr_Clear();
                     return DIVERT;
                 }
-                if (source != NULL && PyTuple_Check(source) && PyTuple_GET_SIZE(source) >= 2 &&
-                    PyTuple_GET_ITEM(source, 0) == last_loc) {
-                    PyObject *req_indices = PyTuple_GET_ITEM(source, 1);
-                    if (req_indices != Py_None) {
-                        rc = read_ints(req_indices, &req);
-                        if (rc != 1) {
-                            PyErr_Clear();
-                            return DIVERT;
-                        }
-                        if (req.n == last.n) /* the Python check ignores rows of another shape */
-                            reqp = &req;
-                    }
-                }
+                /* the Python check ignores rows of another shape */
+                Ints *reqp = req_indices != NULL && req.n == last.n ? &req : NULL;
+                if (!last_loc_is_healthy(l, &last, reqp))
+                    return DIVERT;
             }
-            if (!last_loc_is_healthy(l, &last, reqp))
-                return DIVERT;
         }
     }
-    int site = current_site();
+    if (site < 0)
+        site = current_site();
     if (site < 0) {
         PyErr_Clear();
         return DIVERT;
