@@ -4,6 +4,8 @@ without the probe, under torch.cuda.set_sync_debug_mode("error").
 Each step: out_cache_loc = TokenToKVPoolAllocator.alloc(bs) (hooked), copied into the graph's
 static input, graph.replay() (two matmuls and MHATokenToKVPool.set_kv_buffer per layer at
 out_cache_loc); every `--seq-len` steps the sequences end and their slots are freed (hooked).
+`--write-rows`: each step also writes out_cache_loc into a real ReqToTokenPool at each request's
+row and position (hooked), as SGLang's decode does after its alloc: two hooked calls a step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     # one tiny kernel per step and no probe: what any one launch per step costs the stream
     ap.add_argument("--noop-kernel", action="store_true")
+    ap.add_argument("--write-rows", action="store_true", help="the batched req_to_token write after each alloc")
     a = ap.parse_args()
     probe = None
     if a.probe:
@@ -36,7 +39,7 @@ def main() -> int:
         probe = runtime.activate(a.trace or None)
     import torch
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     dev, heads, dim = "cuda", 8, 128
     size = a.bs * a.seq_len * 4
@@ -82,18 +85,25 @@ def main() -> int:
     held = []
     calls0 = probe.calls if probe else 0
     noop = torch.zeros(a.bs, dtype=torch.int64, device=dev)
+    requests = ReqToTokenPool(a.bs, a.seq_len + 8, dev, False) if a.write_rows else None
+    rows = torch.arange(a.bs, device=dev)
+    positions = torch.zeros(a.bs, dtype=torch.int64, device=dev)
 
     def run(n):
         for _i in range(n):
             out = allocator.alloc(a.bs)
             if a.noop_kernel:
                 noop.add_(1)
+            if requests is not None:
+                requests.write((rows, positions), out.to(torch.int32))
+                positions.add_(1)
             loc.copy_(out, non_blocking=True)
             graph.replay()
             held.append(out)
             if len(held) == a.seq_len:
                 allocator.free(torch.cat(held))
                 held.clear()
+                positions.zero_()
 
     run(a.seq_len * 2)  # warm-up
     torch.cuda.synchronize()
@@ -118,6 +128,7 @@ def main() -> int:
     result = {
         "probe": a.probe,
         "noop_kernel": a.noop_kernel,
+        "write_rows": a.write_rows,
         "bs": a.bs,
         "steps": a.steps,
         "layers": a.layers,

@@ -11,7 +11,8 @@
 # carry [".whl", ".carry"]. Builds the compiled host path here first. Writes 4 files into $OUT.
 # SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes, MODES="off driver c" fewer
 # launch paths (noop: one tiny kernel a step, no probe), ROUNDS=3 more rounds; SKIP_CHECK=1 skips
-# step 1, SKIP_KERNELS_CHECK=1 its first half; CALL_COST="5 2000" runs hooked_call_cost.py after. All four sizes, four modes and two
+# step 1, SKIP_KERNELS_CHECK=1 its first half; STEP_FLAGS="--write-rows" gives every step SGLang's
+# batched req_to_token write after its alloc (two hooked calls a step); CALL_COST="5 2000" runs hooked_call_cost.py after. All four sizes, four modes and two
 # rounds take more than 10 minutes on an H200: split them.
 set -u
 OUT=${OUT:-$PWD/out}
@@ -42,7 +43,7 @@ for round in $(seq 1 ${ROUNDS:-2}); do
     set -- $size
     for mode in ${MODES:-off triton compiled direct}; do
       flag="--probe"; [ $mode = off ] && flag=""; [ $mode = noop ] && flag="--noop-kernel"
-      KVDOCTOR_LEDGER_LAUNCH=$mode timeout 60 python3 bench/gpu/graph_decode.py $flag --steps 1000 --layers $1 --hidden $2 > /tmp/gd.log 2>&1
+      KVDOCTOR_LEDGER_LAUNCH=$mode timeout 60 python3 bench/gpu/graph_decode.py $flag ${STEP_FLAGS:-} --steps 1000 --layers $1 --hidden $2 > /tmp/gd.log 2>&1
       rc=$?
       line=$(grep RESULT /tmp/gd.log | sed 's/^RESULT //')
       if [ -n "$line" ]; then echo "{\"round\": $round, \"mode\": \"$mode\", \"rc\": $rc, \"result\": $line}" >> "$OUT/graph_launch.jsonl"

@@ -18,7 +18,9 @@
  * ledger (sglang_paths.c) reads the index tensor through DLPack (no value, no sync), picks the
  * kernel its rule, index width and alignment select, fills in the index's address, its count and
  * the call site, and launches on the current stream: the update the Python role makes through
- * ledger/kernels.py for a call of at most one block. The plans (the compiled kernel, its fixed
+ * ledger/kernels.py for a call of at most one block. A request-table write (the owner kernel) and
+ * a paged alloc's last_loc check take a kernel over slots and, per slot, a row (a tensor, or one
+ * row given as a number), as many programs as it needs. The plans (the compiled kernel, its fixed
  * parameters) are handed here by that Python path once it has compiled and launched the kernel
  * itself (`device_plan`); a call with no plan yet, a larger call, a launch hook set or a refused
  * launch takes the Python path, which records exactly as it did before.
