@@ -54,32 +54,11 @@ _CHECK_INTS = ["n", "rows", "page_size", "num_pages", "sink", "site"]
 
 
 @triton.jit
-def _check_body(
-    offs,
-    m,
-    idx_ptr,
-    state_ptr,
-    owner_ptr,
-    flags_ptr,
-    vsite_ptr,
-    counters_ptr,
-    oor_ptr,
-    req_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    HAS_REQ: tl.constexpr,
-    WEIGHT: tl.constexpr,
-    KIND_SLOT: tl.constexpr,
-    KIND_BIT: tl.constexpr,
-    OOR_SLOT: tl.constexpr,
-    OOR_BIT: tl.constexpr,
-):
+def _check_body(offs, m, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+                rows, page_size, num_pages, sink, site,
+                OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
+                WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+                OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr):
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
     bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, OP == LAST_LOC)
     n_bad = tl.sum(bad.to(tl.int64), axis=0)
@@ -112,23 +91,8 @@ def _check_body(
 
 
 @triton.jit
-def _write_body(
-    offs,
-    m,
-    idx_ptr,
-    state_ptr,
-    owner_ptr,
-    alloc_site_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    EVICTING: tl.constexpr,
-):
+def _write_body(offs, m, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr):
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
     bad, page = _pages(v, m, rows, page_size, num_pages, sink, AS_PAGES, False)
     live = m & (page != sink)
@@ -150,164 +114,47 @@ def _write_body(
 
 
 @triton.jit(do_not_specialize=_CHECK_INTS)
-def _check(
-    idx_ptr,
-    n,
-    state_ptr,
-    owner_ptr,
-    flags_ptr,
-    vsite_ptr,
-    counters_ptr,
-    oor_ptr,
-    req_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    HAS_REQ: tl.constexpr,
-    WEIGHT: tl.constexpr,
-    KIND_SLOT: tl.constexpr,
-    KIND_BIT: tl.constexpr,
-    OOR_SLOT: tl.constexpr,
-    OOR_BIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _check(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+           rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, HAS_REQ: tl.constexpr,
+           WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+           OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _check_body(
-        offs,
-        offs < n,
-        idx_ptr,
-        state_ptr,
-        owner_ptr,
-        flags_ptr,
-        vsite_ptr,
-        counters_ptr,
-        oor_ptr,
-        req_ptr,
-        rows,
-        page_size,
-        num_pages,
-        sink,
-        site,
-        OP,
-        PAGE_STARTS,
-        AS_PAGES,
-        HAS_REQ,
-        WEIGHT,
-        KIND_SLOT,
-        KIND_BIT,
-        OOR_SLOT,
-        OOR_BIT,
-    )
+    _check_body(offs, offs < n, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+                rows, page_size, num_pages, sink, site, OP, PAGE_STARTS, AS_PAGES, HAS_REQ, WEIGHT, KIND_SLOT, KIND_BIT,
+                OOR_SLOT, OOR_BIT)
 
 
 @triton.jit(do_not_specialize=_CHECK_INTS)
-def _write(
-    idx_ptr,
-    n,
-    state_ptr,
-    owner_ptr,
-    alloc_site_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    EVICTING: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _write(idx_ptr, n, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+           OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
+           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _write_body(
-        offs,
-        offs < n,
-        idx_ptr,
-        state_ptr,
-        owner_ptr,
-        alloc_site_ptr,
-        rows,
-        page_size,
-        num_pages,
-        sink,
-        site,
-        OP,
-        PAGE_STARTS,
-        AS_PAGES,
-        EVICTING,
-    )
+    _write_body(offs, offs < n, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                OP, PAGE_STARTS, AS_PAGES, EVICTING)
 
 
 @triton.jit(do_not_specialize=_CHECK_INTS)
-def _check_write(
-    idx_ptr,
-    n,
-    state_ptr,
-    owner_ptr,
-    flags_ptr,
-    vsite_ptr,
-    counters_ptr,
-    oor_ptr,
-    alloc_site_ptr,
-    rows,
-    page_size,
-    num_pages,
-    sink,
-    site,
-    OP: tl.constexpr,
-    PAGE_STARTS: tl.constexpr,
-    AS_PAGES: tl.constexpr,
-    EVICTING: tl.constexpr,
-    WEIGHT: tl.constexpr,
-    KIND_SLOT: tl.constexpr,
-    KIND_BIT: tl.constexpr,
-    OOR_SLOT: tl.constexpr,
-    OOR_BIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _check_write(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, alloc_site_ptr,
+                 rows, page_size, num_pages, sink, site,
+                 OP: tl.constexpr, PAGE_STARTS: tl.constexpr, AS_PAGES: tl.constexpr, EVICTING: tl.constexpr,
+                 WEIGHT: tl.constexpr, KIND_SLOT: tl.constexpr, KIND_BIT: tl.constexpr,
+                 OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr, BLOCK: tl.constexpr):
     """Both passes in one program, for a call of at most BLOCK indices: every thread has read the
     states it checks before the barrier, and writes only after it."""
     offs = tl.arange(0, BLOCK)
     m = offs < n
-    _check_body(
-        offs,
-        m,
-        idx_ptr,
-        state_ptr,
-        owner_ptr,
-        flags_ptr,
-        vsite_ptr,
-        counters_ptr,
-        oor_ptr,
-        idx_ptr,
-        rows,
-        page_size,
-        num_pages,
-        sink,
-        site,
-        OP,
-        PAGE_STARTS,
-        AS_PAGES,
-        False,
-        WEIGHT,
-        KIND_SLOT,
-        KIND_BIT,
-        OOR_SLOT,
-        OOR_BIT,
-    )
+    _check_body(offs, m, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, idx_ptr,
+                rows, page_size, num_pages, sink, site, OP, PAGE_STARTS, AS_PAGES, False, WEIGHT, KIND_SLOT, KIND_BIT,
+                OOR_SLOT, OOR_BIT)
     tl.debug_barrier()
-    _write_body(
-        offs, m, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site, OP, PAGE_STARTS, AS_PAGES, EVICTING
-    )
+    _write_body(offs, m, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                OP, PAGE_STARTS, AS_PAGES, EVICTING)
 
 
 @triton.jit(do_not_specialize=["n", "req_value", "rows", "page_size", "sink"])
-def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink, REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
+def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink,
+           REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -381,11 +228,7 @@ class LedgerKernels:
         """The call's indices as the kernels read them, one after another in memory: an index tensor
         already on the ledger's device is read as it is (int32 or int64, the kernels widen it), a
         strided one copied; anything else is moved."""
-        flat = (
-            tensor.reshape(-1)
-            if getattr(tensor, "device", None) == self.torch_device and tensor.dtype in _INDEX_DTYPES
-            else self.led.xp.index(tensor)
-        )
+        flat = tensor.reshape(-1) if getattr(tensor, "device", None) == self.torch_device and tensor.dtype in _INDEX_DTYPES else self.led.xp.index(tensor)
         return flat if flat.is_contiguous() else flat.contiguous()
 
     def _key(self, constants: dict[str, Any], *tensors: Any) -> tuple[Any, ...]:
@@ -398,18 +241,8 @@ class LedgerKernels:
         else:
             launch.fn[(grid,)](*args, **constants)
 
-    def _rule(
-        self,
-        kernel: str,
-        op: int,
-        kind: str = "",
-        *,
-        page_starts: bool = False,
-        as_pages: bool = False,
-        evicting: bool = False,
-        weight: int = 1,
-        has_req: bool = False,
-    ) -> dict[str, Any]:
+    def _rule(self, kernel: str, op: int, kind: str = "", *, page_starts: bool = False, as_pages: bool = False,
+              evicting: bool = False, weight: int = 1, has_req: bool = False) -> dict[str, Any]:
         """One kernel's constants for one kind of call, built once, in the kernel's own order (a
         compiled launch passes them by position): `check`, `write` or `fused`."""
         rule = (kernel, op, kind, page_starts, as_pages, evicting, weight, has_req)
@@ -422,47 +255,23 @@ class LedgerKernels:
                 constants["EVICTING"] = evicting
             if kernel != "write":
                 constants.update(
-                    WEIGHT=weight,
-                    KIND_SLOT=self.slot[kind],
-                    KIND_BIT=self.bits[kind],
-                    OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE],
-                    OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE],
+                    WEIGHT=weight, KIND_SLOT=self.slot[kind], KIND_BIT=self.bits[kind],
+                    OOR_SLOT=self.slot[schema.INDEX_OUT_OF_RANGE], OOR_BIT=self.bits[schema.INDEX_OUT_OF_RANGE],
                 )
             constants["BLOCK"] = BLOCK
             self._constants[rule] = constants
         return constants
 
-    def _check_and_write(
-        self,
-        idx: Any,
-        site: int,
-        op: int,
-        kind: str,
-        *,
-        page_starts: bool = False,
-        as_pages: bool = False,
-        evicting: bool = False,
-        weight: int = 1,
-    ) -> None:
+    def _check_and_write(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
+                         evicting: bool = False, weight: int = 1) -> None:
         """A state change: its rule checked against the states before the call, then applied. One
         launch where the call fits one program (a decode step's allocation, most frees), else two."""
         n = idx.numel()
         if n <= BLOCK:
             led = self.led
             constants = self._rule("fused", op, kind, page_starts=page_starts, as_pages=as_pages, evicting=evicting, weight=weight)
-            args = (
-                idx,
-                n,
-                led.state,
-                led.owner,
-                led.flags,
-                led.violation_site,
-                led.counters,
-                led.oor_value,
-                led.alloc_site,
-                *self.sizes,
-                site,
-            )
+            args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, led.alloc_site,
+                    *self.sizes, site)
             key = self._key(constants, idx) if fits_i32(site) else ()
             self._launch(self.fused_launch, n, args, constants, key)
             if key and (self.fused_launch.fn, key) not in self._planned and op != OP_TREE_INSERT:
@@ -472,9 +281,8 @@ class LedgerKernels:
         self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
         self._write(idx, site, op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
 
-    def _hand_to_fast_path(
-        self, launch: CompiledLaunch, key: tuple[Any, ...], slot: int, args: tuple[Any, ...], per_call: tuple[int, ...]
-    ) -> None:
+    def _hand_to_fast_path(self, launch: CompiledLaunch, key: tuple[Any, ...], slot: int, args: tuple[Any, ...],
+                           per_call: tuple[int, ...]) -> None:
         """A kernel this call compiled and launched through the driver, handed to the C fast path
         (launch.c) with its fixed parameters: the next such call launches from there. `per_call`:
         where the index, its count and the site go (and the owner kernel's rows), which C fills in."""
@@ -486,37 +294,27 @@ class LedgerKernels:
             return
         kinds, block, shared = plan
         try:
-            values = tuple(
-                0 if i in per_call else a.data_ptr() if k == 112 else a for i, (a, k) in enumerate(zip(args, kinds, strict=True))
-            )
+            values = tuple(0 if i in per_call else a.data_ptr() if k == 112 else a for i, (a, k) in enumerate(zip(args, kinds, strict=True)))
             device_plan(self.led, slot, kernel.function, kinds, block, shared, values, *per_call)
         except Exception:  # a plan C does not take: this kernel stays on the Python path
             return
 
-    def _check(
-        self,
-        idx: Any,
-        site: int,
-        op: int,
-        kind: str,
-        *,
-        page_starts: bool = False,
-        as_pages: bool = False,
-        req: Any = None,
-        weight: int = 1,
-    ) -> None:
+    def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
+               req: Any = None, weight: int = 1) -> None:
         led = self.led
         n = idx.numel()
         req_arg = req if req is not None else idx
         constants = self._rule("check", op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight, has_req=req is not None)
-        args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, req_arg, *self.sizes, site)
+        args = (idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value, req_arg,
+                *self.sizes, site)
         key = self._key(constants, idx, req_arg) if fits_i32(site) else ()
         self._launch(self.check_launch, n, args, constants, key)
         if op == OP_LAST_LOC and key and fits_i32(n) and (self.check_launch.fn, key) not in self._planned:
             # per call: last_loc (0), its count (1), the site (13) and the rows it was read for (8)
             self._hand_to_fast_path(self.check_launch, key, last_loc_slot(idx, req), args, (0, 1, len(args) - 1, 8))
 
-    def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> None:
+    def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False,
+               evicting: bool = False) -> None:
         led = self.led
         n = idx.numel()
         constants = self._rule("write", op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
@@ -554,3 +352,4 @@ class LedgerKernels:
         if key and fits_i32(n) and (self.owner_launch.fn, key) not in self._planned:
             # per call: the slots (0), their count (1), the rows (4) and the row (5)
             self._hand_to_fast_path(self.owner_launch, key, owner_slot(idx, req if tensor else None), args, (0, 1, 5, 4))
+
