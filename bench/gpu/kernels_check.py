@@ -1,7 +1,8 @@
 """On the GPU: the ledger's Triton kernels against its torch path over random op sequences, and
 the time each takes per hooked call (the kernels are what a CUDA ledger uses). Three launch paths:
 Triton's own (`triton`), the compiled kernel through Triton's launcher (`compiled`), and through
-the CUDA driver from the compiled hot path (`direct`, ledger/launch.py). Run it with
+the CUDA driver from the compiled hot path (`direct`, ledger/launch.py). The ops include a paged
+alloc's last_loc check and its update, which the kernels' path makes in one launch. Run it with
 KVDOCTOR_LEDGER_LAUNCH=direct, so that the driver launch is on for the releases not yet checked."""
 
 import json
@@ -52,7 +53,7 @@ def main():
             a, b = make(False, size, ps), make(True, size, ps, launch)
             rows = size + ps
             for step in range(80):
-                op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "ownerrows", "lastloc", "evict"])
+                op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "ownerrows", "lastloc", "evict", "lastlocalloc"])
                 n = rng.randint(1, 40) if rng.random() < 0.8 else rng.randint(500, 1200)  # one program, or several
                 base = torch.tensor(
                     [rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(2 * n)],
@@ -78,8 +79,11 @@ def main():
                         # a row per index, the same for every index of one page (as a request's row is):
                         # two requests written to one page in one call would leave either, on any path
                         led.on_owner(idx, (idx // ps % 7).to(torch.int32))
-                    else:
+                    elif op == "lastloc":
                         led.check_last_loc(idx, site, torch.full_like(idx, 3))
+                    else:  # a paged alloc's last_loc (with rows or without), then its slots: one launch on the kernels' path
+                        last = base[n : n + max(1, n // 4)]
+                        led.on_last_loc_alloc(last, torch.full_like(last, 3) if site % 2 else None, idx, site, True)
             # (oor_value is kept differently by the two paths: the worst value, or the worst each side)
             for k in ("state", "owner", "flags", "violation_site", "counters"):
                 if not torch.equal(getattr(a, k), getattr(b, k)):

@@ -229,9 +229,10 @@ def request_table_writes(probe, allocator, step, steps) -> None:
 
 
 def paged_last_loc(probe, step, steps) -> None:
-    """SGLang's paged `alloc_extend` and `alloc_decode` with the `last_loc` they are given: the
-    check kernel first (with the rows `get_last_loc` read it for, where it did), then the alloc,
-    both from C once the Python path has launched each kernel once."""
+    """SGLang's paged `alloc_extend` and `alloc_decode` with the `last_loc` they are given: its check
+    (with the rows `get_last_loc` read it for, where it did) and the alloc's update in one launch
+    after the host's call, from C once the Python path has launched that kernel once; with no
+    slots to update (no room), the check alone."""
     from sglang.srt.mem_cache import allocation
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
@@ -241,11 +242,14 @@ def paged_last_loc(probe, step, steps) -> None:
     table = torch.zeros((4, 64), dtype=torch.int32)
 
     def python_path_of(last, rows, out):
-        ledger = sglang_state(probe).ledger_for(paged)
+        kernels = sglang_state(probe).ledger_for(paged).kernels
         site = steps[-1]["c"][0][5][-1] if steps[-1]["c"] else 0
         mark = len(PY)
-        ledger.kernels.last_loc(ledger.kernels.index(last), site, None if rows is None else ledger.kernels.index(rows))
-        ledger.kernels.alloc(ledger.kernels.index(out), site, True)
+        rows = None if rows is None else kernels.index(rows)
+        if out is None:
+            kernels.last_loc(kernels.index(last), site, rows)
+        else:
+            kernels.last_loc_alloc(kernels.index(last), site, rows, kernels.index(out), True)
         steps[-1]["python_same_call"] = PY[mark:]
 
     def extend(prefix, seq, last):
@@ -264,8 +268,13 @@ def paged_last_loc(probe, step, steps) -> None:
     last, out = step("decode with rows", lambda: decode(rows, [6, 7]))
     python_path_of(last, rows, out)
     given = torch.tensor([int(out[0]), int(out[1])])
+    step("extend, last_loc given, first", lambda: extend([6, 6], [9, 8], given))
     out = step("extend, last_loc given", lambda: extend([6, 6], [9, 8], given))
     python_path_of(given, None, out)
+    minus_one = torch.tensor([-1])
+    none = step("extend, no room", lambda: extend([0], [5000], minus_one))
+    assert none is None
+    python_path_of(minus_one, None, None)
 
 
 def write_failure(probe, allocator) -> int:

@@ -3,7 +3,8 @@
 On a GPU the ledger runs as two Triton kernels per hooked call; here the same kernels run under
 Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, against the torch path, over random
 sequences of allocations, frees (slots and pages, inside and outside evictions), tree inserts,
-owner writes and last_loc checks, including double frees and out-of-range indices."""
+owner writes, last_loc checks and paged allocations with their last_loc (one kernel on the
+kernels' path), including double frees, stale last_locs and out-of-range indices."""
 
 import json
 import os
@@ -26,14 +27,24 @@ def make(kernels, size, ps):
         assert led.use_kernels()
     return led
 
-out = []
+out, fused = [], [0]
+
+class Counted:  # the fused last_loc kernel, its launches counted (the sequences must reach it)
+    def __init__(self, fn):
+        self.fn = fn
+    def __getitem__(self, grid):
+        fused[0] += 1
+        return self.fn[grid]
+
 for seed in range(int(sys.argv[1])):
     rng = random.Random(seed)
     ps = rng.choice([1, 4])
     size = 64 * ps
     a, b = make(False, size, ps), make(True, size, ps)
+    b.kernels.last_loc_alloc_launch.fn = Counted(b.kernels.last_loc_alloc_launch.fn)
+    written = None
     for step in range(60):
-        op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "lastloc", "evict"])
+        op = rng.choice(["alloc", "free", "freepages", "tree", "owner", "lastloc", "evict", "lastlocalloc"])
         n = rng.randint(1, 12)
         rows = size + ps
         idx = torch.tensor([rng.randrange(-3, rows + 3) if rng.random() < 0.1 else rng.randrange(0, rows) for _ in range(2 * n)],
@@ -53,12 +64,17 @@ for seed in range(int(sys.argv[1])):
                 led.on_tree_insert(idx, site)
             elif op == "owner":
                 led.on_owner(idx, 7)
-            else:
+                written = idx
+            elif op == "lastloc":
                 led.check_last_loc(idx, site, torch.full_like(idx, 3))
+            else:  # a paged alloc's last_loc, with the rows it was read for or without, then its slots
+                # slots a row was written to last (owned by request 7, so rows of 3 make them stale), or these
+                last = written[: max(1, n // 3)] if written is not None and site % 3 else idx.flip(0)[: max(1, n // 3)]
+                led.on_last_loc_alloc(last, torch.full_like(last, 3) if site % 2 else None, idx, site, True)
     same = {k: bool(torch.equal(getattr(a, k), getattr(b, k))) for k in ("state", "owner", "flags", "violation_site", "counters")}
     same["alloc_site"] = bool(torch.equal(a.alloc_site[:-1], b.alloc_site[:-1]))  # the sink row is scratch
     out.append({"seed": seed, "same": same, "counters": b.counters.tolist()})
-print("RESULT " + json.dumps(out))
+print("RESULT " + json.dumps({"seeds": out, "fused_launches": fused[0]}))
 """
 
 
@@ -68,10 +84,11 @@ def test_triton_kernels_match_the_torch_path():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, "12"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    results = json.loads(line[-1][7:])
-    for r in results:
+    result = json.loads(line[-1][7:])
+    for r in result["seeds"]:
         assert all(r["same"].values()), r
-    assert sum(sum(r["counters"]) for r in results) > 0  # the sequences did break rules
+    assert sum(sum(r["counters"]) for r in result["seeds"]) > 0  # the sequences did break rules
+    assert result["fused_launches"] > 0  # and reached the fused last_loc kernel
 
 
 def test_each_kernels_constants_come_in_its_own_order():
@@ -90,3 +107,8 @@ def test_each_kernels_constants_come_in_its_own_order():
         for has_req in (False, True):
             constants = bound._rule(name, 1, schema.DOUBLE_FREE, has_req=has_req)
             assert list(constants) == constexprs, name
+    params = list(kernels._last_loc_check_write.arg_names)
+    constexprs = [p for p in params if p.isupper()]
+    assert params[-len(constexprs) :] == constexprs
+    for has_req in (False, True):
+        assert list(bound._last_loc_alloc_rule(has_req)) == constexprs

@@ -299,6 +299,8 @@ extern HotPathState H; /* one per process */
     X(dim, "dim")                                 \
     X(note_row_write, "note_row_write")           \
     X(on_owner, "on_owner")                       \
+    X(on_last_loc_alloc, "on_last_loc_alloc")     \
+    X(check_last_loc, "check_last_loc")           \
     X(census_if_due, "census_if_due")             \
     X(allocated, "allocated")                     \
     X(freed, "freed")                             \
@@ -430,7 +432,11 @@ PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 #define DEVICE_OWNER_SLOT(tensor, slots_bits, rows_bits) DEVICE_ROWS_SLOT(32, tensor, slots_bits, rows_bits)
 /* The last_loc check's (a paged alloc's): the same 20, for last_loc and the rows it was read for. */
 #define DEVICE_LAST_LOC_SLOT(tensor, slots_bits, rows_bits) DEVICE_ROWS_SLOT(52, tensor, slots_bits, rows_bits)
-#define DEVICE_PLAN_SLOTS 72
+/* The check fused with the alloc's update (one launch after the host's call): the check's 20, then
+ * the allocated slots' width and alignment. */
+#define DEVICE_LAST_LOC_ALLOC_SLOT(tensor, last_bits, rows_bits, slots_bits) \
+    (72 + ((DEVICE_ROWS_SLOT(0, tensor, last_bits, rows_bits) << 2) | (slots_bits)))
+#define DEVICE_PLAN_SLOTS 152
 
 typedef struct {
     void *function; /* the compiled kernel (a CUfunction); NULL: none yet (the Python path compiles it) */
@@ -440,6 +446,7 @@ typedef struct {
     uint64_t cells[DEVICE_MAX_PARAMS]; /* the fixed ones; the index, its count and the site per call */
     int at_index, at_count, at_site;
     int at_rows; /* the owner kernel's: where the rows' address goes (at_site then holds the row); else -1 */
+    int at_last, at_last_count; /* the fused last_loc check's: where last_loc and its count go; else -1 */
 } DevicePlan;
 
 typedef struct DeviceLedger {
@@ -473,6 +480,9 @@ int device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerC
 int device_owner(DeviceLedger *d, const OwnerCall *call, long row);
 int device_last_loc_reads(DeviceLedger *d, PyObject *last_loc, PyObject *rows, OwnerCall *call);
 int device_last_loc(DeviceLedger *d, const OwnerCall *call, int site);
+/* The check and the alloc's update of `slots` (the host's result) in one launch, after the host's
+ * call: 1 launched, 0 not (no plan yet, a call of more than a block; nothing was launched). */
+int device_last_loc_alloc(DeviceLedger *d, const OwnerCall *call, PyObject *slots, int site);
 void device_ledgers_release(void);
 unsigned long long device_launch_count(void);
 PyObject *m_register_device_ledger(PyObject *m, PyObject *a, PyObject *kw);

@@ -20,7 +20,9 @@
  * the call site, and launches on the current stream: the update the Python role makes through
  * ledger/kernels.py for a call of at most one block. A request-table write (the owner kernel) and
  * a paged alloc's last_loc check take a kernel over slots and, per slot, a row (a tensor, or one
- * row given as a number), as many programs as it needs. The plans (the compiled kernel, its fixed
+ * row given as a number), as many programs as it needs; a paged alloc's check and its update are
+ * one kernel after the host's call (`device_last_loc_alloc`), the check alone where no slots came
+ * back. The plans (the compiled kernel, its fixed
  * parameters) are handed here by that Python path once it has compiled and launched the kernel
  * itself (`device_plan`); a call with no plan yet, a larger call, a launch hook set or a refused
  * launch takes the Python path, which records exactly as it did before.
@@ -376,6 +378,32 @@ device_last_loc(DeviceLedger *d, const OwnerCall *call, int site)
     return rows_launch(d, DEVICE_LAST_LOC_SLOT(0, 0, 0), call, (int32_t)site);
 }
 
+int
+device_last_loc_alloc(DeviceLedger *d, const OwnerCall *call, PyObject *slots, int site)
+{
+    const void *data = NULL;
+    Py_ssize_t n = 0;
+    int bits = 0;
+    if (d->off || call->slots == NULL || !owner_read(d, slots, &data, &n, &bits))
+        return 0;
+    if (n == 0 || call->n == 0 || n > d->block_max || call->n > d->block_max || data == NULL)
+        return 0; /* one of them alone, or more than a block: the two kernels in turn */
+    int tensor = call->rows != NULL;
+    const DevicePlan *p = &d->plans[DEVICE_LAST_LOC_ALLOC_SLOT(tensor, call->slots_bits, call->rows_bits, bits)];
+    if (p->function == NULL || p->at_rows < 0 || p->at_last < 0)
+        return 0;
+    uint64_t cells[DEVICE_MAX_PARAMS];
+    memcpy(cells, p->cells, sizeof cells);
+    cells[p->at_last] = (uint64_t)(uintptr_t)call->slots;
+    cells[p->at_rows] = (uint64_t)(uintptr_t)(tensor ? call->rows : call->slots);
+    cells[p->at_index] = (uint64_t)(uintptr_t)data;
+    int32_t n_last = (int32_t)call->n, count = (int32_t)n, at = (int32_t)site;
+    memcpy(&cells[p->at_last_count], &n_last, sizeof n_last);
+    memcpy(&cells[p->at_count], &count, sizeof count);
+    memcpy(&cells[p->at_site], &at, sizeof at);
+    return launch_plan(d, p, 1, cells);
+}
+
 static void
 device_ledger_release(DeviceLedger *d)
 {
@@ -440,22 +468,27 @@ m_register_device_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *
 PyObject *
 m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"ledger", "slot",     "function", "kinds",   "block",   "shared",
-                            "values", "at_index", "at_count", "at_site", "at_rows", NULL};
+    static char *names[] = {"ledger",   "slot",     "function", "kinds",   "block",   "shared",        "values",
+                            "at_index", "at_count", "at_site",  "at_rows", "at_last", "at_last_count", NULL};
     PyObject *ledger, *values;
-    int slot, at_index, at_count, at_site, at_rows = -1;
+    int slot, at_index, at_count, at_site, at_rows = -1, at_last = -1, at_last_count = -1;
     unsigned long long function;
     unsigned block, shared;
     const char *kinds;
     Py_ssize_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiKy#IIO!iii|i", names, &ledger, &slot, &function, &kinds, &n,
-                                     &block, &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site, &at_rows))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OiKy#IIO!iii|iii", names, &ledger, &slot, &function, &kinds, &n,
+                                     &block, &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site, &at_rows,
+                                     &at_last, &at_last_count))
         return NULL;
-    int owner = slot >= DEVICE_OWNER_SLOT(0, 0, 0); /* the owner and last_loc plans name where their rows go */
+    int rows = slot >= DEVICE_OWNER_SLOT(0, 0, 0); /* the owner and last_loc plans name where their rows go */
+    int fused = slot >= DEVICE_LAST_LOC_ALLOC_SLOT(0, 0, 0, 0); /* and the fused check where last_loc goes */
     if (slot < 0 || slot >= DEVICE_PLAN_SLOTS || n + 2 > DEVICE_MAX_PARAMS || PyTuple_GET_SIZE(values) != n ||
         at_index < 0 || at_index >= n || at_count < 0 || at_count >= n || at_site < 0 || at_site >= n ||
         kinds[at_index] != 'p' || kinds[at_count] != 'i' || kinds[at_site] != 'i' || function == 0 ||
-        (owner ? (at_rows < 0 || at_rows >= n || kinds[at_rows] != 'p') : at_rows != -1)) {
+        (rows ? (at_rows < 0 || at_rows >= n || kinds[at_rows] != 'p') : at_rows != -1) ||
+        (fused ? (at_last < 0 || at_last >= n || kinds[at_last] != 'p' || at_last_count < 0 || at_last_count >= n ||
+                  kinds[at_last_count] != 'i')
+               : (at_last != -1 || at_last_count != -1))) {
         PyErr_SetString(PyExc_ValueError, "device_plan: not a plan of a ledger kernel");
         return NULL;
     }
@@ -479,6 +512,8 @@ m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     plan.at_count = at_count;
     plan.at_site = at_site;
     plan.at_rows = at_rows;
+    plan.at_last = at_last;
+    plan.at_last_count = at_last_count;
     plan.cells[at_count] = 0;
     plan.cells[at_site] = 0;
     d->plans[slot] = plan;

@@ -76,6 +76,50 @@ last_loc_rows(PyObject *last_loc, PyObject **rows)
     return 1;
 }
 
+/* A paged alloc's last_loc check on a device ledger and the alloc's update, after the host's call:
+ * one launch (the check reads the states the Python role's check reads before the call: the call
+ * changes none of this ledger's), else the ledger's own method for both. With no slots (None, or
+ * the host raised) the check alone, as the role made it; the host's exception is kept. Takes the
+ * references to `last` and `rows`. */
+static PyObject *
+alloc_with_last_loc(Hooked *self, DeviceLedger *d, const OwnerCall *call, PyObject *last, PyObject *rows,
+                    PyObject *result, int site, unsigned long gen)
+{
+    if (gen != H.generation)
+        goto done;
+    PyObject *site_obj = PyLong_FromLong(site);
+    if (result == NULL || result == Py_None) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int rc = site_obj == NULL ? -1 : device_last_loc(d, call, site);
+        if (rc == 0) {
+            PyObject *a[3] = {last, site_obj, rows != NULL ? rows : Py_None};
+            rc = slow_call(d->ledger, d->lock, S_check_last_loc, a, 3, NULL);
+        }
+        if (rc < 0 && report_failure(self->name, "fail") < 0)
+            PyErr_Clear(); /* not an Exception of the probe's: the host's own error comes first */
+        PyErr_Restore(type, value, tb);
+        Py_XDECREF(site_obj);
+        goto done;
+    }
+    int rc = site_obj == NULL ? -1 : device_last_loc_alloc(d, call, result, site);
+    if (rc == 1 && maybe_test_failure(self) < 0)
+        rc = -1;
+    if (rc == 0) {
+        H.n_slow[K_ALLOC]++;
+        PyObject *a[5] = {last, rows != NULL ? rows : Py_None, result, site_obj,
+                          self->only_page_starts ? Py_True : Py_False};
+        rc = slow_call(d->ledger, d->lock, S_on_last_loc_alloc, a, 5, NULL);
+    }
+    Py_XDECREF(site_obj);
+    if (rc < 0)
+        result = kept_after_failure(self->name, result);
+done:
+    Py_DECREF(last);
+    Py_XDECREF(rows);
+    return result;
+}
+
 /* --- alloc / alloc_extend / alloc_decode --- */
 PyObject *
 fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
@@ -100,6 +144,8 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
             return call_original(self, args, nargsf, kwnames);
     }
     int site = -1;
+    PyObject *last_held = NULL, *rows_held = NULL; /* a device ledger's last_loc, and the rows it was read for */
+    OwnerCall last_call;
     if (self->last_loc_pos >= 0) {
         PyObject *last_loc = arg_at(args, nargs, kwnames, self->last_loc_pos, self->last_loc_name);
         PyObject *req_indices = NULL;
@@ -107,20 +153,13 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
             if (!last_loc_rows(last_loc, &req_indices))
                 return DIVERT;
             if (d != NULL) {
-                /* its check kernel, launched before the host's call as the Python role's is */
-                OwnerCall call;
-                if (!device_last_loc_reads(d, last_loc, req_indices, &call) || (site = current_site()) < 0) {
+                /* read now, checked after the host's call with the alloc (alloc_with_last_loc) */
+                if (!device_last_loc_reads(d, last_loc, req_indices, &last_call)) {
                     PyErr_Clear();
                     return DIVERT;
                 }
-                int launched = device_last_loc(d, &call, site);
-                if (launched < 0) {
-                    if (report_failure(self->name, "fail") < 0)
-                        return NULL;
-                    return call_original(self, args, nargsf, kwnames); /* the probe is off now */
-                }
-                if (!launched)
-                    return DIVERT;
+                last_held = Py_NewRef(last_loc);
+                rows_held = Py_XNewRef(req_indices);
             }
             else {
                 Ints last, req;
@@ -135,14 +174,17 @@ fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs,
             }
         }
     }
-    if (site < 0)
-        site = current_site();
+    site = current_site();
     if (site < 0) {
         PyErr_Clear();
+        Py_XDECREF(last_held);
+        Py_XDECREF(rows_held);
         return DIVERT;
     }
     unsigned long gen = H.generation;
     PyObject *result = call_pushed(self, obj, args, nargsf, kwnames);
+    if (last_held != NULL)
+        return alloc_with_last_loc(self, d, &last_call, last_held, rows_held, result, site, gen);
     if (result == NULL || result == Py_None || gen != H.generation)
         return result;
     int healthy;

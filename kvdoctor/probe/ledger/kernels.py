@@ -7,7 +7,8 @@ because a free of a paged request lists every token of a page and a kernel of se
 see its own writes; a call of at most BLOCK indices runs both in one program (`_check_write`), with
 a barrier between the reads and the writes. Every transition is idempotent for repeated indices of
 one call, so `_write` needs no ordering. Nothing is read back to the host. After a kernel's first call its compiled form is launched
-directly (`launch.py`): Triton's Python launcher cost more host time than the ledger's work.
+directly (`launch.py`): Triton's Python launcher cost more host time than the ledger's work. A paged
+alloc's last_loc check and its own update share one program where both fit (`_last_loc_check_write`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdoctor.probe.ledger import launch as plan_slots
 from kvdoctor.probe.ledger import states
 from kvdoctor.probe.ledger.launch import CompiledLaunch, aligned, device_plan, fits_i32
 from kvdoctor.probe.ledger.states import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
@@ -152,6 +154,28 @@ def _check_write(idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counter
                 OP, PAGE_STARTS, AS_PAGES, EVICTING)
 
 
+@triton.jit(do_not_specialize=["n_last", "n", "rows", "page_size", "num_pages", "sink", "site"])
+def _last_loc_check_write(last_ptr, n_last, req_ptr, idx_ptr, n, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr,
+                          oor_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                          HAS_REQ: tl.constexpr, STALE_SLOT: tl.constexpr, STALE_BIT: tl.constexpr,
+                          TAKEN_SLOT: tl.constexpr, TAKEN_BIT: tl.constexpr, OOR_SLOT: tl.constexpr, OOR_BIT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """A paged alloc's last_loc check and the alloc's own update in one program, for calls of at
+    most BLOCK of each: both checks read the states before the barrier, as the two kernels in
+    turn would (the host's call between them changes no ledger state), and the alloc writes after."""
+    offs = tl.arange(0, BLOCK)
+    _check_body(offs, offs < n_last, last_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, req_ptr,
+                rows, page_size, num_pages, sink, site, LAST_LOC, False, False, HAS_REQ, 1, STALE_SLOT, STALE_BIT,
+                OOR_SLOT, OOR_BIT)
+    m = offs < n
+    _check_body(offs, m, idx_ptr, state_ptr, owner_ptr, flags_ptr, vsite_ptr, counters_ptr, oor_ptr, idx_ptr,
+                rows, page_size, num_pages, sink, site, ALLOC, True, False, False, 1, TAKEN_SLOT, TAKEN_BIT,
+                OOR_SLOT, OOR_BIT)
+    tl.debug_barrier()
+    _write_body(offs, m, idx_ptr, state_ptr, owner_ptr, alloc_site_ptr, rows, page_size, num_pages, sink, site,
+                ALLOC, True, False, False)
+
+
 @triton.jit(do_not_specialize=["n", "req_value", "rows", "page_size", "sink"])
 def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size, sink,
            REQ_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
@@ -168,32 +192,6 @@ def _owner(idx_ptr, n, state_ptr, owner_ptr, req_ptr, req_value, rows, page_size
     tl.store(owner_ptr + page, req, mask=ok & (st == OWNED))
 
 
-def _bits(tensor: Any) -> int:
-    return (2 if tensor.dtype == torch.int64 else 0) | (1 if aligned(tensor) else 0)
-
-
-def device_slot(op: int, idx: Any, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> int:
-    """Which of a device ledger's compiled plans an alloc or free takes in the C fast path (launch.c,
-    DEVICE_RULE_*): its rule, then the index tensor's width and alignment."""
-    rule = (1 if page_starts else 0) if op == OP_ALLOC else 4 | (2 if as_pages else 0) | (1 if evicting else 0)
-    return rule << 2 | _bits(idx)
-
-
-def _rows_slot(base: int, idx: Any, rows: Any) -> int:
-    return base + (4 + (_bits(idx) << 2 | _bits(rows)) if rows is not None else _bits(idx))
-
-
-def owner_slot(idx: Any, rows: Any) -> int:
-    """The owner kernel's plan in the C fast path (launch.c, DEVICE_OWNER_SLOT): one row, or a
-    tensor of rows, then the slots' (and the rows') width and alignment."""
-    return _rows_slot(32, idx, rows)
-
-
-def last_loc_slot(idx: Any, rows: Any) -> int:
-    """The last_loc check's plan (DEVICE_LAST_LOC_SLOT): with or without the rows it was read for."""
-    return _rows_slot(52, idx, rows)
-
-
 class LedgerKernels:
     """Binds the kernels to one ledger's tensors."""
 
@@ -207,6 +205,7 @@ class LedgerKernels:
         self.write_launch = CompiledLaunch(_write)
         self.fused_launch = CompiledLaunch(_check_write)
         self.owner_launch = CompiledLaunch(_owner)
+        self.last_loc_alloc_launch = CompiledLaunch(_last_loc_check_write)
         led = ledger
         self.device = led.state.device.index if led.state.device.index is not None else 0
         self.torch_device = led.state.device
@@ -222,7 +221,7 @@ class LedgerKernels:
         return self.keyable and self.fused_launch.driver is not None
 
     def launchers(self) -> tuple[CompiledLaunch, ...]:
-        return (self.check_launch, self.write_launch, self.fused_launch, self.owner_launch)
+        return (self.check_launch, self.write_launch, self.fused_launch, self.owner_launch, self.last_loc_alloc_launch)
 
     def index(self, tensor: Any) -> Any:
         """The call's indices as the kernels read them, one after another in memory: an index tensor
@@ -275,7 +274,7 @@ class LedgerKernels:
             key = self._key(constants, idx) if fits_i32(site) else ()
             self._launch(self.fused_launch, n, args, constants, key)
             if key and (self.fused_launch.fn, key) not in self._planned and op != OP_TREE_INSERT:
-                slot = device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
+                slot = plan_slots.device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
                 self._hand_to_fast_path(self.fused_launch, key, slot, args, (0, 1, len(args) - 1))
             return
         self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
@@ -311,7 +310,7 @@ class LedgerKernels:
         self._launch(self.check_launch, n, args, constants, key)
         if op == OP_LAST_LOC and key and fits_i32(n) and (self.check_launch.fn, key) not in self._planned:
             # per call: last_loc (0), its count (1), the site (13) and the rows it was read for (8)
-            self._hand_to_fast_path(self.check_launch, key, last_loc_slot(idx, req), args, (0, 1, len(args) - 1, 8))
+            self._hand_to_fast_path(self.check_launch, key, plan_slots.last_loc_slot(idx, req), args, (0, 1, len(args) - 1, 8))
 
     def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False,
                evicting: bool = False) -> None:
@@ -338,6 +337,41 @@ class LedgerKernels:
         if idx.numel():
             self._check(idx, site, OP_LAST_LOC, schema.STALE_LAST_LOC, req=req)
 
+    def _last_loc_alloc_rule(self, has_req: bool) -> dict[str, Any]:
+        """`_last_loc_check_write`'s constants, in its own order (a compiled launch passes them by position)."""
+        constants = self._constants.get(("last_loc_alloc", has_req))
+        if constants is None:
+            constants = self._constants[("last_loc_alloc", has_req)] = {
+                "HAS_REQ": has_req,
+                "STALE_SLOT": self.slot[schema.STALE_LAST_LOC], "STALE_BIT": self.bits[schema.STALE_LAST_LOC],
+                "TAKEN_SLOT": self.slot[schema.DOUBLE_ALLOC], "TAKEN_BIT": self.bits[schema.DOUBLE_ALLOC],
+                "OOR_SLOT": self.slot[schema.INDEX_OUT_OF_RANGE], "OOR_BIT": self.bits[schema.INDEX_OUT_OF_RANGE],
+                "BLOCK": BLOCK,
+            }
+        return constants
+
+    def last_loc_alloc(self, last: Any, site: int, req: Any, idx: Any, page_starts: bool) -> None:
+        """A paged alloc's last_loc check, then its update: one launch where both fit one program,
+        else the two rules in turn (the same checks of the same states either way)."""
+        n_last, n = last.numel(), idx.numel()
+        if not (n_last and n and page_starts and n_last <= BLOCK and n <= BLOCK):
+            self.last_loc(last, site, req)
+            if n:
+                self._check_and_write(idx, site, OP_ALLOC, schema.DOUBLE_ALLOC, page_starts=page_starts)
+            return
+        led = self.led
+        has_req = req is not None
+        constants = self._last_loc_alloc_rule(has_req)
+        req_arg = req if has_req else last
+        args = (last, n_last, req_arg, idx, n, led.state, led.owner, led.flags, led.violation_site, led.counters, led.oor_value,
+                led.alloc_site, *self.sizes, site)
+        key = self._key(constants, last, req_arg, idx) if fits_i32(site) else ()
+        launch = self.last_loc_alloc_launch
+        self._launch(launch, 1, args, constants, key)
+        if key and (launch.fn, key) not in self._planned:
+            # per call: the slots (3), their count (4), the site, the rows (2), last_loc (0) and its count (1)
+            self._hand_to_fast_path(launch, key, plan_slots.last_loc_alloc_slot(last, req, idx), args, (3, 4, len(args) - 1, 2, 0, 1))
+
     def owner(self, idx: Any, req: Any) -> None:
         led = self.led
         n = idx.numel()
@@ -351,5 +385,5 @@ class LedgerKernels:
         self._launch(self.owner_launch, n, args, constants, key)
         if key and fits_i32(n) and (self.owner_launch.fn, key) not in self._planned:
             # per call: the slots (0), their count (1), the rows (4) and the row (5)
-            self._hand_to_fast_path(self.owner_launch, key, owner_slot(idx, req if tensor else None), args, (0, 1, 5, 4))
+            self._hand_to_fast_path(self.owner_launch, key, plan_slots.owner_slot(idx, req if tensor else None), args, (0, 1, 5, 4))
 

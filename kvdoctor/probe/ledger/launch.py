@@ -24,15 +24,18 @@ an unchecked release too (to check it). A launch the driver refuses goes through
 instead, and this kernel stays there.
 
 Where the driver launch is taken, the healthy alloc or free of at most one block, a request-table
-write's owner update and a paged alloc's last_loc check are launched from the C fast path itself,
-with no Python at all (csrc/launch.c): the Python path hands it each kernel's plan after its first
-launch (kernels.py). `=driver` keeps every call on the Python path, to compare the two.
+write's owner update and a paged alloc's last_loc check with its update (one kernel) are launched
+from the C fast path itself, with no Python at all (csrc/launch.c): the Python path hands it each
+kernel's plan after its first launch (kernels.py). `=driver` keeps every call on the Python path,
+to compare the two.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+from kvdoctor.probe.ledger.states import OP_ALLOC
 
 I32_MAX = 2**31 - 1
 # The Triton releases whose launcher this calls as their own `JITFunction.run` does, checked on a GPU
@@ -235,12 +238,16 @@ def device_plan(
     at_count: int,
     at_site: int,
     at_rows: int = -1,
+    at_last: int = -1,
+    at_last_count: int = -1,
 ) -> bool:
     """One compiled kernel of a registered device ledger (False: the ledger is not registered)."""
     from kvdoctor.probe import hotpath
 
     plan = getattr(hotpath.NATIVE, "device_plan", None)
-    return plan is not None and bool(plan(ledger, slot, function, kinds, block, shared, values, at_index, at_count, at_site, at_rows))
+    return plan is not None and bool(
+        plan(ledger, slot, function, kinds, block, shared, values, at_index, at_count, at_site, at_rows, at_last, at_last_count)
+    )
 
 
 def aligned(tensor: Any) -> bool:
@@ -249,3 +256,38 @@ def aligned(tensor: Any) -> bool:
 
 def fits_i32(*values: int) -> bool:
     return all(-I32_MAX - 1 <= v <= I32_MAX for v in values)
+
+
+# Which of a device ledger's plans (launch.c's DevicePlan slots) a call takes.
+
+
+def _bits(tensor: Any) -> int:
+    return (2 if tensor.element_size() == 8 else 0) | (1 if aligned(tensor) else 0)  # int64 or int32
+
+
+def device_slot(op: int, idx: Any, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> int:
+    """Which of a device ledger's compiled plans an alloc or free takes in the C fast path (launch.c,
+    DEVICE_RULE_*): its rule, then the index tensor's width and alignment."""
+    rule = (1 if page_starts else 0) if op == OP_ALLOC else 4 | (2 if as_pages else 0) | (1 if evicting else 0)
+    return rule << 2 | _bits(idx)
+
+
+def _rows_slot(base: int, idx: Any, rows: Any) -> int:
+    return base + (4 + (_bits(idx) << 2 | _bits(rows)) if rows is not None else _bits(idx))
+
+
+def owner_slot(idx: Any, rows: Any) -> int:
+    """The owner kernel's plan in the C fast path (launch.c, DEVICE_OWNER_SLOT): one row, or a
+    tensor of rows, then the slots' (and the rows') width and alignment."""
+    return _rows_slot(32, idx, rows)
+
+
+def last_loc_slot(idx: Any, rows: Any) -> int:
+    """The last_loc check's plan (DEVICE_LAST_LOC_SLOT): with or without the rows it was read for."""
+    return _rows_slot(52, idx, rows)
+
+
+def last_loc_alloc_slot(last: Any, rows: Any, idx: Any) -> int:
+    """The check fused with a paged alloc's update (DEVICE_LAST_LOC_ALLOC_SLOT): the check's, then
+    the allocated slots' width and alignment."""
+    return 72 + ((_rows_slot(0, last, rows) << 2) | _bits(idx))

@@ -294,6 +294,20 @@ class SlotLedger(SlotReadback):
                 return
         self.owner[pages] = xp.cast(xp.where(owned, req, self.owner[pages]), self.owner)
 
+    def on_last_loc_alloc(self, last_loc_tensor: Any, req_indices: Any, slots_tensor: Any, site: int, only_page_starts: bool) -> None:
+        """A paged alloc's last_loc check and its update, taken together after the host's call (the
+        compiled fast path's way on a GPU: one launch). The call changed no state of this ledger, so
+        the check sees what it would have seen before it."""
+        if self.kernels is None:
+            self.check_last_loc(last_loc_tensor, site, req_indices)
+            self.on_alloc(slots_tensor, site, only_page_starts=only_page_starts)
+            return
+        kernels = self.kernels
+        last = kernels.index(last_loc_tensor)
+        req = kernels.index(req_indices) if req_indices is not None else None
+        req = req if req is not None and req.shape == last.shape else None
+        kernels.last_loc_alloc(last, site, req, kernels.index(slots_tensor), only_page_starts and self.page_size > 1)
+
     def check_last_loc(self, last_loc_tensor: Any, site: int, req_indices: Any = None) -> None:
         """`last_loc` (the slot before the new tokens, -1 for none) must point into a page the
         request still holds: not free, and owned by that request when we know which it is."""
