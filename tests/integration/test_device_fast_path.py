@@ -52,13 +52,20 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("first,later,n", PAIRS)
-def test_a_kernels_first_call_takes_the_python_path_and_later_ones_launch_from_c(result, first, later, n):
+def launched_from_c_after_its_first_call(result, first: str, later: str) -> dict:
+    """The `first` call compiled its kernel on the Python path; the `later` one launched that kernel
+    from C, once, on the current stream, and nothing else."""
     one, two = result["by_name"][first], result["by_name"][later]
     assert len(one["first"]) == 1 and not one["c"] and not one["python"], one
     assert len(two["c"]) == 1 and not two["python"] and not two["first"] and not two["triton"], two
-    function, grid, _block, _shared, stream, values = two["c"][0]
+    function, grid, _block, _shared, stream, _values = two["c"][0]
     assert function == one["first"][0]["function"] and grid == 1 and stream == 0x5000
+    return two
+
+
+@pytest.mark.parametrize("first,later,n", PAIRS)
+def test_a_kernels_first_call_takes_the_python_path_and_later_ones_launch_from_c(result, first, later, n):
+    values = launched_from_c_after_its_first_call(result, first, later)["c"][0][5]
     assert values[1] == n
     pointers = result["pointers"]
     assert (values[2], values[3], values[8]) == (pointers["state"], pointers["owner"], pointers["alloc_site"])
@@ -111,11 +118,8 @@ WRITES = [
 
 @pytest.mark.parametrize("first,later,n", WRITES)
 def test_a_request_table_writes_owner_update_launches_from_c_after_its_first_call(result, first, later, n):
-    one, two = result["by_name"][first], result["by_name"][later]
-    assert len(one["first"]) == 1 and not one["c"] and not one["python"], one
-    assert len(two["c"]) == 1 and not two["python"] and not two["first"] and not two["triton"], two
-    function, grid, _block, _shared, stream, values = two["c"][0]
-    assert function == one["first"][0]["function"] and grid == 1 and stream == 0x5000
+    two = launched_from_c_after_its_first_call(result, first, later)
+    values = two["c"][0][5]
     assert values[1] == n and values[3] == result["pointers"]["owner"]
     assert two["python_same_call"] == two["c"], two
 
@@ -151,10 +155,7 @@ def test_a_paged_allocs_last_loc_check_and_its_alloc_are_one_launch_from_c(resul
     first = steps["extend, first"]  # the ledger is made here: the Python role, its two kernels
     assert len(first["first"]) == 2 and not first["c"], first
     for name in ("decode with rows", "extend, last_loc given"):
-        one, two = steps[f"{name}, first"], steps[name]
-        assert len(one["first"]) == 1 and not one["c"] and not one["python"], one  # the fused kernel's first call
-        assert len(two["c"]) == 1 and not two["python"] and not two["first"] and not two["triton"], two
-        assert two["c"][0][0] == one["first"][0]["function"]
+        two = launched_from_c_after_its_first_call(result, f"{name}, first", name)  # the fused kernel's
         assert two["python_same_call"] == two["c"], two
     assert steps["decode with rows, first"]["first"][0]["function"] != steps["extend, last_loc given, first"]["first"][0]["function"]
     decode = steps["decode with rows"]["c"][0][5]
