@@ -97,9 +97,21 @@ def test_what_c_does_not_take_goes_to_the_python_path(result):
     hooked = steps["alloc 8, a launch hook set"]
     assert not hooked["c"] and not hooked["python"] and len(hooked["triton"]) == 1, hooked
     c_launches = sum(len(s["c"]) for s in result["steps"] if not s["name"].startswith("free 8, failing"))
-    # 6 allocs and frees, 4 more allocs, 4 request-table writes, 2 paged allocs (each one launch with its
-    # last_loc check) and a last_loc check alone
-    assert result["device_launches"] == c_launches == 17
+    # 6 allocs and frees, 4 more allocs, a 600-slot alloc and free again (2 launches each), 600 more
+    # for a write (2), 4 request-table writes, 2 paged allocs (each one launch with its last_loc
+    # check) and a last_loc check alone
+    assert result["device_launches"] == c_launches == 23
+
+
+def test_a_call_of_more_than_a_block_launches_its_check_then_its_write_from_c(result):
+    steps = result["by_name"]
+    for first, later in (("alloc 600 (more than a block)", "alloc 600 again"), ("free 600", "free 600 again")):
+        compiled = [f["function"] for f in steps[first]["first"]]
+        step = steps[later]
+        assert [(c[0], c[1]) for c in step["c"]] == [(compiled[0], 2), (compiled[1], 2)], step  # two programs each
+        assert not step["python"] and not step["first"] and step["python_same_call"] == step["c"], step
+        check, write = step["c"][0][5], step["c"][1][5]
+        assert check[0] == check[8] == write[0] and check[1] == write[1] == 600 and check[-1] == write[-1]
 
 
 def test_a_failure_in_the_c_launch_turns_the_probe_off_and_spares_the_host(result):

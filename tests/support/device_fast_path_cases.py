@@ -156,6 +156,10 @@ def main() -> int:
     step("free empty", lambda: allocator.free(d[:0]))
     big = step("alloc 600 (more than a block)", lambda: allocator.alloc(600))
     step("free 600", lambda: allocator.free(big))
+    big = step("alloc 600 again", lambda: allocator.alloc(600))
+    steps[-1]["python_same_call"] = python_path_of(steps[-1]["c"][0], big, "alloc") if steps[-1]["c"] else []
+    step("free 600 again", lambda: allocator.free(big))
+    steps[-1]["python_same_call"] = python_path_of(steps[-1]["c"][0], big, "free") if steps[-1]["c"] else []
     from triton import knobs
 
     hook = lambda *a: None

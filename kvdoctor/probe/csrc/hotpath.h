@@ -436,7 +436,11 @@ PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
  * the allocated slots' width and alignment. */
 #define DEVICE_LAST_LOC_ALLOC_SLOT(tensor, last_bits, rows_bits, slots_bits) \
     (72 + ((DEVICE_ROWS_SLOT(0, tensor, last_bits, rows_bits) << 2) | (slots_bits)))
-#define DEVICE_PLAN_SLOTS 152
+/* A call of more than a block, alloc or free: the check (its rows are its own indices), then the
+ * write, each as many programs as the call needs; by the fused plans' rule, width and alignment. */
+#define DEVICE_BLOCKS_CHECK_SLOT(slot) (152 + (slot))
+#define DEVICE_BLOCKS_WRITE_SLOT(slot) (184 + (slot))
+#define DEVICE_PLAN_SLOTS 216
 
 typedef struct {
     void *function; /* the compiled kernel (a CUfunction); NULL: none yet (the Python path compiles it) */

@@ -219,11 +219,29 @@ record_launch(const DevicePlan *p, unsigned grid, void *stream, const uint64_t *
     return rc;
 }
 
-/* A plan's kernel launched on the current stream with this call's cells, under the ledger's lock
- * (the Python path's launches take it too): 1 launched, 0 not (the Python path takes the call),
- * -1 an error (set). */
+/* One launch: the driver's, or the test's record. 0 launched, else the driver's refusal (nothing
+ * launched), or -1 with an error set. */
 static int
-launch_plan(DeviceLedger *d, const DevicePlan *p, unsigned grid, uint64_t *cells)
+launch_one(const DevicePlan *p, unsigned grid, void *stream, uint64_t *cells)
+{
+    if (launch_record != NULL)
+        return record_launch(p, grid, stream, cells) < 0 ? -1 : 0;
+    void *params[DEVICE_MAX_PARAMS];
+    for (int i = 0; i < p->n + 2; i++)
+        params[i] = &cells[i];
+    cu_launch_kernel_t launch = driver_launch();
+    int rc = launch == NULL ? 1 : launch(p->function, grid, 1, 1, p->block, 1, 1, p->shared, stream, params, NULL);
+    return rc == -1 ? 1 : rc; /* -1 is this file's error; a driver code is positive */
+}
+
+/* A plan's kernel (or two in turn: a check, then its write) launched on the current stream with
+ * this call's cells, under the ledger's lock (the Python path's launches take it too): 1 launched,
+ * 0 not (the Python path takes the call), -1 an error (set). A second launch the driver refuses
+ * after the first went is an error: the check ran and its write did not, which the Python path
+ * cannot take over without checking twice. */
+static int
+launch_plans(DeviceLedger *d, const DevicePlan *p, uint64_t *cells, const DevicePlan *then, uint64_t *then_cells,
+             unsigned grid)
 {
     if (launch_record == NULL && d->device_type == DL_CPU_DEVICE)
         return 0;
@@ -236,32 +254,52 @@ launch_plan(DeviceLedger *d, const DevicePlan *p, unsigned grid, uint64_t *cells
     Py_DECREF(s);
     if (stream == NULL && PyErr_Occurred())
         return -1;
-    void *params[DEVICE_MAX_PARAMS];
-    for (int i = 0; i < p->n + 2; i++)
-        params[i] = &cells[i];
     int taken = lock_enter(d->lock);
     if (taken < 0)
         return -1;
-    int rc;
-    if (launch_record != NULL) {
-        rc = record_launch(p, grid, stream, cells);
-        if (rc < 0) {
-            lock_leave(d->lock, taken);
-            return -1;
-        }
-    }
-    else {
-        cu_launch_kernel_t launch = driver_launch();
-        rc = launch == NULL ? -1 : launch(p->function, grid, 1, 1, p->block, 1, 1, p->shared, stream, params, NULL);
-    }
-    if (lock_leave(d->lock, taken) < 0)
+    int rc = launch_one(p, grid, stream, cells);
+    int second = rc == 0 && then != NULL ? launch_one(then, grid, stream, then_cells) : 0;
+    if (lock_leave(d->lock, taken) < 0 || rc < 0 || second < 0)
         return -1;
     if (rc != 0) {
         d->off = 1; /* refused, nothing launched: the Python path (Triton's launcher) from now on */
         return 0;
     }
-    device_launches++;
+    device_launches += then != NULL ? 2 : 1;
+    if (second != 0) {
+        d->off = 1;
+        PyErr_Format(PyExc_RuntimeError, "the CUDA driver refused a ledger write after its check (%d)", second);
+        return -1;
+    }
     return 1;
+}
+
+static int
+launch_plan(DeviceLedger *d, const DevicePlan *p, unsigned grid, uint64_t *cells)
+{
+    return launch_plans(d, p, cells, NULL, NULL, grid);
+}
+
+/* A call of more than a block: the check over every program, then the write (two kernels, as the
+ * Python path launches them). */
+static int
+device_update_blocks(DeviceLedger *d, int slot, const void *data, Py_ssize_t n, int site)
+{
+    const DevicePlan *check = &d->plans[DEVICE_BLOCKS_CHECK_SLOT(slot)];
+    const DevicePlan *write = &d->plans[DEVICE_BLOCKS_WRITE_SLOT(slot)];
+    if (check->function == NULL || write->function == NULL || check->at_rows < 0 || n > INT32_MAX)
+        return 0;
+    uint64_t checked[DEVICE_MAX_PARAMS], written[DEVICE_MAX_PARAMS];
+    memcpy(checked, check->cells, sizeof checked);
+    memcpy(written, write->cells, sizeof written);
+    int32_t count = (int32_t)n, at = (int32_t)site;
+    checked[check->at_index] = checked[check->at_rows] = written[write->at_index] = (uint64_t)(uintptr_t)data;
+    memcpy(&checked[check->at_count], &count, sizeof count);
+    memcpy(&checked[check->at_site], &at, sizeof at);
+    memcpy(&written[write->at_count], &count, sizeof count);
+    memcpy(&written[write->at_site], &at, sizeof at);
+    unsigned grid = (unsigned)((n + d->block_max - 1) / d->block_max);
+    return launch_plans(d, check, checked, write, written, grid);
 }
 
 int
@@ -276,10 +314,13 @@ device_update(DeviceLedger *d, int rule, PyObject *index, int site)
         return 0;
     if (n == 0)
         return 1; /* the Python method launches nothing for an empty call either */
-    if (n > d->block_max || n > INT32_MAX || data == NULL)
+    if (data == NULL)
         return 0;
     int aligned = ((uintptr_t)data % 16) == 0; /* the compiled kernel may assume it */
-    const DevicePlan *p = &d->plans[(rule << 2) | ((itemsize == 8) << 1) | aligned];
+    int slot = (rule << 2) | ((itemsize == 8) << 1) | aligned;
+    if (n > d->block_max)
+        return device_update_blocks(d, slot, data, n, site);
+    const DevicePlan *p = &d->plans[slot];
     if (p->function == NULL)
         return 0;
     uint64_t cells[DEVICE_MAX_PARAMS];
@@ -480,8 +521,9 @@ m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
                                      &block, &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site, &at_rows,
                                      &at_last, &at_last_count))
         return NULL;
-    int rows = slot >= DEVICE_OWNER_SLOT(0, 0, 0); /* the owner and last_loc plans name where their rows go */
-    int fused = slot >= DEVICE_LAST_LOC_ALLOC_SLOT(0, 0, 0, 0); /* and the fused check where last_loc goes */
+    /* the owner, last_loc and large calls' check plans name where their rows go */
+    int fused = slot >= DEVICE_LAST_LOC_ALLOC_SLOT(0, 0, 0, 0) && slot < DEVICE_BLOCKS_CHECK_SLOT(0);
+    int rows = slot >= DEVICE_OWNER_SLOT(0, 0, 0) && slot < DEVICE_BLOCKS_WRITE_SLOT(0);
     if (slot < 0 || slot >= DEVICE_PLAN_SLOTS || n + 2 > DEVICE_MAX_PARAMS || PyTuple_GET_SIZE(values) != n ||
         at_index < 0 || at_index >= n || at_count < 0 || at_count >= n || at_site < 0 || at_site >= n ||
         kinds[at_index] != 'p' || kinds[at_count] != 'i' || kinds[at_site] != 'i' || function == 0 ||

@@ -277,8 +277,13 @@ class LedgerKernels:
                 slot = plan_slots.device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
                 self._hand_to_fast_path(self.fused_launch, key, slot, args, (0, 1, len(args) - 1))
             return
-        self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
-        self._write(idx, site, op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
+        checked = self._check(idx, site, op, kind, page_starts=page_starts, as_pages=as_pages, weight=weight)
+        written = self._write(idx, site, op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
+        if checked[0] and written[0] and fits_i32(n) and op != OP_TREE_INSERT and (self.write_launch.fn, written[0]) not in self._planned:
+            # both kernels to C, by the fused plan's rule: the check's indices are its rows (8)
+            slot = plan_slots.device_slot(op, idx, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
+            self._hand_to_fast_path(self.check_launch, checked[0], plan_slots.BLOCKS_CHECK + slot, checked[1], (0, 1, 13, 8))
+            self._hand_to_fast_path(self.write_launch, written[0], plan_slots.BLOCKS_WRITE + slot, written[1], (0, 1, 9))
 
     def _hand_to_fast_path(self, launch: CompiledLaunch, key: tuple[Any, ...], slot: int, args: tuple[Any, ...],
                            per_call: tuple[int, ...]) -> None:
@@ -299,7 +304,8 @@ class LedgerKernels:
             return
 
     def _check(self, idx: Any, site: int, op: int, kind: str, *, page_starts: bool = False, as_pages: bool = False,
-               req: Any = None, weight: int = 1) -> None:
+               req: Any = None, weight: int = 1) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The check kernel over every program of the call; its compiled kernel's key and arguments."""
         led = self.led
         n = idx.numel()
         req_arg = req if req is not None else idx
@@ -311,14 +317,17 @@ class LedgerKernels:
         if op == OP_LAST_LOC and key and fits_i32(n) and (self.check_launch.fn, key) not in self._planned:
             # per call: last_loc (0), its count (1), the site (13) and the rows it was read for (8)
             self._hand_to_fast_path(self.check_launch, key, plan_slots.last_loc_slot(idx, req), args, (0, 1, len(args) - 1, 8))
+        return key, args
 
     def _write(self, idx: Any, site: int, op: int, *, page_starts: bool = False, as_pages: bool = False,
-               evicting: bool = False) -> None:
+               evicting: bool = False) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         led = self.led
         n = idx.numel()
         constants = self._rule("write", op, page_starts=page_starts, as_pages=as_pages, evicting=evicting)
         args = (idx, n, led.state, led.owner, led.alloc_site, *self.sizes, site)
-        self._launch(self.write_launch, n, args, constants, self._key(constants, idx) if fits_i32(site) else ())
+        key = self._key(constants, idx) if fits_i32(site) else ()
+        self._launch(self.write_launch, n, args, constants, key)
+        return key, args
 
     def alloc(self, idx: Any, site: int, page_starts: bool) -> None:
         if idx.numel():

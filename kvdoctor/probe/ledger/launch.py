@@ -261,6 +261,10 @@ def fits_i32(*values: int) -> bool:
 # Which of a device ledger's plans (launch.c's DevicePlan slots) a call takes.
 
 
+# a call of more than a block: its check's plan and its write's, by the fused plan's slot
+BLOCKS_CHECK, BLOCKS_WRITE = 152, 184
+
+
 def _bits(tensor: Any) -> int:
     return (2 if tensor.element_size() == 8 else 0) | (1 if aligned(tensor) else 0)  # int64 or int32
 
