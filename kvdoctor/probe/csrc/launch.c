@@ -18,13 +18,14 @@
  * ledger (sglang_paths.c) reads the index tensor through DLPack (no value, no sync), picks the
  * kernel its rule, index width and alignment select, fills in the index's address, its count and
  * the call site, and launches on the current stream: the update the Python role makes through
- * ledger/kernels.py for a call of at most one block. A request-table write (the owner kernel) and
+ * ledger/kernels.py for a call of at most one block (one fused kernel). A request-table write (the owner kernel) and
  * a paged alloc's last_loc check take a kernel over slots and, per slot, a row (a tensor, or one
  * row given as a number), as many programs as it needs; a paged alloc's check and its update are
  * one kernel after the host's call (`device_last_loc_alloc`), the check alone where no slots came
- * back. The plans (the compiled kernel, its fixed
+ * back; an alloc or free of more than a block is its check, then its write, as the Python path
+ * launches them (`device_update_blocks`). The plans (the compiled kernel, its fixed
  * parameters) are handed here by that Python path once it has compiled and launched the kernel
- * itself (`device_plan`); a call with no plan yet, a larger call, a launch hook set or a refused
+ * itself (`device_plan`); a call with no plan yet, a launch hook set or a refused
  * launch takes the Python path, which records exactly as it did before.
  */
 #include "hotpath.h"

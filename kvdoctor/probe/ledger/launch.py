@@ -23,11 +23,11 @@ Only on Triton releases whose kernel parameters were checked that way on a GPU (
 an unchecked release too (to check it). A launch the driver refuses goes through Triton's launcher
 instead, and this kernel stays there.
 
-Where the driver launch is taken, the healthy alloc or free of at most one block, a request-table
-write's owner update and a paged alloc's last_loc check with its update (one kernel) are launched
-from the C fast path itself, with no Python at all (csrc/launch.c): the Python path hands it each
-kernel's plan after its first launch (kernels.py). `=driver` keeps every call on the Python path,
-to compare the two.
+Where the driver launch is taken, the healthy alloc or free (one fused kernel, or for more than a
+block its check and its write), a request-table write's owner update and a paged alloc's last_loc
+check with its update (one kernel) are launched from the C fast path itself, with no Python at all
+(csrc/launch.c): the Python path hands it each kernel's plan after its first launch (kernels.py).
+`=driver` keeps every call on the Python path, to compare the two.
 """
 
 from __future__ import annotations
