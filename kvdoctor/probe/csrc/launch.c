@@ -266,7 +266,7 @@ launch_plans(DeviceLedger *d, const DevicePlan *p, uint64_t *cells, const Device
         d->off = 1; /* refused, nothing launched: the Python path (Triton's launcher) from now on */
         return 0;
     }
-    device_launches += then != NULL ? 2 : 1;
+    device_launches += then != NULL && second == 0 ? 2 : 1; /* a refused write launched nothing */
     if (second != 0) {
         d->off = 1;
         PyErr_Format(PyExc_RuntimeError, "the CUDA driver refused a ledger write after its check (%d)", second);
@@ -333,9 +333,9 @@ device_update(DeviceLedger *d, int rule, PyObject *index, int site)
     return launch_plan(d, p, 1, cells);
 }
 
-/* One tensor of an owner update: its address and its width and alignment bits. */
+/* One index tensor of a call: its address, count, and width and alignment bits. */
 static int
-owner_read(DeviceLedger *d, PyObject *t, const void **data, Py_ssize_t *n, int *bits)
+index_read(DeviceLedger *d, PyObject *t, const void **data, Py_ssize_t *n, int *bits)
 {
     int itemsize = 0;
     if (!read_device_ints(t, d->device_type, d->device_id, data, n, &itemsize))
@@ -351,12 +351,12 @@ static int
 rows_reads(DeviceLedger *d, PyObject *slots, PyObject *rows, OwnerCall *call, int drop_other)
 {
     memset(call, 0, sizeof *call);
-    if (d->off || !owner_read(d, slots, &call->slots, &call->n, &call->slots_bits))
+    if (d->off || !index_read(d, slots, &call->slots, &call->n, &call->slots_bits))
         return 0;
     if (rows == NULL)
         return 1;
     Py_ssize_t n_rows = 0;
-    if (!owner_read(d, rows, &call->rows, &n_rows, &call->rows_bits))
+    if (!index_read(d, rows, &call->rows, &n_rows, &call->rows_bits))
         return 0;
     if (n_rows == call->n)
         return 1;
@@ -426,7 +426,7 @@ device_last_loc_alloc(DeviceLedger *d, const OwnerCall *call, PyObject *slots, i
     const void *data = NULL;
     Py_ssize_t n = 0;
     int bits = 0;
-    if (d->off || call->slots == NULL || !owner_read(d, slots, &data, &n, &bits))
+    if (d->off || call->slots == NULL || !index_read(d, slots, &data, &n, &bits))
         return 0;
     if (n == 0 || call->n == 0 || n > d->block_max || call->n > d->block_max || data == NULL)
         return 0; /* one of them alone, or more than a block: the two kernels in turn */

@@ -87,31 +87,32 @@ alloc_with_last_loc(Hooked *self, DeviceLedger *d, const OwnerCall *call, PyObje
 {
     if (gen != H.generation)
         goto done;
-    PyObject *site_obj = PyLong_FromLong(site);
+    PyObject *rows_arg = rows != NULL ? rows : Py_None;
     if (result == NULL || result == Py_None) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        int rc = site_obj == NULL ? -1 : device_last_loc(d, call, site);
+        int rc = device_last_loc(d, call, site);
         if (rc == 0) {
-            PyObject *a[3] = {last, site_obj, rows != NULL ? rows : Py_None};
-            rc = slow_call(d->ledger, d->lock, S_check_last_loc, a, 3, NULL);
+            PyObject *site_obj = PyLong_FromLong(site);
+            PyObject *a[3] = {last, site_obj, rows_arg};
+            rc = site_obj == NULL ? -1 : slow_call(d->ledger, d->lock, S_check_last_loc, a, 3, NULL);
+            Py_XDECREF(site_obj);
         }
         if (rc < 0 && report_failure(self->name, "fail") < 0)
             PyErr_Clear(); /* not an Exception of the probe's: the host's own error comes first */
         PyErr_Restore(type, value, tb);
-        Py_XDECREF(site_obj);
         goto done;
     }
-    int rc = site_obj == NULL ? -1 : device_last_loc_alloc(d, call, result, site);
+    int rc = device_last_loc_alloc(d, call, result, site);
     if (rc == 1 && maybe_test_failure(self) < 0)
         rc = -1;
     if (rc == 0) {
         H.n_slow[K_ALLOC]++;
-        PyObject *a[5] = {last, rows != NULL ? rows : Py_None, result, site_obj,
-                          self->only_page_starts ? Py_True : Py_False};
-        rc = slow_call(d->ledger, d->lock, S_on_last_loc_alloc, a, 5, NULL);
+        PyObject *site_obj = PyLong_FromLong(site);
+        PyObject *a[5] = {last, rows_arg, result, site_obj, self->only_page_starts ? Py_True : Py_False};
+        rc = site_obj == NULL ? -1 : slow_call(d->ledger, d->lock, S_on_last_loc_alloc, a, 5, NULL);
+        Py_XDECREF(site_obj);
     }
-    Py_XDECREF(site_obj);
     if (rc < 0)
         result = kept_after_failure(self->name, result);
 done:
