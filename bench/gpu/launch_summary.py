@@ -1,6 +1,7 @@
 """The table of bench/gpu/run_launch.sh: per step size, the decode step off and on (the ledger's
 kernels through Triton's launcher, launched compiled through Triton's launcher, through the CUDA
-driver from Python (`direct`, `driver`) and from the C fast path (`c`)), the ratios, the host time
+driver from Python (`direct`, `driver`) and from the C fast path (`c`); `c-w1` the same on one warp
+a program), the ratios, the host time
 the probe adds per hooked call and the GPU time it adds per step. Medians over the rounds.
 
     python bench/gpu/launch_summary.py graph_launch.jsonl
@@ -38,9 +39,9 @@ def main(path: str) -> None:
             step_noop = max(med["noop"]["gpu_ms_per_step"], med["noop"]["host_ms_per_step"])
             entry["noop_ratio"] = round(step_noop / step_off, 4)
             entry["noop_gpu_us_added_per_step"] = round((med["noop"]["gpu_ms_per_step"] - off["gpu_ms_per_step"]) * 1000, 2)
-        for mode in ("triton", "compiled", "direct", "driver", "c"):
-            if mode not in med:
-                continue
+        # a launch path, or one with its kernels on fewer warps than Triton's 4 ("c-w1")
+        known = ("triton", "compiled", "direct", "driver", "c")
+        for mode in [m for m in med if m.split("-w")[0] in known]:
             calls = statistics.median(r["hooked_calls_per_step"] for r in clean[mode])
             step_on = max(med[mode]["gpu_ms_per_step"], med[mode]["host_ms_per_step"])
             entry[f"{mode}_ms"] = round(step_on, 4)

@@ -10,7 +10,8 @@
 # Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, as for run_all.sh), .carry/sgl_kernel;
 # carry [".whl", ".carry"]. Builds the compiled host path here first. Writes 4 files into $OUT.
 # SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes, MODES="off driver c" fewer
-# launch paths (noop: one tiny kernel a step, no probe), ROUNDS=3 more rounds; SKIP_CHECK=1 skips
+# launch paths (noop: one tiny kernel a step, no probe; a suffix -wN, as in "c-w1", runs that path's
+# kernels on N warps a program, KVDOCTOR_LEDGER_WARPS), ROUNDS=3 more rounds; SKIP_CHECK=1 skips
 # step 1, SKIP_KERNELS_CHECK=1 its first half; STEP_FLAGS="--write-rows" gives every step SGLang's
 # batched req_to_token write after its alloc (two hooked calls a step); CALL_COST="5 2000" runs hooked_call_cost.py after. All four sizes, four modes and two
 # rounds take more than 10 minutes on an H200: split them.
@@ -42,8 +43,9 @@ for round in $(seq 1 ${ROUNDS:-2}); do
     size=${size/x/ }
     set -- $size
     for mode in ${MODES:-off triton compiled direct}; do
+      launch=${mode%-w*}; warps=${KVDOCTOR_LEDGER_WARPS:-4}; [ "$launch" != "$mode" ] && warps=${mode##*-w}
       flag="--probe"; [ $mode = off ] && flag=""; [ $mode = noop ] && flag="--noop-kernel"
-      KVDOCTOR_LEDGER_LAUNCH=$mode timeout 60 python3 bench/gpu/graph_decode.py $flag ${STEP_FLAGS:-} --steps 1000 --layers $1 --hidden $2 > /tmp/gd.log 2>&1
+      KVDOCTOR_LEDGER_WARPS=$warps KVDOCTOR_LEDGER_LAUNCH=$launch timeout 60 python3 bench/gpu/graph_decode.py $flag ${STEP_FLAGS:-} --steps 1000 --layers $1 --hidden $2 > /tmp/gd.log 2>&1
       rc=$?
       line=$(grep RESULT /tmp/gd.log | sed 's/^RESULT //')
       if [ -n "$line" ]; then echo "{\"round\": $round, \"mode\": \"$mode\", \"rc\": $rc, \"result\": $line}" >> "$OUT/graph_launch.jsonl"

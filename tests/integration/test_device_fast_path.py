@@ -18,6 +18,8 @@ import sys
 import pytest
 from conftest import REPO, SUPPORT, sglang_env
 
+from kvdoctor.probe.ledger.launch import LEDGER_WARPS
+
 hotpath = pytest.importorskip("kvdoctor.probe.hotpath")
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not hotpath.active(), reason="the compiled hot path is not built here")
@@ -58,8 +60,9 @@ def launched_from_c_after_its_first_call(result, first: str, later: str) -> dict
     one, two = result["by_name"][first], result["by_name"][later]
     assert len(one["first"]) == 1 and not one["c"] and not one["python"], one
     assert len(two["c"]) == 1 and not two["python"] and not two["first"] and not two["triton"], two
-    function, grid, _block, _shared, stream, _values = two["c"][0]
+    function, grid, block, _shared, stream, _values = two["c"][0]
     assert function == one["first"][0]["function"] and grid == 1 and stream == 0x5000
+    assert block == 32 * LEDGER_WARPS  # the threads of the warps the kernel was compiled for
     return two
 
 

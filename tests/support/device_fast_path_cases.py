@@ -49,13 +49,13 @@ class CompileOnly:
         self.arg_names = fn.arg_names
 
     def __getitem__(self, grid):
-        def first_call(*args, **constants):
+        def first_call(*args, num_warps=4, **constants):
             names = self.fn.arg_names
             signature = {}
             for name, arg in zip(names, [*args, *constants.values()], strict=True):
                 signature[name] = "constexpr" if name in constants else _TYPES[arg.dtype] if hasattr(arg, "dtype") else "i32"
             src = ASTSource(fn=self.fn, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
             handle = 0x1000 + 0x10 * len(FIRST)
             FIRST.append({"function": handle, "grid": grid[0], "n": int(args[1])})
 

@@ -238,7 +238,7 @@ class LedgerKernels:
         if key and fits_i32(n):
             launch(grid, args, constants, key, self.device)
         else:
-            launch.fn[(grid,)](*args, **constants)
+            launch.fn[(grid,)](*args, num_warps=plan_slots.LEDGER_WARPS, **constants)
 
     def _rule(self, kernel: str, op: int, kind: str = "", *, page_starts: bool = False, as_pages: bool = False,
               evicting: bool = False, weight: int = 1, has_req: bool = False) -> dict[str, Any]:

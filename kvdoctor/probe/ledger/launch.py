@@ -44,6 +44,12 @@ CHECKED_TRITON = ("3.6.0",)
 # The releases whose compiled kernels' parameters (the runtime arguments in order, then the two
 # scratch pointers) were checked on a GPU through the driver launch, against the torch ledger.
 CHECKED_DIRECT: tuple[str, ...] = ("3.6.0",)  # 2026-11-27, H200: 0 mismatches over 981 launches
+# The warps a ledger kernel's program runs on. Its 512 lanes cost GPU time by how many each thread
+# works through in turn, not by the few dozen a decode step's call fills: on an H100 a step's two
+# kernels took 18.8 us of GPU on 1 warp, 12.0 on 2 and 9.0 on Triton's default 4; in a second run
+# 8.0 on 4 and 5.35 on 16, one lane a thread (bench/gpu/run_launch.sh, reports/gpu/2026-11-28/). KVDOCTOR_LEDGER_WARPS (1, 2, 4,
+# 8 or 16) sets it, to measure.
+LEDGER_WARPS = int(w) if (w := os.environ.get("KVDOCTOR_LEDGER_WARPS", "16")) in ("1", "2", "4", "8", "16") else 16
 # Triton's types of a runtime argument, as the driver launch packs them.
 _PARAM_KINDS = {"i32": "i", "u32": "i", "i64": "l", "u64": "l"}
 
@@ -173,7 +179,7 @@ class CompiledLaunch:
             kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, *hooks, *everything)
             self.fast_launches += 1
             return
-        kernel = self.fn[(grid,)](*args, **constants)
+        kernel = self.fn[(grid,)](*args, num_warps=LEDGER_WARPS, **constants)
         if self.enabled:
             try:
                 kernel.run, kernel.function, kernel.packed_metadata, kernel.launch_metadata  # noqa: B018 (what a launch reads)
