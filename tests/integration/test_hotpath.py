@@ -258,6 +258,39 @@ def test_free_rows_called_by_itself_is_recorded_and_its_failure_spares_the_host(
     assert "fault injected into the" in _probe_off_message(str(tmp_path / "rows-True.json"))
 
 
+def test_the_compiled_path_keeps_the_request_table_as_its_methods_do(tmp_path, monkeypatch):
+    """The compiled path changes the request table's dicts itself: each row's rid live while held,
+    then finished, a row taken again live once more, and only the newest `max_finished` finished
+    rows remembered, oldest forgotten first, as `RequestTable.freed` keeps them."""
+    from kvdoctor.demo.engine import Engine, Request
+    from kvdoctor.probe import runtime
+    from kvdoctor.probe.ledger.requests import RequestTable
+    from kvdoctor.probe.sglang.state import sglang_state
+
+    monkeypatch.setattr(RequestTable, "max_finished", 3)
+    probe = runtime.activate(str(tmp_path / "table.json"))
+    try:
+        engine = Engine(pool_tokens=256, page_size=1)
+        table = sglang_state(probe).requests
+        before = hotpath.NATIVE.stats()["fast"]
+        reqs = [Request(f"table-{i}") for i in range(6)]
+        for req in reqs[:5]:
+            engine.take_row(req)
+        rows = {req.rid: int(req.kv.req_pool_idx) for req in reqs[:5]}
+        assert table.live == {row: rid for rid, row in rows.items()}
+        for req in reqs[:5]:
+            engine.release_row(req)
+        assert table.live == {} and table.finished == {rows[f"table-{i}"]: f"table-{i}" for i in (2, 3, 4)}
+        engine.take_row(reqs[5])  # takes a row a finished request held
+        row = int(reqs[5].kv.req_pool_idx)
+        assert table.live == {row: "table-5"} and row not in table.finished
+        assert table.describe(row) == f"req_pool_idx {row} (rid table-5, live)"
+        fast = [n - m for n, m in zip(hotpath.NATIVE.stats()["fast"], before, strict=True)]
+        assert fast[hotpath.KINDS["req_alloc"]] == 6 and fast[hotpath.KINDS["req_free"]] == 5  # all of them in C
+    finally:
+        runtime.deactivate()
+
+
 def test_the_ledger_lock_is_reentrant_owned_and_survives_fork():
     lock = hotpath.new_lock()
     with lock:

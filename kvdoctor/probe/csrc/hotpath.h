@@ -257,6 +257,8 @@ typedef struct {
 
     PyObject *sg_state; /* SglangState */
     PyObject *requests; /* its RequestTable */
+    PyObject *req_live, *req_finished; /* its dicts, changed here as its methods change them */
+    Py_ssize_t req_max_finished;
     PyObject *last_loc_sources;
     PyObject *tree_seen; /* strong: the tree the state was last told about */
     int divert;          /* a census is pending: allocations take the Python path */

@@ -690,6 +690,54 @@ failed:
     return kept_after_failure(self->name, result);
 }
 
+/* RequestTable.allocated and .freed, done on its two dicts where the table gave them
+ * (sglang_context), else through its methods. Its lock orders its changes against the writer
+ * thread's reads; here the GIL is held from the first change to the last and nothing between them
+ * runs Python code (the keys are ints, the values strings), which gives those reads the same. */
+static int
+table_allocated(PyObject *index, PyObject *rid)
+{
+    if (H.req_live == NULL) {
+        PyObject *a[3] = {H.requests, index, rid};
+        PyObject *r = PyObject_VectorcallMethod(S_allocated, a, 3, NULL);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    if (PyDict_SetItem(H.req_live, index, rid) < 0)
+        return -1;
+    int finished = PyDict_Contains(H.req_finished, index);
+    return finished < 0 ? -1 : finished ? PyDict_DelItem(H.req_finished, index) : 0;
+}
+
+static int
+table_freed(PyObject *index)
+{
+    if (H.req_live == NULL) {
+        PyObject *a[2] = {H.requests, index};
+        PyObject *r = PyObject_VectorcallMethod(S_freed, a, 2, NULL);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    PyObject *rid = PyDict_GetItemWithError(H.req_live, index);
+    if (rid == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(rid);
+    int rc = PyDict_DelItem(H.req_live, index);
+    if (rc == 0)
+        rc = PyDict_SetItem(H.req_finished, index, rid);
+    Py_DECREF(rid);
+    if (rc == 0 && PyDict_GET_SIZE(H.req_finished) > H.req_max_finished) { /* forget the oldest */
+        Py_ssize_t pos = 0;
+        PyObject *oldest, *value;
+        if (PyDict_Next(H.req_finished, &pos, &oldest, &value)) {
+            Py_INCREF(oldest);
+            rc = PyDict_DelItem(H.req_finished, oldest);
+            Py_DECREF(oldest);
+        }
+    }
+    return rc;
+}
+
 /* --- ReqToTokenPool.alloc(reqs): rows handed to requests --- */
 PyObject *
 fast_req_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames)
@@ -744,13 +792,11 @@ fast_req_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t na
             Py_DECREF(index);
             goto failed;
         }
-        PyObject *a[3] = {H.requests, index, rid};
-        PyObject *r = PyObject_VectorcallMethod(S_allocated, a, 3, NULL);
+        int rc = table_allocated(index, rid);
         Py_DECREF(index);
         Py_DECREF(rid);
-        if (r == NULL)
+        if (rc < 0)
             goto failed;
-        Py_DECREF(r);
     }
 done:
     Py_XDECREF(seq);
@@ -815,16 +861,13 @@ release_done(long row)
         H.extent[row] = 0;
 }
 
-/* After a release: the request table's bookkeeping, in its own Python methods. */
+/* After a release: the request table's bookkeeping, then the state's idle-census check. */
 static int
 rows_freed(PyObject *const *rows, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a[2] = {H.requests, rows[i]};
-        PyObject *r = PyObject_VectorcallMethod(S_freed, a, 2, NULL);
-        if (r == NULL)
+        if (table_freed(rows[i]) < 0)
             return -1;
-        Py_DECREF(r);
     }
     PyObject *r = call0(H.sg_state, S_request_rows_freed);
     if (r == NULL)
@@ -998,6 +1041,22 @@ m_sglang_context(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     Py_XSETREF(H.sg_state, Py_NewRef(state));
     Py_XSETREF(H.requests, Py_NewRef(requests));
+    Py_CLEAR(H.req_live);
+    Py_CLEAR(H.req_finished);
+    PyObject *live = PyObject_GetAttrString(requests, "live");
+    PyObject *finished = live == NULL ? NULL : PyObject_GetAttrString(requests, "finished");
+    PyObject *most = finished == NULL ? NULL : PyObject_GetAttrString(requests, "max_finished");
+    Py_ssize_t max_finished = most == NULL ? -1 : PyLong_AsSsize_t(most);
+    if (live != NULL && finished != NULL && PyDict_CheckExact(live) && PyDict_CheckExact(finished) &&
+        max_finished >= 0) {
+        H.req_live = Py_NewRef(live); /* else its methods are called */
+        H.req_finished = Py_NewRef(finished);
+        H.req_max_finished = max_finished;
+    }
+    PyErr_Clear();
+    Py_XDECREF(live);
+    Py_XDECREF(finished);
+    Py_XDECREF(most);
     Py_XSETREF(H.last_loc_sources, Py_NewRef(sources));
     Py_CLEAR(H.tree_seen);
     Py_RETURN_NONE;
@@ -1054,6 +1113,8 @@ sglang_forget(void)
     }
     Py_CLEAR(H.sg_state);
     Py_CLEAR(H.requests);
+    Py_CLEAR(H.req_live);
+    Py_CLEAR(H.req_finished);
     Py_CLEAR(H.last_loc_sources);
     Py_CLEAR(H.tree_seen);
     H.divert = 0;

@@ -28,26 +28,29 @@ class RequestTable:
     """Which request rows (req_pool_idx) are live, and the request id each one serves.
 
     Changed by the scheduler's thread and read by the writer thread's rolling census: changes and
-    `live_rows()` hold a lock."""
+    `live_rows()` hold a lock. The compiled hot path makes the same changes on `live` and
+    `finished` themselves (csrc/sglang_paths.c, `table_allocated`, `table_freed`), holding the GIL
+    from the first to the last with no Python code between them, which orders them as the lock
+    does; so neither dict may be replaced, only changed."""
+
+    max_finished = MAX_FINISHED_ROWS
 
     def __init__(self) -> None:
         self.live: dict[int, str] = {}
         self.finished: dict[int, str] = {}
-        self.ever_allocated = 0
         self._lock = threading.Lock()
 
     def allocated(self, index: int, rid: str) -> None:
         with self._lock:
             self.live[index] = rid
             self.finished.pop(index, None)
-            self.ever_allocated += 1
 
     def freed(self, index: int) -> None:
         with self._lock:
             rid = self.live.pop(index, None)
             if rid is not None:
                 self.finished[index] = rid
-                if len(self.finished) > MAX_FINISHED_ROWS:  # forget the oldest finished rows
+                if len(self.finished) > self.max_finished:  # forget the oldest finished rows
                     self.finished.pop(next(iter(self.finished)))
 
     def cleared(self) -> None:
