@@ -17,7 +17,10 @@ import statistics
 import sys
 import tempfile
 
-ARM = r"""
+# What every arm runs first, here and in bench_probe_instructions.py: the probe (or none), the loop's
+# config and, for the bare arm, each method the probe hooks behind a pass-through wrapper that only
+# calls the original. It leaves `probe`, `cfg`, `run_workload` and `repeats` set.
+ARM_SETUP = r"""
 import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
 arm, page_size, trace, repeats, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
@@ -47,6 +50,11 @@ if arm == "bare":
     runtime.deactivate()
     probe = None
     assert hooked, "no hooked methods to strip"
+"""
+
+ARM = (
+    ARM_SETUP
+    + r"""
 run_workload(cfg)  # warm-up
 times = []
 for _ in range(repeats):
@@ -57,6 +65,7 @@ if probe is not None:
     runtime.deactivate()
 print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls, "compiled": compiled}))
 """
+)
 
 # name -> WorkloadConfig fields; the report's keys are page_size_N (the first) and NAME_page_size_N
 SHAPES = {

@@ -11,8 +11,11 @@ Instructions are not time: cache misses and branch mispredictions are not in the
 ratio runs higher (bench_probe.py). What this gives is a ratio that does not drift, and the
 functions whose instructions the probe adds, grouped by where their code lives.
 
-valgrind runs the loop about 50 times slower than the CPU, and the probe's censuses are timed by the
-clock, so each interval is stretched by SLOWDOWN: per loop they come as often as in a real run.
+valgrind runs the loop about 50 times slower than the CPU, and the probe's censuses and its writer
+thread's rounds (each of which takes the interpreter's lock from the loop's thread) are timed by the
+clock, so each interval is stretched by SLOWDOWN: per loop they come as often as in a real run. torch
+runs one thread (OMP_NUM_THREADS=1): its pool's threads spin while they wait, and how long they wait
+is the clock's, which made the paged loop's count move by 0.5 % between runs.
 
     python bench/bench_probe_instructions.py [--shapes tree_heavy] [--page-sizes 1] [--out F]
 """
@@ -30,42 +33,22 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_probe import SHAPES
+from bench_probe import ARM_SETUP, SHAPES
 
 SLOWDOWN = 50  # valgrind's callgrind on this loop, roughly
-INTERVALS = {"KVDOCTOR_IDLE_CENSUS_INTERVAL_S": 2.0, "KVDOCTOR_ROLLING_CENSUS_S": 5.0}  # the defaults
+# the defaults of what the probe times by the clock: its censuses and its writer thread's rounds
+INTERVALS = {"KVDOCTOR_IDLE_CENSUS_INTERVAL_S": 2.0, "KVDOCTOR_ROLLING_CENSUS_S": 5.0, "KVDOCTOR_WRITER_INTERVAL_S": 0.5}
 
-ARM = r"""
-import functools, importlib, json, os, subprocess, sys, warnings
-warnings.filterwarnings("ignore")
-arm, page_size, trace, loops, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
-probe = None
-if arm != "off":
-    from kvdoctor.probe import hotpath, runtime
-    probe = runtime.activate(trace)
-from kvdoctor.demo.workload import WorkloadConfig, run_workload
-cfg = WorkloadConfig(page_size=page_size, **shape)
-run_workload(cfg)  # imports (and so hooks) every module the loop uses; the warm-up
-if arm == "bare":
-    def passthrough(original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            return original(*args, **kwargs)
-        return wrapper
-    for spec in probe.maps["sglang"].classes:
-        cls = getattr(importlib.import_module(spec.module), spec.cls, None)
-        for method in spec.methods:
-            wrapped = cls.__dict__.get(method) if cls is not None else None
-            if wrapped is not None and hasattr(wrapped, "__wrapped__"):
-                setattr(cls, method, passthrough(wrapped.__wrapped__))
-    runtime.deactivate()
-    probe = None
-    run_workload(cfg)
+ARM = (
+    ARM_SETUP
+    + r"""
+import subprocess
+run_workload(cfg)  # warm-up
 calls0 = probe.calls if probe is not None else 0
 def control(state):
     subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], stdout=subprocess.DEVNULL, check=True)
 control("on")
-for _ in range(loops):
+for _ in range(repeats):
     run_workload(cfg)
 control("off")
 calls, compiled = 0, False
@@ -74,6 +57,7 @@ if probe is not None:
     runtime.deactivate()
 print("ARM " + json.dumps({"hooked_calls": calls, "compiled": compiled}))
 """
+)
 
 # where a function's code lives, by the object file callgrind names
 GROUPS = (
@@ -118,7 +102,8 @@ def function_name(name: str) -> str:
 
 def run_arm(arm: str, page_size: int, shape: str, loops: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{shape}-{page_size}-{arm}.cg")
-    env = dict(os.environ, **{k: str(v * SLOWDOWN) for k, v in INTERVALS.items()}, KVDOCTOR_HOTPATH="1")
+    # one torch thread: under valgrind its pool's threads would spin for as long as the loop waits
+    env = dict(os.environ, **{k: str(v * SLOWDOWN) for k, v in INTERVALS.items()}, KVDOCTOR_HOTPATH="1", OMP_NUM_THREADS="1")
     cmd = [
         "valgrind",
         "--tool=callgrind",

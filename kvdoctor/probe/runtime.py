@@ -30,7 +30,17 @@ ENV_FIXES = "KVDOCTOR_FIXES"
 ENV_INJECT = "KVDOCTOR_INJECT_FAULT"  # tests only: make named roles raise
 ENV_DISABLE = "KVDOCTOR_DISABLE"
 ENV_IDLE_CENSUS_INTERVAL_S = "KVDOCTOR_IDLE_CENSUS_INTERVAL_S"
+ENV_WRITER_INTERVAL_S = "KVDOCTOR_WRITER_INTERVAL_S"  # the writer thread's rounds (0.5 s); benchmarks stretch it
 FIXES_DESCRIBED = 16  # fix_applied events with evidence per fix; then counts only
+
+
+def _seconds(value: str | None, default: float) -> float:
+    """A positive number of seconds from the environment, else the default (a bad value changes nothing)."""
+    try:
+        seconds = float(value) if value else default
+    except ValueError:
+        return default
+    return seconds if 0 < seconds < float("inf") else default
 
 
 class EngineState(Protocol):
@@ -57,7 +67,11 @@ class Probe(Patching):
         self.trace_path = trace_path
         self._fixes = list(fixes or [])
         self._inject = set(inject or ())
-        self.emitter = Emitter(trace_path, header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()})
+        self.emitter = Emitter(
+            trace_path,
+            flush_interval_s=_seconds(os.environ.get(ENV_WRITER_INTERVAL_S), 0.5),
+            header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()},
+        )
         self.sites = CallSites()
         self._ledger_on = True
         self.off_reason = ""
