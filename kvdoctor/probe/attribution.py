@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from kvdoctor.probe.callsites import short_path
+from kvdoctor.probe.settings import env_positive
 from kvdoctor.trace import schema
 
 ENV_ATTRIBUTION = "KVDOCTOR_ATTRIBUTION"
@@ -65,14 +66,6 @@ NOT_SEEN = (
 
 _STARTED: dict[int, Attribution] = {}
 _LOCK = threading.Lock()
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, ""))
-        return value if value > 0 else default
-    except ValueError:
-        return default
 
 
 def start_if_enabled(probe: Any, *, force: bool = False) -> bool:
@@ -115,10 +108,10 @@ def _status(probe: Any, state: str, reason: str) -> None:
 class Attribution:
     def __init__(self, probe: Any) -> None:
         self.probe = probe
-        self.period_s = _env_float(ENV_PERIOD_S, DEFAULT_PERIOD_S)
-        self.window_s = min(_env_float(ENV_WINDOW_S, DEFAULT_WINDOW_S), self.period_s)
-        self.sample_hz = _env_float(ENV_SAMPLE_HZ, DEFAULT_SAMPLE_HZ)
-        self.top = int(_env_float(ENV_TOP, DEFAULT_TOP))
+        self.period_s = env_positive(ENV_PERIOD_S, DEFAULT_PERIOD_S)
+        self.window_s = min(env_positive(ENV_WINDOW_S, DEFAULT_WINDOW_S), self.period_s)
+        self.sample_hz = env_positive(ENV_SAMPLE_HZ, DEFAULT_SAMPLE_HZ)
+        self.top = int(env_positive(ENV_TOP, DEFAULT_TOP))
         self.stop = threading.Event()
         self.windows = 0
         self.snapshot_index = 0

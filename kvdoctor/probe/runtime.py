@@ -22,6 +22,7 @@ from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, ImportHook
 from kvdoctor.probe.maps import ProbeMap, available_maps
 from kvdoctor.probe.patching import Patching, still_importing
+from kvdoctor.probe.settings import env_positive
 from kvdoctor.probe.shutdown import Rendezvous
 from kvdoctor.trace import schema
 
@@ -32,15 +33,6 @@ ENV_DISABLE = "KVDOCTOR_DISABLE"
 ENV_IDLE_CENSUS_INTERVAL_S = "KVDOCTOR_IDLE_CENSUS_INTERVAL_S"
 ENV_WRITER_INTERVAL_S = "KVDOCTOR_WRITER_INTERVAL_S"  # the writer thread's rounds (0.5 s); benchmarks stretch it
 FIXES_DESCRIBED = 16  # fix_applied events with evidence per fix; then counts only
-
-
-def _seconds(value: str | None, default: float) -> float:
-    """A positive number of seconds from the environment, else the default (a bad value changes nothing)."""
-    try:
-        seconds = float(value) if value else default
-    except ValueError:
-        return default
-    return seconds if 0 < seconds < float("inf") else default
 
 
 class EngineState(Protocol):
@@ -69,7 +61,7 @@ class Probe(Patching):
         self._inject = set(inject or ())
         self.emitter = Emitter(
             trace_path,
-            flush_interval_s=_seconds(os.environ.get(ENV_WRITER_INTERVAL_S), 0.5),
+            flush_interval_s=env_positive(ENV_WRITER_INTERVAL_S, 0.5),
             header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()},
         )
         self.sites = CallSites()

@@ -47,8 +47,8 @@ CHECKED_DIRECT: tuple[str, ...] = ("3.6.0",)  # 2026-11-27, H200: 0 mismatches o
 # The warps a ledger kernel's program runs on. Its 512 lanes cost GPU time by how many each thread
 # works through in turn, not by the few dozen a decode step's call fills: on an H100 a step's two
 # kernels took 18.8 us of GPU on 1 warp, 12.0 on 2 and 9.0 on Triton's default 4; in a second run
-# 8.0 on 4 and 5.35 on 16, one lane a thread (bench/gpu/run_launch.sh, reports/gpu/2026-11-28/). KVDOCTOR_LEDGER_WARPS (1, 2, 4,
-# 8 or 16) sets it, to measure.
+# 8.0 on 4 and 5.35 on 16, one lane a thread (bench/gpu/run_launch.sh, reports/gpu/2026-11-28/).
+# KVDOCTOR_LEDGER_WARPS (1, 2, 4, 8 or 16) sets it, to measure.
 LEDGER_WARPS = int(w) if (w := os.environ.get("KVDOCTOR_LEDGER_WARPS", "16")) in ("1", "2", "4", "8", "16") else 16
 # Triton's types of a runtime argument, as the driver launch packs them.
 _PARAM_KINDS = {"i32": "i", "u32": "i", "i64": "l", "u64": "l"}
