@@ -132,16 +132,44 @@ def remove_claimed(resolved: str) -> None:
         os.remove(resolved)
 
 
-def write_private(path: str, text: str, *, force: bool = False, what: str = "report", inputs: Sequence[str | None] = ()) -> str:
-    """Writes `text` to `path` (0600), replacing it only as `claim_output` allows; returns the path."""
+def claim_folder(path: str, *, what: str = "folder") -> str:
+    """The absolute path of a directory kvdoctor writes its own files into (pprof profiles): made
+    0700 when missing; an existing one must be a directory itself (not a link to one), this user's,
+    and writable by no one else, so nobody else can put a file or a link where kvdoctor writes."""
+    resolved = os.path.abspath(path)
+    try:
+        os.mkdir(resolved, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise KvdoctorError(f"cannot make the {what} {resolved}: {exc.strerror or exc}", "name a writable place") from None
+    try:
+        st = os.lstat(resolved)
+    except OSError as exc:
+        raise KvdoctorError(f"cannot write into the {what} {resolved}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise KvdoctorError(f"{resolved} is {kind}: kvdoctor will not write the {what} there", "remove it, or name another place")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        whose = "another user's" if st.st_uid != os.geteuid() else "writable by others"
+        raise KvdoctorError(f"{resolved} is {whose}: kvdoctor will not write the {what} there", "remove it, or name another place")
+    return resolved
+
+
+def write_private(path: str, text: str | bytes, *, force: bool = False, what: str = "report", inputs: Sequence[str | None] = ()) -> str:
+    """Writes `text` (or bytes) to `path` (0600), replacing it only as `claim_output` allows; returns the path."""
     resolved = claim_output(path, force=force, what=what, inputs=inputs)
     directory = os.path.dirname(resolved) or "."
     try:
         os.makedirs(directory, exist_ok=True)
         fd, temporary = tempfile.mkstemp(prefix=".kvdoctor-", dir=directory)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as fh:
-                fh.write(text)
+            if isinstance(text, bytes):
+                with os.fdopen(fd, "wb") as raw:
+                    raw.write(text)
+            else:
+                with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as fh:
+                    fh.write(text)
             os.chmod(temporary, 0o600)
             os.replace(temporary, resolved)
         except BaseException:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import gzip
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from kvdoctor.outputs import claim_folder, write_private
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import redact
 from kvdoctor.units import as_int
@@ -129,14 +130,23 @@ def profiles_folder(trace_path: str) -> str:
     return base + ".pprof"
 
 
-def write_trace_profiles(trace_path: str, processes: dict[int, dict[str, Any]], folder: str) -> list[str]:
+def write_trace_profiles(trace_path: str, processes: dict[int, dict[str, Any]], folder: str, *, force: bool = False) -> list[str]:
     from kvdoctor.trace.reader import iter_events
 
-    return write_profiles(iter_events(trace_path), processes, folder)
+    return write_profiles(iter_events(trace_path), processes, folder, force=force, inputs=(trace_path,))
 
 
-def write_profiles(events: Iterable[schema.Event], processes: dict[int, dict[str, Any]], folder: str) -> list[str]:
-    """Writes every window as `<folder>/pid<pid>-window<k>.pb.gz`; the paths written."""
+def write_profiles(
+    events: Iterable[schema.Event],
+    processes: dict[int, dict[str, Any]],
+    folder: str,
+    *,
+    force: bool = False,
+    inputs: Sequence[str | None] = (),
+) -> list[str]:
+    """Writes every window as `<folder>/pid<pid>-window<k>.pb.gz` (0600, through the claiming rule
+    of kvdoctor/outputs.py: never through a link, over an existing file without `force`, over an
+    input, or into a folder another user can write); the paths written."""
     written: list[str] = []
     for event in windows(events):
         info = processes.get(event.pid, {})
@@ -148,9 +158,9 @@ def write_profiles(events: Iterable[schema.Event], processes: dict[int, dict[str
         }
         data = encode_window(event.args, labels, int(float(event.ts) * 1000))  # ts: wall-clock µs
         if not written:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
+            folder = claim_folder(folder, what="pprof folder")
         path = os.path.join(folder, f"pid{event.pid}-window{as_int(event.args.get('window_index'))}.pb.gz")
-        with open(path, "wb") as fh:
-            fh.write(data)
-        written.append(path)
+        if path in written:  # a damaged trace that names one window twice: the first stands
+            continue
+        written.append(write_private(path, data, force=force, what="pprof profile", inputs=inputs))
     return written

@@ -19,7 +19,7 @@ def replay(path: str, output_format: str = "text", output: str | None = None, *,
         claim_output(output, force=force, inputs=[path])  # refused before the analysis, not after
     analysis = analyze_recorded(path, progress=True)
     if pprof:
-        export_pprof(path, analysis, pprof)
+        export_pprof(path, analysis, pprof, force=force)
     text = render(analysis, output_format)
     code = exit_code_for(analysis)
     if not output:

@@ -66,7 +66,7 @@ def run(
         return code
     print(printable(render(analysis, output_format)), file=sys.stderr)
     if engine:  # the attribution windows, beside the trace, for a profile store
-        export_pprof(trace_path, analysis, profiles_folder(trace_path))
+        export_pprof(trace_path, analysis, profiles_folder(trace_path), force=force)
     if analysis.outlived:
         print(printable("kvdoctor: " + outlived_sentence(analysis.outlived)), file=sys.stderr)
     print(f"kvdoctor: trace {trace_path}", file=sys.stderr)

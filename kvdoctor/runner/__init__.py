@@ -51,13 +51,13 @@ def check_attribution(asked: tuple[bool, str | None]) -> str:
     return engine.strip().lower()
 
 
-def export_pprof(trace_path: str, analysis: Analysis, folder: str) -> None:
+def export_pprof(trace_path: str, analysis: Analysis, folder: str, *, force: bool = False) -> None:
     """The trace's attribution windows as pprof files in `folder`, said in one line on stderr; a
     folder that cannot be written is said too, and the verdict stands."""
     from kvdoctor.analysis.pprof import write_trace_profiles
 
     try:
-        written = write_trace_profiles(trace_path, analysis.processes, folder)
+        written = write_trace_profiles(trace_path, analysis.processes, folder, force=force)
     except (OSError, KvdoctorError) as exc:
         print(f"kvdoctor: warning: no pprof profiles written to {folder}: {exc}", file=sys.stderr)
         return
