@@ -4,7 +4,7 @@ Started by the probe when `KVDOCTOR_ATTRIBUTION=1` is set (or at attach). Every 
 opens a short window of `window_s`: tracemalloc on with ONE frame per allocation (its cost grows
 with the depth), a snapshot at the start and at the end, tracemalloc off again. The difference,
 grouped by file:line, gives the sites whose retained memory grew in the window. Both snapshots
-are dumped beside the trace (`<trace>.tracemalloc.<n>`, the last few kept) for
+are dumped beside the trace (`<trace>.tracemalloc.<pid>.<n>`, the last few kept) for
 `tracemalloc.Snapshot.load` and `compare_to` outside the server.
 
 tracemalloc cannot say which thread made an allocation. So, during the window, every thread's
@@ -259,19 +259,24 @@ class Attribution:
         base = getattr(self.probe, "trace_path", None)
         if not base:
             return ""
-        path = f"{base}.tracemalloc.{self.snapshot_index}"
-        self.snapshot_index += 1
-        partial = f"{path}.partial-{os.getpid()}"
+        from kvdoctor.probe.attribution_memray import place_beside
+
+        stem = f"{base}.tracemalloc.{os.getpid()}"  # the pid: the processes of one trace never share a name
+        partial = f"{stem}.partial-{self.snapshot_index}"
         try:  # what Snapshot.dump writes, but 0600 like the trace, and never through a link
             with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as fh:
                 pickle.dump(snapshot, fh, pickle.HIGHEST_PROTOCOL)
-            os.replace(partial, path)
         except OSError:
             try:
                 os.remove(partial)
             except OSError:
                 pass
+            self.snapshot_index += 1
             return ""
+        placed, self.snapshot_index = place_beside(partial, stem, self.snapshot_index)
+        if placed is None:
+            return ""
+        path = placed
         self.dumped.append(path)
         while len(self.dumped) > KEEP_SNAPSHOT_FILES:
             old = self.dumped.pop(0)

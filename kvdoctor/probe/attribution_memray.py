@@ -8,7 +8,7 @@ windows name the Python file:line and the thread that allocated the growing nati
 
 Same shape as the tracemalloc windows (kvdoctor/probe/attribution.py, whose loop this reuses):
 every `period_s`, a fresh `memray.Tracker` runs for `window_s` and writes one capture beside the
-trace (`<trace>.memray.<n>`, the newest few kept), in memray's aggregated format, whose size
+trace (`<trace>.memray.<pid>.<n>`, the newest few kept), in memray's aggregated format, whose size
 follows the number of distinct stacks and not the number of allocations, so a server that runs
 for days keeps a few small files. The window's growth is what memray calls leaks: allocations
 made in the window and still alive at its end, grouped by the innermost Python frame and by
@@ -285,20 +285,20 @@ class MemrayAttribution(Attribution):
             shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _keep(self, path: str, redacted: bool) -> str | None:
-        """Moves a finished capture beside the trace (`<trace>.memray.<n>`, 0600; the newest
+        """Moves a finished capture beside the trace (`<trace>.memray.<pid>.<n>`, 0600; the newest
         KEEP_CAPTURE_FILES stay) and returns its path; without a trace, or unless its header
         carries the redacted command line, it is removed instead."""
         base = getattr(self.probe, "trace_path", None)
         if not base or not redacted:
             _remove(path)
             return None
-        kept = f"{base}.memray.{self.capture_index}"
-        self.capture_index += 1
         try:
             os.chmod(path, 0o600)
-            os.replace(path, kept)  # a link there is replaced itself, never followed
         except OSError:
             _remove(path)
+            return None
+        kept, self.capture_index = place_beside(path, f"{base}.memray.{os.getpid()}", self.capture_index)
+        if kept is None:
             return None
         self.captures.append(kept)
         while len(self.captures) > KEEP_CAPTURE_FILES:
@@ -354,6 +354,26 @@ def _name_running_threads() -> None:
 
 def _is_ours(filename: str) -> bool:
     return filename.startswith(_OWN_DIR) or f"{os.sep}memray{os.sep}" in filename
+
+
+def place_beside(path: str, stem: str, index: int) -> tuple[str | None, int]:
+    """Moves the finished file at `path` to `<stem>.<n>` for the first free n from `index` (the
+    stem names the process, so the processes of one trace never share a name), and returns the
+    name and the next n. It is linked there, so nothing already at a name (another process's
+    capture, a file or a link someone put there) is ever replaced or followed; None when no name
+    could be taken, the file removed."""
+    for n in range(index, index + 16):
+        name = f"{stem}.{n}"
+        try:
+            os.link(path, name)
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+        _remove(path)
+        return name, n + 1
+    _remove(path)
+    return None, index + 1
 
 
 def _remove(path: str) -> None:
