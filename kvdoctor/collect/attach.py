@@ -39,7 +39,7 @@ from typing import Any
 
 from kvdoctor import PACKAGE_ROOT
 from kvdoctor.collect.attach_code import INJECTED
-from kvdoctor.collect.attach_guard import PROBE_TOKEN, STATUS
+from kvdoctor.collect.attach_guard import PROBE_TOKEN, STATUS, read_exchange_file
 from kvdoctor.collect.attach_inject import (
     RUN_INSTEAD,
     AttachCancelled,
@@ -274,7 +274,7 @@ def _inject(
 ) -> dict[str, Any]:
     """Puts the code in through `injection` and waits for the probe's status; raises `_Cancel` at
     any step once a cancelling signal came."""
-    status_path = injection.path(STATUS)
+    status_path = injection.exchange_path(STATUS)
     script_path = injection.path("inject.py")
     params = {
         "package_root": PACKAGE_ROOT,
@@ -282,26 +282,22 @@ def _inject(
         "fixes": list(fixes),
         "status_path": status_path,
         "attribution": ("auto" if attribution is True else attribution or ""),
-        "token": injection.path(PROBE_TOKEN),
+        "token": injection.exchange_path(PROBE_TOKEN),
     }
     with open(script_path, "w") as fh:
         fh.write(f"_KVDOCTOR_ATTACH_PARAMS = {json.dumps(json.dumps(params))}\n" + textwrap.dedent(INJECTED))
-    os.chmod(script_path, 0o644)
-    with open(injection.path(PROBE_TOKEN), "w"):
-        pass
-    target_uid = os.stat(f"/proc/{pid}").st_uid
-    if target_uid != os.geteuid() and os.geteuid() == 0:
-        for name in (injection.workdir, injection.path(PROBE_TOKEN)):  # root attaching to a server user's process
-            os.chown(name, target_uid, -1)
+    os.chmod(script_path, 0o644)  # read by the target through the work directory it may only pass through
+    with open(injection.exchange_path(PROBE_TOKEN), "w"):
+        pass  # in the exchange, which the guard handed to the target's user: it may rename the token
     injection.check_cancel()
     if sys.version_info >= (3, 14):
         _remote_exec(pid, script_path)
     else:
         _gdb_inject(pid, injection, script_path, gdb_timeout_s)
         if injection.status:  # gdb went in just as it was stopped: the guard passed the status on
-            return dict(json.loads(injection.status))
+            return _parse_status(injection.status)
     deadline = time.monotonic() + status_timeout_s
-    while not os.path.exists(status_path):
+    while not os.path.lexists(status_path):
         injection.check_cancel()
         if time.monotonic() > deadline:
             raise KvdoctorError(
@@ -311,8 +307,19 @@ def _inject(
         if not os.path.exists(f"/proc/{pid}"):
             raise KvdoctorError(f"pid {pid} exited while the probe was starting", "check the server's log")
         time.sleep(0.05)
-    with open(status_path) as fh:
-        status: dict[str, Any] = json.load(fh)
+    status = _parse_status(read_exchange_file(status_path))
+    return status
+
+
+def _parse_status(text: str | None) -> dict[str, Any]:
+    """The probe's status as the target wrote it; a file that is not a JSON object is a failure
+    to report, not an error of kvdoctor's (the target's user could have put anything there)."""
+    try:
+        status = json.loads(text) if text is not None else None
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        return {"ok": False, "error": "its status file was not the probe's report"}
     return status
 
 
@@ -355,7 +362,7 @@ def _try_injecting(pid: int) -> str | None:
     """One real injection of a line that leaves a mark: None when the mark appears, else why not."""
     try:
         with CancelSignals() as cancel, Injection(pid, gdb_command(pid) if sys.version_info < (3, 14) else None, cancel) as injection:
-            marker, script = injection.path("ran"), injection.path("p.py")
+            marker, script = injection.exchange_path("ran"), injection.path("p.py")
             with open(script, "w") as fh:
                 fh.write(f"open({marker!r}, 'w').close()\n")
             if sys.version_info >= (3, 14):

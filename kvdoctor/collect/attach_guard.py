@@ -42,6 +42,8 @@ GDB_TOKEN = "gdb-armed"
 PROBE_TOKEN = "probe-armed"
 TAKEN = ".taken"  # the injected code renames PROBE_TOKEN to this when it goes ahead
 STATUS = "status.json"
+EXCHANGE = "probe"  # the subdirectory the target's user may write: the probe's token and status
+STATUS_MAX_BYTES = 65536
 UNWRITTEN_TRACE = b"[\n"  # a trace kvdoctor created for the probe, before its first event
 GDB_STOP_S = 15.0  # gdb's time to stop the target, remove its breakpoints and detach, under SIGINT
 INTERRUPT_EVERY_S = 0.5  # a SIGINT ends only the step gdb is in (its attach, say): it is repeated
@@ -56,6 +58,11 @@ class Guard:
         self.pid = pid
         self.gdb_command = gdb_command
         self.workdir = tempfile.mkdtemp(prefix="kvdoctor-attach-")  # 0700
+        try:
+            self.exchange = make_exchange(self.workdir, pid)
+        except OSError:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         self.gdb: subprocess.Popen[bytes] | None = None
         self.gdb_open = False
         self.continuing = False  # gdb may have breakpoints in the target: never SIGKILL it then
@@ -133,7 +140,7 @@ class Guard:
                 self.pump_gdb(0)
 
     def take(self, name: str) -> bool:
-        path = os.path.join(self.workdir, name)
+        path = os.path.join(self.exchange if name == PROBE_TOKEN else self.workdir, name)
         try:
             os.rename(path, path + ".cancelled")
             return True
@@ -157,20 +164,58 @@ class Guard:
                 if self.gdb_open and not self.continuing:  # stuck reading symbols, no breakpoint in: the last resort
                     self.gdb.kill()
             self.wait_gdb(GDB_CALL_S)
-        taken = os.path.join(self.workdir, PROBE_TOKEN + TAKEN)
+        taken = os.path.join(self.exchange, PROBE_TOKEN + TAKEN)
         deadline = time.monotonic() + STATUS_WAIT_S
-        while os.path.exists(taken) and not os.path.exists(os.path.join(self.workdir, STATUS)):
+        while os.path.lexists(taken) and not os.path.lexists(os.path.join(self.exchange, STATUS)):
             if time.monotonic() > deadline or not os.path.exists(f"/proc/{self.pid}"):
                 break
             time.sleep(0.05)
-        outcome = "cancelled" if probe_cancelled else "started" if os.path.exists(taken) else "none"
-        try:
-            with open(os.path.join(self.workdir, STATUS)) as fh:
-                self.say("status " + " ".join(fh.read().split()))  # for a kvdoctor that stopped waiting for it
-        except OSError:
-            pass
+        outcome = "cancelled" if probe_cancelled else "started" if os.path.lexists(taken) else "none"
+        status = read_exchange_file(os.path.join(self.exchange, STATUS))
+        if status is not None:
+            self.say("status " + " ".join(status.split()))  # for a kvdoctor that stopped waiting for it
         shutil.rmtree(self.workdir, ignore_errors=True)
         return outcome
+
+
+def make_exchange(workdir: str, pid: int) -> str:
+    """The one place of the attach that the target's own user may write, inside `workdir`.
+
+    gdb reads its command file and runs `shell` lines from `workdir`, as the user kvdoctor runs as.
+    When root attaches to another user's process, that user must never be able to write there
+    (renaming a file of their own over the command file would run their lines as root), yet the
+    injected code, running as that user, must take its token and write its status. So `workdir`
+    stays root's (0711: the target may pass through it to read the script, never list or write it)
+    and only this subdirectory is handed to the target's user. Root never executes or follows a
+    link in it: what it reads there is read by `read_exchange_file`.
+    """
+    exchange = os.path.join(workdir, EXCHANGE)
+    os.mkdir(exchange, 0o700)
+    try:
+        target_uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return exchange  # gone: the attach fails on its own, nothing to hand over
+    if os.geteuid() == 0 and target_uid != 0:
+        os.chmod(workdir, 0o711)
+        os.chown(exchange, target_uid, -1)
+    return exchange
+
+
+def read_exchange_file(path: str) -> str | None:
+    """The text of a file the target's user may have written, or None: never through a link, never
+    blocking on a FIFO or a device, at most STATUS_MAX_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, STATUS_MAX_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def drop_unwritten(trace_path: str) -> None:
@@ -199,7 +244,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, stop)
     outcome = "none"
     try:
-        guard.say("workdir " + json.dumps(guard.workdir))  # one line whatever the temp dir is called
+        guard.say("workdir " + json.dumps([guard.workdir, guard.exchange]))  # one line whatever the temp dir is called
         guard.serve()
     finally:
         outcome = guard.finish()

@@ -102,10 +102,16 @@ class Injection:
         if not said.startswith("workdir "):
             self.finish()
             raise KvdoctorError(f"cannot attach to pid {pid}: kvdoctor's attach guard did not start ({said or 'no answer'})")
-        self.workdir = str(json.loads(said[len("workdir ") :]))
+        self.workdir, self.exchange = (str(part) for part in json.loads(said[len("workdir ") :]))
 
     def path(self, name: str) -> str:
+        """A file of the attach's own, which only kvdoctor's user can write (gdb's script, its token,
+        the code to inject)."""
         return os.path.join(self.workdir, name)
+
+    def exchange_path(self, name: str) -> str:
+        """A file the probe inside the target writes or renames (its token, its status)."""
+        return os.path.join(self.exchange, name)
 
     def _read(self, timeout_s: float) -> bool:
         """Reads what the guard wrote within `timeout_s`; False at its end."""
