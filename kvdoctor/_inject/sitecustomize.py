@@ -12,6 +12,8 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
+_OFF = ("", "0", "false", "no", "off")  # KVDOCTOR_ATTRIBUTION: not asked for
+_ON = ("1", "true", "yes", "on")  # KVDOCTOR_DISABLE: disabled
 ENGINE_PACKAGES = ("sglang", "vllm")  # the engines kvdoctor ships maps for (a test holds them equal)
 
 
@@ -42,9 +44,9 @@ class _EngineWatch:
 
 
 try:
-    if os.environ.get("KVDOCTOR_ATTRIBUTION"):
+    if os.environ.get("KVDOCTOR_ATTRIBUTION", "").strip().lower() not in _OFF:
         _activate()
-    elif not os.environ.get("KVDOCTOR_DISABLE"):
+    elif os.environ.get("KVDOCTOR_DISABLE", "").strip().lower() not in _ON:  # 0 does not disable (as settings.py reads it)
         sys.meta_path.insert(0, _EngineWatch)
 except Exception:
     pass

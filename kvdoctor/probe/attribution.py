@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from kvdoctor.probe.callsites import short_path
-from kvdoctor.probe.settings import env_positive
+from kvdoctor.probe.settings import env_count, env_positive
 from kvdoctor.trace import schema
 
 ENV_ATTRIBUTION = "KVDOCTOR_ATTRIBUTION"
@@ -111,7 +111,7 @@ class Attribution:
         self.period_s = env_positive(ENV_PERIOD_S, DEFAULT_PERIOD_S)
         self.window_s = min(env_positive(ENV_WINDOW_S, DEFAULT_WINDOW_S), self.period_s)
         self.sample_hz = env_positive(ENV_SAMPLE_HZ, DEFAULT_SAMPLE_HZ)
-        self.top = int(env_positive(ENV_TOP, DEFAULT_TOP))
+        self.top = env_count(ENV_TOP, DEFAULT_TOP, high=1000)
         self.stop = threading.Event()
         self.windows = 0
         self.snapshot_index = 0

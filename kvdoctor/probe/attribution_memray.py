@@ -49,6 +49,7 @@ from typing import Any
 
 from kvdoctor.probe.attribution import DEFAULT_TOP, Attribution, _status
 from kvdoctor.probe.callsites import short_path
+from kvdoctor.probe.settings import env_switch
 from kvdoctor.trace.writer import redact_args
 
 ENV_NATIVE = "KVDOCTOR_ATTRIBUTION_MEMRAY_NATIVE"
@@ -129,7 +130,7 @@ class MemrayAttribution(Attribution):
 
     def __init__(self, probe: Any) -> None:
         super().__init__(probe)
-        self.native_traces = os.environ.get(ENV_NATIVE, "") in ("1", "true", "yes", "on")
+        self.native_traces = env_switch(ENV_NATIVE, False)
         self.captures: list[str] = []
         self.capture_index = 0
         self.scratch: str | None = None

@@ -26,12 +26,12 @@ A walk that raises turns the walk off with one `probe_status` line (component "c
 from __future__ import annotations
 
 import collections
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.objects import instance_items
+from kvdoctor.probe.settings import env_positive, env_switch
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -137,11 +137,8 @@ class ContainerSizes:
 
     def __init__(self, probe: Probe) -> None:
         self.roots: dict[int, tuple[str, str, Any, Callable[[], dict[str, int]]]] = {}
-        self.enabled = os.environ.get(ENV_CONTAINERS, "1").strip().lower() not in ("0", "false", "no", "off")
-        try:
-            self.period_s = max(0.05, float(os.environ.get(ENV_PERIOD_S, DEFAULT_PERIOD_S)))
-        except ValueError:
-            self.period_s = DEFAULT_PERIOD_S
+        self.enabled = env_switch(ENV_CONTAINERS, True)
+        self.period_s = max(0.05, env_positive(ENV_PERIOD_S, DEFAULT_PERIOD_S))
         self.last_walk = -1e18
 
     def watch(self, label: str, root: Any, package: str, context: Callable[[], dict[str, int]]) -> None:

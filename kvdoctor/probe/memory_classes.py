@@ -38,7 +38,6 @@ readings off too, naming the part that took it, so a fragmented heap costs one s
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import sys
 import threading
@@ -47,6 +46,7 @@ import tracemalloc
 import weakref
 from typing import Any
 
+from kvdoctor.probe.settings import env_positive, env_switch, env_text
 from kvdoctor.trace import schema
 
 ENV_MEMORY_CLASSES = "KVDOCTOR_MEMORY_CLASSES"
@@ -86,7 +86,7 @@ class NotUnderstood(Exception):
 def start_if_enabled(probe: Any) -> bool:
     """Starts the readings for `probe` unless KVDOCTOR_MEMORY_CLASSES=0. Idempotent; never raises."""
     try:
-        if os.environ.get(ENV_MEMORY_CLASSES, "").strip().lower() in _OFF or getattr(probe, "emitter", None) is None:
+        if env_switch(ENV_MEMORY_CLASSES, True) is False or getattr(probe, "emitter", None) is None:
             return False
         with _LOCK:
             if probe in _STARTED:
@@ -112,19 +112,11 @@ def _status(probe: Any, state: str, reason: str, **extra: Any) -> None:
 
 
 def _period_s() -> float:
-    try:
-        value = float(os.environ.get(ENV_PERIOD_S, ""))
-    except ValueError:
-        return DEFAULT_PERIOD_S
-    return max(value, MIN_PERIOD_S) if math.isfinite(value) and value > 0 else DEFAULT_PERIOD_S
+    return max(env_positive(ENV_PERIOD_S, DEFAULT_PERIOD_S), MIN_PERIOD_S)
 
 
 def _budget_ns() -> int:
-    try:
-        value = float(os.environ.get(ENV_BUDGET_MS, ""))
-    except ValueError:
-        value = DEFAULT_BUDGET_MS
-    return int((value if math.isfinite(value) and value > 0 else DEFAULT_BUDGET_MS) * 1e6)
+    return int(env_positive(ENV_BUDGET_MS, DEFAULT_BUDGET_MS, high=60_000.0) * 1e6)
 
 
 SEEN_BYTES = 1 << 20  # one allocation that glibc's statistics must see if glibc's malloc made it
@@ -228,7 +220,7 @@ class MemoryClassSampler:
         self.period_s = _period_s()
         self.budget_ns = _budget_ns()
         self.cost_ns: dict[str, int] = {}  # the last reading's CPU time: its costly parts and the whole
-        self.forced = os.environ.get(ENV_MEMORY_CLASSES, "").strip().lower() in _ON
+        self.forced = env_text(ENV_MEMORY_CLASSES).lower() in _ON
         self.from_start = tracemalloc_from_start()
         self.mallinfo2 = read_mallinfo2()
         self.pinned_on = True

@@ -22,7 +22,7 @@ from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, ImportHook
 from kvdoctor.probe.maps import ProbeMap, available_maps
 from kvdoctor.probe.patching import Patching, still_importing
-from kvdoctor.probe.settings import env_positive
+from kvdoctor.probe.settings import DAY_S, env_number, env_positive, env_switch
 from kvdoctor.probe.shutdown import Rendezvous
 from kvdoctor.trace import schema
 
@@ -61,7 +61,7 @@ class Probe(Patching):
         self._inject = set(inject or ())
         self.emitter = Emitter(
             trace_path,
-            flush_interval_s=env_positive(ENV_WRITER_INTERVAL_S, 0.5),
+            flush_interval_s=env_positive(ENV_WRITER_INTERVAL_S, 0.5, high=3600.0),
             header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()},
         )
         self.sites = CallSites()
@@ -81,7 +81,7 @@ class Probe(Patching):
         self._fix_unreported: dict[str, int] = {}
         self.states: dict[str, EngineState] = {}
         # An idle census reads a whole ledger back: at most one per interval (and one at exit).
-        self.idle_census_interval_s = float(os.environ.get(ENV_IDLE_CENSUS_INTERVAL_S, "2.0"))
+        self.idle_census_interval_s = env_number(ENV_IDLE_CENSUS_INTERVAL_S, 2.0, high=DAY_S)
         self._closed = False
         self.rendezvous = Rendezvous.from_env()  # under `kvdoctor run`: the census asked for at shutdown
         self.emitter.periodic.append(self._periodic)
@@ -253,7 +253,7 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
     if CURRENT.probe is not None:
         return CURRENT.probe
     try:
-        if os.environ.get(ENV_DISABLE):
+        if env_switch(ENV_DISABLE, False):
             return None
         trace_path = trace_path or os.environ.get(ENV_TRACE)
         if fixes is None:

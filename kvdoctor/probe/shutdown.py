@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.settings import env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 ENV_RENDEZVOUS = "KVDOCTOR_RENDEZVOUS"
 ENV_WAIT_S = "KVDOCTOR_SHUTDOWN_CENSUS_WAIT_S"
 DEFAULT_WAIT_S = 5.0  # the most the server's shutdown is held for the censuses, all processes together
+MAX_WAIT_S = 60.0  # the most ENV_WAIT_S may ask for: a shutdown is never held longer
 POLL_S = 0.05
 REQUEST = "census.request"
 WRITER_STOPPED = "writer-stopped."
@@ -166,14 +168,11 @@ class Rendezvous:
         """Asks every registered process for its census and waits for the live ones to answer."""
         self.asked_others = True
         if wait_s is None:
-            try:
-                wait_s = float(os.environ.get(ENV_WAIT_S, DEFAULT_WAIT_S))
-            except ValueError:
-                wait_s = DEFAULT_WAIT_S
+            wait_s = env_number(ENV_WAIT_S, DEFAULT_WAIT_S, high=MAX_WAIT_S)
         started = time.monotonic()
         if not self._write(REQUEST, {"pid": os.getpid(), "time_s": time.time()}):
             return {"asked": [], "answered": {}, "waited_s": 0.0, "unanswered": []}
-        deadline = started + max(0.0, wait_s)
+        deadline = started + min(max(0.0, wait_s), MAX_WAIT_S)
         asked: list[int] = []
         answers: dict[int, dict[str, Any]] = {}
         while True:

@@ -5,7 +5,13 @@ its fix."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+import threading
 import tracemalloc
+
+import pytest
 
 from kvdoctor.probe.attribution import Attribution
 from kvdoctor.probe.attribution_memray import MemrayAttribution
@@ -71,3 +77,109 @@ def test_tracemalloc_snapshots_of_two_processes_never_share_a_name(tmp_path):
     Attribution(_Probe(trace))._dump(snapshot)
     dumped = sorted(p for p in os.listdir(tmp_path) if ".tracemalloc." in p)
     assert len(dumped) == 2 and not any("partial" in p for p in dumped), dumped
+
+
+# ---------------------------------------------------------------- item 3: the shutdown census wait is bounded
+
+
+def test_an_infinite_shutdown_census_wait_keeps_the_default(tmp_path, monkeypatch, capsys):
+    from test_shutdown_rendezvous import _engine
+
+    from kvdoctor.probe import shutdown
+
+    monkeypatch.setattr(shutdown, "DEFAULT_WAIT_S", 0.3)  # the default, made short for the test
+    silent = _engine(str(tmp_path), "silent")  # registered, alive, never answers
+    outcomes: list[dict] = []
+    try:
+        for value in ("inf", "1e300", "nan", "-1", "soon"):
+            monkeypatch.setenv(shutdown.ENV_WAIT_S, value)
+            waiter = threading.Thread(target=lambda: outcomes.append(shutdown.Rendezvous(str(tmp_path)).ask_and_wait()), daemon=True)
+            waiter.start()
+            waiter.join(timeout=30)
+            assert not waiter.is_alive(), f"{shutdown.ENV_WAIT_S}={value} held the shutdown"
+    finally:
+        silent.kill()
+        silent.wait(timeout=30)
+    assert all(o["unanswered"] == [silent.pid] and o["waited_s"] < 5 for o in outcomes), outcomes
+    said = [ln for ln in capsys.readouterr().err.splitlines() if shutdown.ENV_WAIT_S in ln]
+    assert len(said) == 1 and "using 0.3" in said[0], said  # once per variable and process
+
+
+# ---------------------------------------------------------------- item 12: one reader for every variable
+
+PROBE_WITH_BAD_SETTINGS = textwrap.dedent(
+    """
+    import sys, threading, time
+    from kvdoctor.probe import runtime
+    from kvdoctor.probe.sglang.state import sglang_state
+    probe = runtime.activate(sys.argv[1])
+    print("probe", probe is not None, flush=True)
+    probe.emitter.emit("probe_status", {"component": "test", "state": "on", "reason": "a first write starts the writer"})
+    state = sglang_state(probe)
+    time.sleep(0.3)
+    writers = [t for t in threading.enumerate() if t.name == "kvdoctor-writer"]
+    print(probe.emitter.flush_interval_s, probe.idle_census_interval_s, state.rolling_interval_s, len(writers), flush=True)
+    """
+)
+
+
+def test_bad_environment_values_keep_the_defaults_and_the_probe_runs(tmp_path):
+    from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S
+
+    env = {
+        **os.environ,
+        "KVDOCTOR_WRITER_INTERVAL_S": "1e300",  # killed the writer thread (an OverflowError in its wait)
+        "KVDOCTOR_IDLE_CENSUS_INTERVAL_S": "abc",  # kept the probe from starting
+        "KVDOCTOR_ROLLING_CENSUS_S": "abc",  # turned the engine's state off
+        "KVDOCTOR_DISABLE": "0",  # disabled it
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_WITH_BAD_SETTINGS, str(tmp_path / "t.kvtrace.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "probe True", proc.stdout
+    assert lines[1].split() == ["0.5", "2.0", f"{ROLLING_CENSUS_INTERVAL_S}", "1"], proc.stdout
+    said = sorted(ln.split("=")[0] for ln in proc.stderr.splitlines() if ln.startswith("kvdoctor: KVDOCTOR_"))
+    assert said == [
+        "kvdoctor: KVDOCTOR_IDLE_CENSUS_INTERVAL_S",
+        "kvdoctor: KVDOCTOR_ROLLING_CENSUS_S",
+        "kvdoctor: KVDOCTOR_WRITER_INTERVAL_S",
+    ]
+
+
+@pytest.mark.parametrize("value", ["abc", "inf", "-inf", "nan", "-1", "1e300", "0x10", "   "])
+def test_every_numeric_reader_keeps_its_default_for_a_bad_value(monkeypatch, capsys, value):
+    from kvdoctor.probe import memory_classes, settings
+    from kvdoctor.probe.attribution import DEFAULT_TOP
+    from kvdoctor.probe.sglang import mamba_pool, mm_inputs, pd_decode
+    from kvdoctor.probe.vllm import connector
+
+    for name in ("KVDOCTOR_MM_HELD_AGE_S", "KVDOCTOR_CONNECTOR_DEADLINE_S", "KVDOCTOR_MAMBA_CENSUS_PERIOD_S",
+                 "KVDOCTOR_PD_TRANSFER_DEADLINE_S", "KVDOCTOR_MEMORY_CLASSES_PERIOD_S", "KVDOCTOR_MEMORY_CLASSES_BUDGET_MS",
+                 "KVDOCTOR_ATTRIBUTION_TOP"):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(settings, "_SAID", set())
+    assert mm_inputs.held_age_from_env() == mm_inputs.DEFAULT_HELD_AGE_S
+    assert connector.deadline_from_env() == connector.DEFAULT_DEADLINE_S
+    assert connector.wall_clock_text(connector.deadline_from_env())  # an infinite deadline made gmtime raise
+    assert mamba_pool._census_period() == mamba_pool.CENSUS_PERIOD_S
+    assert pd_decode._deadline() == pd_decode.DEADLINE_S
+    assert memory_classes._period_s() == memory_classes.DEFAULT_PERIOD_S
+    assert memory_classes._budget_ns() == int(memory_classes.DEFAULT_BUDGET_MS * 1e6)
+    assert Attribution(_Probe("")).top == DEFAULT_TOP
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvdoctor: KVDOCTOR_")]
+    assert len(said) == (0 if not value.strip() else 7), said
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("", False), ("1", True), ("yes", True), ("maybe", False)])
+def test_kvdoctor_disable_is_a_switch(monkeypatch, value, on):
+    from kvdoctor.probe import runtime, settings
+
+    monkeypatch.setenv(runtime.ENV_DISABLE, value)
+    monkeypatch.setattr(settings, "_SAID", set())
+    assert settings.env_switch(runtime.ENV_DISABLE, False) is on

@@ -10,7 +10,6 @@ page and names the orphans: pages neither free, nor in the tree, nor owned by a 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from kvdoctor.probe.ledger.arrays import arrays_for
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slot_census import Emit, SlotReadback
 from kvdoctor.probe.ledger.states import FREE, KIND_BITS, KIND_SLOT, OWNED, RESERVED, TREE
+from kvdoctor.probe.settings import env_switch
 from kvdoctor.trace import schema
 
 
@@ -55,7 +55,7 @@ class SlotLedger(SlotReadback):
         self.counters = self.xp.zeros(len(KIND_BITS), "int64")
         self.oor_value = self.xp.zeros(2, "int64")  # worst index past the end, worst below -1
         self.kernels: Any = None
-        if not self.xp.sync_free_branching and (str(device).startswith("cuda") or os.environ.get("KVDOCTOR_LEDGER_KERNELS")):
+        if not self.xp.sync_free_branching and (str(device).startswith("cuda") or env_switch("KVDOCTOR_LEDGER_KERNELS", False)):
             self.use_kernels()
         self._reported = np.zeros(len(KIND_BITS), dtype=np.int64)
         self._pending: Any = None

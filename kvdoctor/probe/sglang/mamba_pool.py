@@ -25,12 +25,12 @@ scheduler's lists is never named.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
 from kvdoctor.probe.patching import say
+from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.probe.sglang.state import sglang_state
 from kvdoctor.trace import schema
 
@@ -181,10 +181,7 @@ class MambaSlotState:
 
 def _census_period() -> float:
     """CENSUS_PERIOD_S, or KVDOCTOR_MAMBA_CENSUS_PERIOD_S where set (0: at every pick, as tests drive it)."""
-    try:
-        return max(0.0, float(os.environ.get("KVDOCTOR_MAMBA_CENSUS_PERIOD_S", CENSUS_PERIOD_S)))
-    except ValueError:
-        return CENSUS_PERIOD_S
+    return env_number("KVDOCTOR_MAMBA_CENSUS_PERIOD_S", CENSUS_PERIOD_S, high=DAY_S)
 
 
 def tree_slots(tree: Any) -> set[int]:

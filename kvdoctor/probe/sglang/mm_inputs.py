@@ -24,7 +24,6 @@ again), so only finished requests are judged, and a session's never.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.objects import own, own_slot
+from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -50,12 +50,7 @@ DEFAULT_HELD_AGE_S = 5.0  # a hold counted on the writer thread's round only onc
 def held_age_from_env() -> float:
     """How old a hold must be for the writer thread's round to count it (`KVDOCTOR_MM_HELD_AGE_S`,
     5 s by default); a value that is not a finite number leaves the default."""
-    raw = os.environ.get(ENV_HELD_AGE_S, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_HELD_AGE_S
-    except ValueError:
-        return DEFAULT_HELD_AGE_S
-    return max(0.0, value) if math.isfinite(value) else DEFAULT_HELD_AGE_S
+    return env_number(ENV_HELD_AGE_S, DEFAULT_HELD_AGE_S, high=30 * DAY_S)
 
 
 class NotUnderstood(Exception):

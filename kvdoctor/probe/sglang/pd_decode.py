@@ -28,11 +28,11 @@ by state and its oldest requests go to the trace when they change, at most once 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -317,10 +317,7 @@ class PdDecodeState:
 
 
 def _deadline() -> float:
-    try:
-        return max(0.0, float(os.environ.get("KVDOCTOR_PD_TRANSFER_DEADLINE_S", DEADLINE_S)))
-    except ValueError:
-        return DEADLINE_S
+    return env_number("KVDOCTOR_PD_TRANSFER_DEADLINE_S", DEADLINE_S, high=30 * DAY_S)
 
 
 def request_row(req: Any) -> int | None:

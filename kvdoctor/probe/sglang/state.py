@@ -11,7 +11,6 @@ ledger and SGLang is visible in the same event. Which ledgers may name orphans: 
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.patching import say
 from kvdoctor.probe.rank import ledger_name
+from kvdoctor.probe.settings import env_positive
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.probe.sglang.adopt import adopt, host_free_pages, needs_adoption
 from kvdoctor.probe.sglang.judging import CoverageJudging
@@ -61,7 +61,7 @@ class SglangState(CoverageJudging):
         self.paths = ReleasePaths()  # which path releases rows, at which step; releases held for a forward in flight
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
-        self.rolling_interval_s = float(os.environ.get(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S))
+        self.rolling_interval_s = env_positive(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S)
         # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
         self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
         self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -56,12 +56,7 @@ HELD_BY_EC_CONNECTOR = "ec_connector_delayed_free"  # the encoder-cache connecto
 def deadline_from_env() -> float:
     """The deadline in seconds (`KVDOCTOR_CONNECTOR_DEADLINE_S`); a value that is not a number
     leaves the default."""
-    raw = os.environ.get(ENV_DEADLINE_S, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_DEADLINE_S
-    except ValueError:
-        return DEFAULT_DEADLINE_S
-    return max(0.0, value) if value == value else DEFAULT_DEADLINE_S
+    return env_number(ENV_DEADLINE_S, DEFAULT_DEADLINE_S, high=30 * DAY_S)
 
 
 def wall_clock_text(seconds: float) -> str:
