@@ -1,6 +1,6 @@
-"""The README's CI gates, taken out of the README and run as written on real servers on this CPU
-(only the model, the port, the CPU server flags and the size of the benchmark changed:
-`tests/support/readme_gate.py`).
+"""The CI gates of docs/ci-gate.md (the page the README's gate quickstart links), taken out of the
+page and run as written on real servers on this CPU (only the model, the port, the CPU server flags
+and the size of the benchmark changed: `tests/support/readme_gate.py`).
 
 SGLang 0.5.23: the script stops its server right after the benchmark, as every CI job does;
 SGLang's launcher then ends the scheduler with SIGKILL, and the verdict must come from the census

@@ -91,14 +91,14 @@ def _drive(server: sglang_server.Server) -> None:
 
 
 # The default configuration (radix cache, page 1) runs clean in tests/e2e/test_readme_gate.py (the
-# README's gate on a real benchmark, judged on its shutdown census, the hooks counted there too) and
+# docs' CI gate on a real benchmark, judged on its shutdown census, the hooks counted there too) and
 # under load in the tests below, which count every finding exactly: it is not started a third time.
 ALERT_BOUND_S = 30 * prometheus_stack.SCRAPE_INTERVAL_S  # from the census that makes an alert to Alertmanager listing it
 
 
 def _check_the_orphan_alert(stack, server, named, planted, alerts, listed_at) -> None:
     """The alert names the scheduler's pool with the planted count; no other alert fires; the
-    dashboard's queries and the README's drifting-rank query run on what was scraped."""
+    dashboard's queries and the docs' drifting-rank query run on what was scraped."""
     scheduler = named["pid"]
     (alert,) = [a for a in alerts if a["labels"]["pid"] == str(scheduler)]
     labels = alert["labels"]
@@ -113,7 +113,7 @@ def _check_the_orphan_alert(stack, server, named, planted, alerts, listed_at) ->
     assert {a["labels"]["alertname"] for a in stack.alertmanager_alerts()} == {"KvdoctorOrphanSlots"}
     with open(prometheus_stack.DASHBOARD) as fh:
         exprs = [t["expr"] for panel in json.load(fh)["panels"] for t in panel["targets"]]
-    drifting = _readme_drifting_rank()
+    drifting = _docs_drifting_rank()
     for expr in [*exprs, drifting]:
         stack.query(expr)  # each parses and runs on Prometheus itself
     assert stack.query(drifting) == []  # one rank: none drifts from its own median
@@ -121,11 +121,11 @@ def _check_the_orphan_alert(stack, server, named, planted, alerts, listed_at) ->
     print(f"series scraped from the run: {series[0]['value'][1]}")
 
 
-def _readme_drifting_rank() -> str:
-    """The PromQL of the README's "In a fleet" that names the rank whose ledger drifts."""
-    with open(os.path.join(os.path.dirname(SUPPORT), "..", "README.md")) as fh:
+def _docs_drifting_rank() -> str:
+    """The PromQL of docs/fleet.md that names the rank whose ledger drifts."""
+    with open(os.path.join(os.path.dirname(SUPPORT), "..", "docs", "fleet.md")) as fh:
         text = fh.read()
-    return text.split("## In a fleet", 1)[1].split("```promql\n", 1)[1].split("```", 1)[0].strip()
+    return text.split("```promql\n", 1)[1].split("```", 1)[0].strip()
 
 
 CONFIGS = {

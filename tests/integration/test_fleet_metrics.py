@@ -66,16 +66,16 @@ def test_promtool_checks_the_shipped_rules():
 def test_the_shipped_rules_fire_on_their_cases_in_promtool():
     """Orphans at one census are no alert, at two in a row they are; a double free alerts, an
     orphan named at a release does not; a probe off alerts, a partial one not; 1 MiB/s with 9 GiB
-    left alerts once sustained 30 minutes, a flat process never; the README's query names the one
+    left alerts once sustained 30 minutes, a flat process never; the docs' query names the one
     drifting rank of four (tests/support/fleet_rules_test.yml)."""
     cases = os.path.join(SUPPORT, "fleet_rules_test.yml")
     proc = subprocess.run([prometheus_stack.PROMTOOL, "test", "rules", cases], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
-    # the README's drifting-rank query is the one promtool ran there (of four ranks, it names tp2)
-    with open(os.path.join(REPO, "README.md")) as fh:
-        readme = fh.read().split("## In a fleet", 1)[1].split("```promql\n", 1)[1].split("```", 1)[0]
+    # docs/fleet.md's drifting-rank query is the one promtool ran there (of four ranks, it names tp2)
+    with open(os.path.join(REPO, "docs", "fleet.md")) as fh:
+        query = fh.read().split("```promql\n", 1)[1].split("```", 1)[0]
     with open(cases) as fh:
-        assert " ".join(readme.split()) in " ".join(fh.read().split())
+        assert " ".join(query.split()) in " ".join(fh.read().split())
 
 
 @pytest.fixture(scope="module")

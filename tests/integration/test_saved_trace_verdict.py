@@ -1,5 +1,5 @@
 """A saved trace is judged exactly as the live run was (`kvdoctor run --trace T -- CMD`, then
-`kvdoctor gate T`, the README's "judge a trace later"): the trace carries the command's exit status,
+`kvdoctor gate T`, docs/ci-gate.md's "Judge a trace later"): the trace carries the command's exit status,
 so a run that failed, or whose command no probe reported from, fails the gate later too."""
 
 from __future__ import annotations

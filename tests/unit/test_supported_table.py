@@ -1,5 +1,5 @@
-"""The README's supported-releases table is the one `kvdoctor probes --table` generates from the
-maps and the release list, so it cannot drift from what the matrix tests."""
+"""The docs' supported-releases table (docs/supported.md) is the one `kvdoctor probes --table`
+generates from the maps and the release list, so it cannot drift from what the matrix tests."""
 
 import copy
 import os
@@ -10,12 +10,12 @@ from kvdoctor.runner.support import graph_replays_line, installed_line, markdown
 from kvdoctor.trace.schema import SERVING_ENGINES
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BEGIN, END = "<!-- kvdoctor probes --table -->\n", "\n<!-- end of generated table -->"
+BEGIN, END = "<!-- generated: probes-table -->\n", "\n<!-- end generated -->"
 
 
-def test_readme_table_is_generated():
-    readme = open(os.path.join(REPO, "README.md")).read()
-    copy = readme[readme.index(BEGIN) + len(BEGIN) : readme.index(END)]
+def test_the_docs_table_is_generated():
+    page = open(os.path.join(REPO, "docs", "supported.md")).read()
+    copy = page[page.index(BEGIN) + len(BEGIN) : page.index(END, page.index(BEGIN))]
     assert copy == "\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES)
 
 
