@@ -1,4 +1,5 @@
-"""Runs every benchmark, writes bench/results/<machine>.json and prints the table for the README."""
+"""Runs every benchmark, writes bench/results/<machine>.json, prints its table and regenerates the
+docs' benchmark tables from it (docs/generate.py: docs/benchmarks.md; the README carries none)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main() -> None:
         json.dump(results, fh, indent=2)
     print(table(results))
     print(f"\nwritten: {os.path.relpath(path, ROOT)}")
+    # docs/benchmarks.md has a table for each bench/results/<machine>.json
+    subprocess.run([sys.executable, os.path.join(ROOT, "docs", "generate.py")], check=True, cwd=ROOT)
 
 
 def _probe_rows(page_size: int, p: dict, loop: str = "allocator + tree loop") -> list[tuple[str, str, str]]:

@@ -31,9 +31,6 @@ DOCS = os.path.join(ROOT, "docs")
 PAGES_WITH_BLOCKS = ["README.md", *(f"docs/{name}" for name in ("index.md", "findings.md", "supported.md", "benchmarks.md"))]
 BLOCK = re.compile(r"(<!-- generated: (?P<key>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 HEADLINE = re.compile(r"^(ERROR|warn|info) +([a-z0-9_]+?):?(?: |$)")  # reporters/terminal.py's marks
-CPU_RESULTS = "bench/results/x86_64-2cpu-py3.11.json"
-INSTRUCTIONS_RESULTS = "bench/results/instructions-x86_64-2cpu-py3.11.json"
-VLLM_RESULTS = "bench/results/vllm-x86_64-2cpu.json"
 GPU_RESULTS = "reports/gpu/results.json"
 GPU_SUMMARY = "reports/gpu/SUMMARY.md"
 
@@ -63,48 +60,69 @@ def probes_table() -> str:
     return "\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES)
 
 
+def _results(prefix: str) -> list[str]:
+    """bench/results files of one kind, by name: `<machine>.json` from bench/run (prefix ""),
+    `instructions-*.json`, `vllm-*.json`."""
+    folder = os.path.join(ROOT, "bench", "results")
+    kinds = ("instructions-", "vllm-")
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    if prefix:
+        return [f"bench/results/{n}" for n in names if n.startswith(prefix)]
+    return [f"bench/results/{n}" for n in names if not n.startswith(kinds)]
+
+
 def bench_cpu() -> str:
-    results = dict(_json(CPU_RESULTS))
-    results.pop("gpu_machine", None)  # the GPU rows have their own table, from reports/gpu/results.json
-    note = f"`{CPU_RESULTS}`: {results['machine']}, Python {results['python']}, {results['when']}" + (
-        " (quick run)" if results.get("quick") else ""
-    )
-    return note + "\n\n" + _run_all().table(results)
+    out = []
+    for rel in _results(""):
+        results = dict(_json(rel))
+        results.pop("gpu_machine", None)  # the GPU rows have their own table, from reports/gpu/results.json
+        note = f"`{rel}`: {results['machine']}, Python {results['python']}, {results['when']}" + (
+            " (quick run)" if results.get("quick") else ""
+        )
+        out.append(note + "\n\n" + _run_all().table(results))
+    return "\n\n".join(out)
 
 
 def bench_instructions() -> str:
-    results = _json(INSTRUCTIONS_RESULTS)
-    lines = [
-        f"`{INSTRUCTIONS_RESULTS}`",
-        "",
-        "| loop | probe / no probe | bare wrapper / no probe | instructions a hooked call | hooked calls a loop |",
-        "|---|---|---|---|---|",
-    ]
-    for key, r in results.items():
-        name = key.replace("_page_size_", ", page size ").replace("_", " ")
-        lines.append(
-            f"| {name} | {r['ratio']}x | {r['floor_ratio_bare_wrapper']}x | {r['instructions_per_hooked_call']:,} | {r['hooked_calls_per_loop']:,} |"
-        )
-    return "\n".join(lines)
+    out = []
+    for rel in _results("instructions-"):
+        lines = [
+            f"`{rel}`",
+            "",
+            "| loop | probe / no probe | bare wrapper / no probe | instructions a hooked call | hooked calls a loop |",
+            "|---|---|---|---|---|",
+        ]
+        for key, r in _json(rel).items():
+            name = key.replace("_page_size_", ", page size ").replace("_", " ")
+            lines.append(
+                f"| {name} | {r['ratio']}x | {r['floor_ratio_bare_wrapper']}x | {r['instructions_per_hooked_call']:,} | {r['hooked_calls_per_loop']:,} |"
+            )
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def bench_vllm() -> str:
-    r = _json(VLLM_RESULTS)
-    calls = r["block_pool_calls"]
-    return "\n".join(
-        [
-            f"`{VLLM_RESULTS}` ({r['time']}): {r['engine']}, {r['cpus']} CPUs",
-            "",
-            "| figure | without the probe | with the probe | ratio |",
-            "|---|---|---|---|",
-            f"| server throughput, {r['rounds']} rounds of {r['requests_per_round']} requests, concurrency {r['concurrency']} "
-            f"| {r['without_probe_requests_per_s']} requests/s | {r['with_probe_requests_per_s']} requests/s | {r['ratio_with_over_without']}x |",
-            f"| engine core CPU per request | {r['without_probe_engine_core_cpu_ms_per_request']} ms | "
-            f"{r['with_probe_engine_core_cpu_ms_per_request']} ms | {r['engine_core_cpu_ratio_with_over_without']}x |",
-            f"| in process: {calls['step']} | {calls['without_probe_us_per_step']} us | {calls['with_probe_us_per_step']} us "
-            f"| {calls['ratio_with_over_without']}x ({calls['probe_us_per_hooked_call']} us a hooked call) |",
-        ]
-    )
+    out = []
+    for rel in _results("vllm-"):
+        r = _json(rel)
+        calls = r["block_pool_calls"]
+        out.append(
+            "\n".join(
+                [
+                    f"`{rel}` ({r['time']}): {r['engine']}, {r['cpus']} CPUs",
+                    "",
+                    "| figure | without the probe | with the probe | ratio |",
+                    "|---|---|---|---|",
+                    f"| server throughput, {r['rounds']} rounds of {r['requests_per_round']} requests, concurrency {r['concurrency']} "
+                    f"| {r['without_probe_requests_per_s']} requests/s | {r['with_probe_requests_per_s']} requests/s | {r['ratio_with_over_without']}x |",
+                    f"| engine core CPU per request | {r['without_probe_engine_core_cpu_ms_per_request']} ms | "
+                    f"{r['with_probe_engine_core_cpu_ms_per_request']} ms | {r['engine_core_cpu_ratio_with_over_without']}x |",
+                    f"| in process: {calls['step']} | {calls['without_probe_us_per_step']} us | {calls['with_probe_us_per_step']} us "
+                    f"| {calls['ratio_with_over_without']}x ({calls['probe_us_per_hooked_call']} us a hooked call) |",
+                ]
+            )
+        )
+    return "\n\n".join(out)
 
 
 def bench_gpu() -> str:
