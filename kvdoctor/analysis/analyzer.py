@@ -16,6 +16,7 @@ from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector, Sink, reads
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams
+from kvdoctor.analysis.named import bounded_args
 from kvdoctor.analysis.record import ProbeRecord
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK
 from kvdoctor.trace import schema
@@ -33,6 +34,7 @@ LEDGERS_NAMED = 64  # damaged or unjudged ledgers named apiece; the rest is coun
 
 D = TypeVar("D")
 _HEADERS = (schema.HEADER, schema.RUN_HEADER)
+_NAMING = frozenset({schema.CENSUS, schema.VIOLATION})  # the events whose tables name requests and sites
 READ_BY_ANALYZER = frozenset({*_HEADERS, schema.PROCESS_NAME, schema.CENSUS, schema.TRACE_END})  # besides its sinks
 
 
@@ -220,6 +222,8 @@ class Analyzer:
             known = levels.get(event.pid)
             if (known is None or known < COUNTED) and name != schema.TRACE_END and not take(event.pid, level_of(name, event.args)):
                 continue  # the trace's end is the whole trace's, whichever process wrote it
+            if name in _NAMING:  # a table of a million request ids is cut to its largest before any sink keeps it
+                event.args = bounded_args(event.args)
             feeds = routes.get(name)
             if feeds is None:
                 feeds = routes[name] = [s.feed for s in sinks if reads(s, name)]

@@ -183,3 +183,89 @@ def test_kvdoctor_disable_is_a_switch(monkeypatch, value, on):
     monkeypatch.setenv(runtime.ENV_DISABLE, value)
     monkeypatch.setattr(settings, "_SAID", set())
     assert settings.env_switch(runtime.ENV_DISABLE, False) is on
+
+
+# ---------------------------------------------------------------- item 7: analysis memory whatever a census names
+
+NAMED = 40_000  # request ids in each census
+CENSUSES = 6  # of as many allocators, each the latest of its own
+
+
+def _naming_trace(path: str) -> str:
+    from kvdoctor.trace import schema
+    from kvdoctor.trace.writer import TraceWriter, finish_trace
+
+    writer = TraceWriter(path)
+    header = schema.header_event(pid=7, engine="sglang", engine_version="0.5.23", process_title="sglang::scheduler", extra={})
+    writer.write_batch([header])
+    for n in range(CENSUSES):
+        requests = {f"req-{n}-{i:07d}": 1 + (i % 3) for i in range(NAMED)}
+        args = {
+            "allocator": f"TokenToKVPoolAllocator#{n}",
+            "reason": "exit",
+            "idle": True,
+            "page_size": 1,
+            "live_requests": 0,
+            "total_slots": 10 * NAMED,
+            "free_slots": 0,
+            "orphan_slots": sum(requests.values()),
+            "orphan_slot_ids": list(range(NAMED)),
+            "orphan_allocated_at": {"scheduler.py:100": sum(requests.values())},
+            "orphan_requests": requests,
+        }
+        writer.write_batch([schema.Event(ph="i", name=schema.CENSUS, pid=7, ts=1e6 * (n + 1), args=args)])
+    writer.close()
+    finish_trace(path, 7, {"command_exit": 0})
+    return path
+
+
+def test_a_census_naming_many_requests_is_held_bounded_and_counted_exactly(tmp_path):
+    import gc
+    import json
+
+    from kvdoctor.analysis.named import MAX_NAMED
+    from kvdoctor.analysis.replay import analyze_trace
+    from kvdoctor.reporters import render
+
+    trace = _naming_trace(str(tmp_path / "named.kvtrace.json"))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        analysis = analyze_trace(trace)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    # what the analysis keeps, not what one census costs while it is read (before: every id of every census, ~25 MB)
+    assert held < 4 * 1024 * 1024, held
+    orphans = [f for f in analysis.findings if f.kind == "orphan_slots"]
+    assert len(orphans) == CENSUSES
+    total = sum(1 + (i % 3) for i in range(NAMED))
+    for finding in orphans:
+        assert finding.count == total  # the count stays exact
+        named = finding.evidence["requests"]
+        assert len(named) == MAX_NAMED and all(v == 3 for v in named.values())  # the largest are kept
+        left = finding.evidence["requests_not_named"]
+        assert left["entries"] == NAMED - MAX_NAMED and left["count"] + sum(named.values()) == total
+        assert len(finding.evidence["slot_ids"]) <= MAX_NAMED
+    for output_format in ("json", "jsonl"):
+        report = render(analysis, output_format)
+        assert len(report) < 200_000, (output_format, len(report))
+        assert report.count("req-") <= CENSUSES * (MAX_NAMED + 1)  # the sample, and the message's top request
+    json.loads(render(analysis, "json"))
+
+
+def test_violations_naming_new_requests_every_time_stay_bounded():
+    from kvdoctor.analysis.detectors.double_free import DoubleFreeDetector
+    from kvdoctor.analysis.named import MAX_NAMED
+    from kvdoctor.trace import schema
+
+    detector = DoubleFreeDetector()
+    for n in range(2_000):
+        args = {"kind": detector.kind, "allocator": "a", "site": "s.py:1", "count": 2, "requests": {f"r{n}-a": 1, f"r{n}-b": 1}}
+        detector.feed(schema.Event(ph="i", name=schema.VIOLATION, pid=7, ts=float(n), args=args))
+    [finding] = detector.findings()
+    assert finding.count == 4_000
+    assert len(finding.evidence["requests"]) <= MAX_NAMED
+    left = finding.evidence["requests_not_named"]
+    assert left["count"] + sum(finding.evidence["requests"].values()) == 4_000

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.analysis.named import merge_named
 from kvdoctor.trace import schema
 from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
@@ -105,12 +106,10 @@ class ViolationDetector:
             merged = as_list(group["first"].get("slot_ids")) + as_list(args.get("slot_ids"))
             group["first"]["slot_ids"] = list(dict.fromkeys(i for i in merged if isinstance(i, (int, str))))[:64]
             for name in self.merged_counts:
-                mine = group["first"].get(name)
-                if not isinstance(mine, dict):
-                    mine = group["first"][name] = {}
                 if isinstance(args.get(name), dict):
-                    for k, v in args[name].items():
-                        mine[k] = as_count(mine.get(k, 0)) + as_count(v)
+                    merge_named(group["first"], name, args[name])  # bounded however many events name new requests
+                elif not isinstance(group["first"].get(name), dict):
+                    group["first"][name] = {}
 
     def findings(self) -> list[Finding]:
         out = []

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvdoctor.analysis.detectors.base import MAX_LABELS_COUNTED, MAX_LEDGER_ENTRIES, LeftOut, as_list, left_out_finding
 from kvdoctor.analysis.findings import ERROR, Finding
+from kvdoctor.analysis.named import NOT_NAMED, merge_named
 from kvdoctor.trace import schema
 from kvdoctor.units import as_count, finite_number
 
@@ -95,8 +96,7 @@ class OrphanSlotsDetector:
         for name in ("requests", "allocated_at"):
             value = args.get(name)
             if isinstance(value, dict):
-                for k, v in list(value.items())[:16]:
-                    found[name][str(k)] = as_count(found[name].get(str(k), 0)) + as_count(v)
+                merge_named(found, name, dict(list(value.items())[:16]))  # bounded over any number of releases
 
     def _left_findings(self) -> list[Finding]:
         """The ledgers a full table did not keep, as one finding each kind: never dropped."""
@@ -200,6 +200,9 @@ class OrphanSlotsDetector:
             "total_slots": args.get("total_slots"),
             "pid": pid,
         }
+        for table, key in (("orphan_requests", "requests"), ("orphan_allocated_at", "allocated_at")):
+            if whole and isinstance(args.get(table + NOT_NAMED), dict):  # a census that named more than analysis keeps
+                evidence[key + NOT_NAMED] = args[table + NOT_NAMED]
         released = args.get("leaked_at_release")
         if isinstance(released, dict) and top_site != schema.SITE_BEFORE_ATTACH:
             # The release named the request that held the slots; a census can name only the
