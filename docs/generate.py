@@ -198,7 +198,7 @@ def gpu_page() -> str:
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             return m.group(0)
         path = f"`{_tree_path(target)}`"
-        return path if text.strip("`") in (target, posixpath.basename(target)) else f"{text} ({path})"
+        return path if text.strip("`") in (target, posixpath.basename(target), _tree_path(target)) else f"{text} ({path})"
 
     body = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", link, _read(GPU_SUMMARY))
     head = f"<!-- generated from {GPU_SUMMARY} by docs/generate.py: edit that file, then run the script -->\n"
