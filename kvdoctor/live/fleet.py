@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.live.prometheus import label_safe
 from kvdoctor.probe.rank import rank_of
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import redact
@@ -251,7 +252,7 @@ class FleetState:
             left_out = float(len(self._left_out))
         rows["kvdoctor_metrics_processes_left_out"].append(({}, left_out))
         for name, kind, help_text in FAMILIES:
-            yield name, kind, help_text, rows[name]
+            yield name, kind, help_text, label_safe(rows[name])  # a lone surrogate in a title never fails a scrape
 
     @staticmethod
     def _pool_rows(rows: dict[str, list[tuple[dict[str, str], float]]], labels: dict[str, str], pool: _Pool, now: float) -> None:

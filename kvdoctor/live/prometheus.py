@@ -8,8 +8,13 @@ While a watch runs, `GET /metrics` on the given address returns, in the Promethe
                                                            present only when the probe's events
                                                            reach the watch, e.g. with --attach)
     kvdoctor:findings_total{kind,severity}                 findings raised since the watch began
+    kvdoctor:processes_left_out                            live processes not exported: past the first MAX_PROCESSES
 
-The watch thread feeds events and findings in; the HTTP server (a daemon thread) only reads a
+At most MAX_PROCESSES processes are exported, as `run --metrics` exports them, and a process that
+exited leaves the metrics: a batch that carries the sampler's memory counters is one round over
+the process tree, so a process with none in it is gone. A label value from a trace (a title, an
+allocator) is written as `kvdoctor.outputs.printable` writes it, so a lone surrogate in it never
+fails a scrape. The watch thread feeds events and findings in; the HTTP server (a daemon thread) only reads a
 snapshot taken under a lock, so a scrape never touches the detectors. The text is rendered by
 `prometheus_client` when it is installed (`pip install 'kvdoctor[export]'`), else by a small
 writer of the same format here. The server binds to loopback unless told otherwise.
@@ -26,17 +31,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.outputs import printable
 from kvdoctor.trace import schema
 from kvdoctor.units import finite_number, short_title
 
 DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TITLE_LIMIT = 120
+MAX_PROCESSES = 64  # as `run --metrics` (kvdoctor/live/fleet.py): the series a scrape returns stay bounded
 
 MEMORY_BYTES = "kvdoctor:memory_bytes"
 MEMORY_GROWTH = "kvdoctor:memory_growth_bytes_per_second"
 KV_SLOTS = "kvdoctor:kv_slots"
 FINDINGS = "kvdoctor:findings"  # a counter: exposed as kvdoctor:findings_total
+LEFT_OUT = "kvdoctor:processes_left_out"
 
 # memory counter argument -> the `class` label
 MEMORY_ARGS = {
@@ -54,6 +62,7 @@ HELP = {
     MEMORY_GROWTH: "Sustained growth rate of one process's memory class while a memory_growth finding stands, in bytes per second.",
     KV_SLOTS: "KV slots of one allocator by ledger state (total, free, owned, tree, ...), from the probe's counters.",
     FINDINGS: "Findings raised since the watch began, by kind and severity.",
+    LEFT_OUT: f"Live processes not exported: past the first {MAX_PROCESSES}.",
 }
 
 
@@ -111,11 +120,40 @@ class MetricsState:
         self._growth: dict[tuple[int, str], float] = {}
         self._seen_findings: set[tuple[Any, ...]] = set()
         self._finding_counts: dict[tuple[str, str], int] = {}
+        self._exported: set[int] = set()  # the processes with series, at most MAX_PROCESSES
+        self._left_out: set[int] = set()  # live processes past them
+
+    def _takes(self, pid: int) -> bool:
+        if pid in self._exported:
+            return True
+        if len(self._exported) < MAX_PROCESSES:
+            self._exported.add(pid)
+            self._left_out.discard(pid)
+            return True
+        if len(self._left_out) < 1 << 16:
+            self._left_out.add(pid)
+        return False
+
+    def _forget_exited(self, alive: set[int]) -> None:
+        for pid in self._exported - alive:
+            self._exported.discard(pid)
+            self._titles.pop(pid, None)
+            for key in [k for k in self._memory if k[0] == pid]:
+                del self._memory[key]
+            for key in [k for k in self._growth if k[0] == pid]:
+                del self._growth[key]
+            for kv_key in [k for k in self._kv if k[0] == pid]:
+                del self._kv[kv_key]
+        self._left_out &= alive
 
     def feed(self, events: Iterable[schema.Event]) -> None:
+        events = list(events)
+        sampled = {e.pid for e in events if e.ph == "C" and e.name == schema.MEMORY_COUNTER}
         with self._lock:
+            if sampled:  # one round over the tree: what it did not sample has exited
+                self._forget_exited(sampled)
             for event in events:
-                if event.ph != "C":
+                if event.ph != "C" or not self._takes(event.pid):
                     continue
                 if event.name == schema.MEMORY_COUNTER:
                     args = event.args
@@ -141,7 +179,7 @@ class MetricsState:
             for finding in findings:
                 evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
                 memory_class = evidence.get("memory_class")
-                if finding.kind == schema.MEMORY_GROWTH and isinstance(memory_class, str):
+                if finding.kind == schema.MEMORY_GROWTH and isinstance(memory_class, str) and finding.pid in self._exported:
                     rate = finite_number(evidence.get("bytes_per_s"))
                     if rate is not None:
                         growth[(finding.pid, memory_class)] = rate
@@ -167,7 +205,20 @@ class MetricsState:
             findings = [
                 ({"kind": kind, "severity": severity}, float(count)) for (kind, severity), count in sorted(self._finding_counts.items())
             ]
-        return [(MEMORY_BYTES, "gauge", memory), (MEMORY_GROWTH, "gauge", growth), (KV_SLOTS, "gauge", kv), (FINDINGS, "counter", findings)]
+            left_out: list[tuple[dict[str, str], float]] = [({}, float(len(self._left_out)))] if self._left_out else []
+        families = [
+            (MEMORY_BYTES, "gauge", memory),
+            (MEMORY_GROWTH, "gauge", growth),
+            (KV_SLOTS, "gauge", kv),
+            (FINDINGS, "counter", findings),
+        ]
+        return [(name, kind, label_safe(samples)) for name, kind, samples in families] + [(LEFT_OUT, "gauge", left_out)]
+
+
+def label_safe(samples: list[tuple[dict[str, str], float]]) -> list[tuple[dict[str, str], float]]:
+    """The samples with every label value as `printable` writes it: a lone surrogate or a control
+    byte from a trace is escaped, and the scrape's UTF-8 never fails on it."""
+    return [({key: printable(str(value)) for key, value in labels.items()}, number) for labels, number in samples]
 
 
 # -- rendering ------------------------------------------------------------------------------------

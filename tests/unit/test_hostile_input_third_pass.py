@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import tracemalloc
+from typing import Any
 
 import pytest
 
@@ -269,3 +270,76 @@ def test_violations_naming_new_requests_every_time_stay_bounded():
     assert len(finding.evidence["requests"]) <= MAX_NAMED
     left = finding.evidence["requests_not_named"]
     assert left["count"] + sum(finding.evidence["requests"].values()) == 4_000
+
+
+# ---------------------------------------------------------------- items 8 and 9: the metrics' processes and labels
+
+
+def _memory(pid: int, title: str = "") -> Any:
+    from kvdoctor.trace import schema
+
+    return schema.Event(
+        ph="C", name=schema.MEMORY_COUNTER, pid=pid, ts=1.0, args={"rss_bytes": 1024.0 * pid, "title": title or f"worker {pid}"}
+    )
+
+
+def _scrape(url: str) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+
+
+def test_watch_metrics_drop_exited_processes_and_cap_the_live_ones():
+    from kvdoctor.live.prometheus import MAX_PROCESSES, PrometheusExporter
+
+    exporter = PrometheusExporter("127.0.0.1", 0).start()
+    try:
+        for round_ in range(300):  # a churning tree: every round two new short-lived workers beside the root
+            exporter.feed([_memory(1), _memory(1000 + 2 * round_), _memory(1001 + 2 * round_)])
+        status, body = _scrape(exporter.url)
+        assert status == 200
+        pids = {line.split('pid="')[1].split('"')[0] for line in body.decode().splitlines() if line.startswith("kvdoctor:memory_bytes{")}
+        assert pids == {"1", "1598", "1599"}, sorted(pids)[:10]  # before: every pid it ever saw (601)
+        exporter.feed([_memory(pid) for pid in range(2, 2 + 3 * MAX_PROCESSES)])  # more live processes than exported
+        status, body = _scrape(exporter.url)
+        text = body.decode()
+        assert (
+            len({ln.split('pid="')[1].split('"')[0] for ln in text.splitlines() if ln.startswith("kvdoctor:memory_bytes{")})
+            == MAX_PROCESSES
+        )
+        assert f"kvdoctor:processes_left_out {2 * MAX_PROCESSES}.0" in text
+    finally:
+        exporter.stop()
+
+
+def test_a_lone_surrogate_in_a_title_never_fails_a_scrape():
+    from kvdoctor.live.prometheus import PrometheusExporter
+
+    exporter = PrometheusExporter("127.0.0.1", 0).start()
+    try:
+        exporter.feed([_memory(7, "python serve.py --name \udc80x\x7f")])
+        status, body = _scrape(exporter.url)
+        assert status == 200, status  # before: HTTP 500 at every scrape from then on
+        assert b"\\udc80x" in body
+    finally:
+        exporter.stop()
+
+
+def test_a_lone_surrogate_in_a_title_never_fails_a_run_metrics_scrape():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvdoctor.live.fleet import FleetState
+    from kvdoctor.live.fleet_server import _Collector
+    from kvdoctor.trace import schema
+
+    state = FleetState()
+    header = schema.header_event(pid=7, engine="sglang", engine_version="0.5.23", process_title="sglang::scheduler \udc80", extra={})
+    state.feed([header, _memory(7, "sglang::scheduler \ud800")])
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(state))
+    assert b"\\ud800" in generate_latest(registry) or b"\\udc80" in generate_latest(registry)
