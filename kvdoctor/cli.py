@@ -7,6 +7,7 @@ the exit code. Options more than one command takes (--trace, --fix) are defined 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import traceback
@@ -17,23 +18,54 @@ import typer
 
 import kvdoctor
 from kvdoctor.analysis.budgets import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
+from kvdoctor.cli_help import SGLANG_SERVER, TeachingCommand, TeachingGroup, examples
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import tolerant_streams
 
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # CMD after --
+
+
 app = typer.Typer(
+    cls=TeachingGroup,
     add_completion=False,
     no_args_is_help=True,
     help="A memory-leak and memory-safety doctor for LLM serving processes (SGLang, vLLM).",
+    epilog=examples("kvdoctor demo", f"kvdoctor run -- {SGLANG_SERVER}", "kvdoctor watch 4242", "kvdoctor run --help"),
     pretty_exceptions_enable=False,
 )
 
+
+def _command(*example_lines: str, takes_command: bool = False) -> Callable[[Callable[..., Any]], Any]:
+    """`app.command` with kvdoctor's help screen: the usage of USAGE, the examples at its end, the
+    docstring's first paragraph as the line in `kvdoctor --help`, and (`takes_command`) everything
+    after `--` left to the command as CMD."""
+
+    def register(fn: Callable[..., Any]) -> Any:
+        summary = inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        settings = PASS_THROUGH if takes_command else None
+        return app.command(cls=TeachingCommand, epilog=examples(*example_lines), short_help=summary, context_settings=settings)(fn)
+
+    return register
+
+
 REPORT_FORMAT_HELP = "text, json, jsonl (one finding a line, labelled as the metrics) or html"
-PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # CMD after --
-TRACE_OPTION: Any = typer.Option(
-    None, "--trace", metavar="PATH", help="the trace file to write (default: ./kvdoctor-<command>-<pid>-<YYYYmmdd-HHMMSS>.kvtrace.json)"
+TRACE_HELP = "where the trace goes (default: {} in the current directory)"
+TIME_NAME = "<YYYYmmdd-HHMMSS>"
+
+
+def trace_option(default_name: str) -> Any:
+    """--trace PATH, its help naming the file the command writes when none is given (as
+    kvdoctor.runner.default_trace_path names it)."""
+    return typer.Option(None, "--trace", metavar="PATH", help=TRACE_HELP.format(f"./kvdoctor-{default_name}-{TIME_NAME}.kvtrace.json"))
+
+
+FIX_OPTION: Any = typer.Option(
+    [],
+    "--fix",
+    metavar="NAME",
+    help="turn on an optional fix by name; repeat for more (`kvdoctor fixes` lists them; all are off by default)",
 )
-FIX_OPTION: Any = typer.Option([], "--fix", metavar="NAME", help="turn on an optional fix by name (see `kvdoctor fixes`)")
-FORCE_OPTION: Any = typer.Option(False, "--force", help="replace an existing file at the paths given (never a device or directory)")
+FORCE_OPTION: Any = typer.Option(False, "--force", help="replace a file already at a path given (never a device or a directory)")
 ATTRIBUTION_OPTION: Any = typer.Option(
     False,
     "--attribution",
@@ -49,7 +81,8 @@ METRICS_OPTION: Any = typer.Option(
     None,
     "--metrics",
     metavar="HOST:PORT",
-    help="serve the probed processes' ledgers as Prometheus metrics on /metrics there (HOST defaults to 127.0.0.1; port 0 picks one)",
+    help="serve the KV slots and memory of the probed processes as Prometheus metrics on http://HOST:PORT/metrics "
+    "(HOST defaults to 127.0.0.1; port 0 picks a free one)",
 )
 METRICS_PUBLIC_OPTION: Any = typer.Option(False, "--metrics-public", help="allow --metrics on an address that is not loopback")
 
@@ -110,21 +143,30 @@ def _options(
     _debug_option = debug
 
 
-@app.command(context_settings=PASS_THROUGH)
+@_command(
+    f"kvdoctor run -- {SGLANG_SERVER}",
+    "kvdoctor run --trace leak.kvtrace.json --format json -- vllm serve facebook/opt-125m",
+    takes_command=True,
+)
 @_guarded
 def run(
     ctx: typer.Context,
-    trace: str | None = TRACE_OPTION,
+    trace: str | None = trace_option("run-<pid>"),
     fix: list[str] = FIX_OPTION,
-    output_format: str = typer.Option("text", "--format", help=f"summary format (on stderr): {REPORT_FORMAT_HELP}"),
-    sample_interval: float = typer.Option(1.0, "--sample-interval", help="seconds between memory samples of CMD's process tree (0: off)"),
+    output_format: str = typer.Option("text", "--format", metavar="FORMAT", help=f"summary format (on stderr): {REPORT_FORMAT_HELP}"),
+    sample_interval: float = typer.Option(
+        1.0, "--sample-interval", metavar="SECONDS", help="seconds between memory samples of CMD's process tree (0: off)"
+    ),
     attribution: bool = ATTRIBUTION_OPTION,
     attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
     metrics: str | None = METRICS_OPTION,
     metrics_public: bool = METRICS_PUBLIC_OPTION,
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Run CMD (after --) with the probe in every Python process it starts; exit with CMD's code."""
+    """Run CMD with the probe in every Python process it starts, then say what it found.
+
+    Everything after -- is CMD. The findings go to stderr when CMD ends (CMD's own output stays
+    its own); kvdoctor exits with CMD's exit code."""
     from kvdoctor.commands.run import run as run_command
 
     return run_command(
@@ -140,100 +182,146 @@ def run(
     )
 
 
-@app.command()
+@_command(
+    "kvdoctor replay kvdoctor-run-4242-20261201-101500.kvtrace.json", "kvdoctor replay --format html -o report.html leak.kvtrace.json"
+)
 @_guarded
 def replay(
-    trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
-    output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
-    output: str | None = typer.Option(None, "-o", "--output", help="write the report here instead of stdout"),
-    pprof: str | None = typer.Option(None, "--pprof", help="also write the trace's attribution windows as pprof files into this folder"),
+    trace: str = typer.Argument(..., metavar="TRACE", help="a trace written by kvdoctor run, gate, watch, attach or demo"),
+    output_format: str = typer.Option("text", "--format", metavar="FORMAT", help=REPORT_FORMAT_HELP),
+    output: str | None = typer.Option(None, "-o", "--output", metavar="PATH", help="write the report here instead of stdout"),
+    pprof: str | None = typer.Option(
+        None, "--pprof", metavar="DIR", help="also write the trace's attribution windows as pprof files into this folder"
+    ),
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Analyse a recorded trace: exit 0 clean, 1 error findings, 2 unusable input."""
+    """Analyse a recorded trace again: exit 0 clean, 1 error findings, 2 unusable input."""
     from kvdoctor.commands.replay import replay as replay_command
 
     return replay_command(trace, output_format, output, force=force, pprof=pprof)
 
 
-@app.command()
+@_command("kvdoctor demo", "kvdoctor demo --fault double-free --format json")
 @_guarded
 def demo(
     fault: str = typer.Option(
-        "leak", "--fault", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"
+        "leak", "--fault", metavar="FAULT", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"
     ),
-    page_size: int | None = typer.Option(None, "--page-size", help="KV page size (default 1; 4 for stale-last-loc and relocate)"),
-    trace: str | None = TRACE_OPTION,
-    output_format: str = typer.Option("text", "--format", help=REPORT_FORMAT_HELP),
+    page_size: int | None = typer.Option(
+        None, "--page-size", metavar="N", help="KV page size (default 1; 4 for stale-last-loc and relocate)"
+    ),
+    trace: str | None = trace_option("demo-<pid>"),
+    output_format: str = typer.Option("text", "--format", metavar="FORMAT", help=REPORT_FORMAT_HELP),
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Drive SGLang's real allocator and radix tree with a planted fault and show the diagnosis."""
+    """Plant a fault in SGLang's real allocator and radix tree and show the diagnosis.
+
+    No GPU, no model, no download: it needs torch and SGLang installed."""
     from kvdoctor.commands.demo import demo as demo_command
 
     return demo_command(fault, page_size, trace, output_format, force=force)
 
 
-@app.command()
+WATCH_FORMAT_HELP = (
+    "auto: the live table on a terminal, else jsonl; "
+    "jsonl: a JSON line each interval and one for each finding as it arises, flushed, then the summary line; "
+    "text: a line for each finding as it arises, then the summary; "
+    "json: one JSON document when the watch ends"
+)
+
+
+@_command("kvdoctor watch 4242", "kvdoctor watch 4242 --interval 5 --metrics 127.0.0.1:9400 | tee watch.jsonl")
 @_guarded
 def watch(
-    pid: int = typer.Argument(..., help="the serving process (its children are followed too)"),
-    interval: float = typer.Option(1.0, "--interval", help="seconds between samples"),
-    duration: float | None = typer.Option(None, "--duration", help="stop after this many seconds"),
-    trace: str | None = TRACE_OPTION,
-    output_format: str = typer.Option("auto", "--format", help="auto (live view on a TTY), text or json"),
-    attach: bool = typer.Option(False, "--attach", help="also put the probe into the running process"),
-    prometheus: str | None = typer.Option(
-        None,
-        "--prometheus",
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics on /metrics there while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)",
+    pid: int = typer.Argument(..., metavar="PID", help="the serving process (its children are followed too)"),
+    interval: float = typer.Option(1.0, "--interval", metavar="SECONDS", help="seconds between samples"),
+    duration: float | None = typer.Option(
+        None, "--duration", metavar="SECONDS", help="stop after this many seconds (default: at Ctrl-C or when PID exits)"
     ),
-    prometheus_public: bool = typer.Option(False, "--prometheus-public", help="allow --prometheus on an address that is not loopback"),
+    trace: str | None = trace_option("watch-<PID>"),
+    output_format: str = typer.Option("auto", "--format", metavar="FORMAT", help=WATCH_FORMAT_HELP),
+    attach: bool = typer.Option(False, "--attach", help="also put the probe into the running process (as kvdoctor attach does)"),
+    metrics: str | None = typer.Option(
+        None,
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve the watched processes' memory and the findings as Prometheus metrics on http://HOST:PORT/metrics "
+        "while watching (HOST defaults to 127.0.0.1; port 0 picks a free one)",
+    ),
+    metrics_public: bool = METRICS_PUBLIC_OPTION,
+    prometheus: str | None = typer.Option(None, "--prometheus", metavar="HOST:PORT", help="the older name of --metrics (still works)"),
+    prometheus_public: bool = typer.Option(False, "--prometheus-public", help="the older name of --metrics-public (still works)"),
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Watch a live server's process tree: memory by class over time, growth and its rate."""
-    from kvdoctor.commands.watch import watch as watch_command
+    """Watch a running server's memory, by process and class, and say when it grows.
 
+    From outside: no restart, and nothing is put into the server unless --attach. It stops at
+    --duration, at Ctrl-C or when PID exits. On a terminal it draws a live table; piped into a
+    file or a log collector it writes a JSON line each interval and one for each finding as it
+    arises, each flushed, then the summary line (--format json keeps the single JSON document at
+    the end). Exit 0 no error findings, 1 error findings, 2 nothing could be sampled."""
+    from kvdoctor.commands.watch import watch as watch_command
+    from kvdoctor.commands.watch import watch_metrics
+
+    address, public, option = watch_metrics(metrics, metrics_public, prometheus, prometheus_public)
     return watch_command(
-        pid, interval, duration, trace, output_format, attach, prometheus=prometheus, prometheus_public=prometheus_public, force=force
+        pid, interval, duration, trace, output_format, attach, prometheus=address, prometheus_public=public, force=force, option=option
     )
 
 
-@app.command()
+@_command("kvdoctor export leak.kvtrace.json", "kvdoctor export --format parquet -o counters.parquet leak.kvtrace.json")
 @_guarded
 def export(
-    trace: str = typer.Argument(..., help="a trace written by kvdoctor run/watch/demo"),
-    output_format: str = typer.Option("csv", "--format", help="csv or parquet"),
+    trace: str = typer.Argument(..., metavar="TRACE", help="a trace written by kvdoctor run, gate, watch, attach or demo"),
+    output_format: str = typer.Option("csv", "--format", metavar="FORMAT", help="csv or parquet"),
     output: str | None = typer.Option(
-        None, "-o", "--output", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"
+        None, "-o", "--output", metavar="PATH", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"
     ),
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Write a trace's counters (kv_slots, memory, hicache, probe_stats) as a CSV or Parquet table, one row per event."""
+    """Write a trace's counters as a CSV or Parquet table, one row per event.
+
+    The counters: KV slots, memory, HiCache and the probe's own statistics."""
     from kvdoctor.commands.export import export as export_command
 
     return export_command(trace, output_format, output, force=force)
 
 
-@app.command(context_settings=PASS_THROUGH)
+@_command(
+    "kvdoctor gate --max-growth 200MiB/h --junit kvdoctor.xml -- bash bench.sh",
+    "kvdoctor gate --baseline main.kvtrace.json pr.kvtrace.json",
+    takes_command=True,
+)
 @_guarded
 def gate(
     ctx: typer.Context,
     max_growth: str = typer.Option(
-        DEFAULT_MAX_GROWTH, "--max-growth", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"
+        DEFAULT_MAX_GROWTH, "--max-growth", metavar="RATE", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"
     ),
-    max_orphan_slots: int = typer.Option(0, "--max-orphan-slots", help="fail if more KV slots are orphaned at the census"),
+    max_orphan_slots: int = typer.Option(
+        0,
+        "--max-orphan-slots",
+        metavar="N",
+        help="fail if more than N KV slots belong to nothing (no request, no cache entry, not free) when the probe counts them at idle or exit",
+    ),
     fail_on: str = typer.Option(
-        ",".join(DEFAULT_FAIL_ON), "--fail-on", help="finding kinds checked one by one (every error finding fails the gate anyway)"
+        ",".join(DEFAULT_FAIL_ON),
+        "--fail-on",
+        metavar="KIND[,KIND]",
+        help="finding kinds checked one by one (every error finding fails the gate anyway)",
     ),
     allow: str = typer.Option("", "--allow", metavar="KIND[,KIND]", help="error finding kinds that do not fail the gate"),
-    engine: str = typer.Option("any", "--engine", help="the engine whose probe must report: sglang, vllm or any"),
-    junit: str | None = typer.Option(None, "--junit", help="write a JUnit XML report here"),
-    baseline: str | None = typer.Option(None, "--baseline", help="a previous trace; fail on regressions over it"),
-    html: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
-    trace: str | None = TRACE_OPTION,
+    engine: str = typer.Option("any", "--engine", metavar="ENGINE", help="the engine whose probe must report: sglang, vllm or any"),
+    junit: str | None = typer.Option(None, "--junit", metavar="PATH", help="write a JUnit XML report here"),
+    baseline: str | None = typer.Option(None, "--baseline", metavar="TRACE", help="a previous trace; fail on regressions over it"),
+    html: str | None = typer.Option(None, "--html", metavar="PATH", help="write a self-contained HTML report here"),
+    trace: str | None = trace_option("run-<pid>"),
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Judge TRACE.json, or run CMD (after --) under the probe, against budgets: exit 0 pass, 1 fail, 2 could not judge."""
+    """Judge a TRACE, or run CMD under the probe, against budgets (for CI).
+
+    Everything after -- is CMD; it runs as under kvdoctor run. The verdict goes to stdout. Exit 0
+    pass, 1 fail (CMD's own failure included), 2 could not judge."""
     from kvdoctor.commands.gate import budgets_from
     from kvdoctor.commands.gate import gate as gate_command
 
@@ -241,11 +329,11 @@ def gate(
     return gate_command(list(ctx.args), budgets, junit=junit, baseline=baseline, html=html, trace=trace, force=force)
 
 
-@app.command()
+@_command("kvdoctor attach 4242", "kvdoctor attach 4242 --metrics 127.0.0.1:9400")
 @_guarded
 def attach(
-    pid: int = typer.Argument(..., help="a running Python server process"),
-    trace: str | None = TRACE_OPTION,
+    pid: int = typer.Argument(..., metavar="PID", help="a running Python server process (needs ptrace permission and gdb)"),
+    trace: str | None = trace_option("attach-<PID>"),
     fix: list[str] = FIX_OPTION,
     attribution: bool = ATTRIBUTION_OPTION,
     attribution_engine: str | None = ATTRIBUTION_ENGINE_OPTION,
@@ -253,7 +341,12 @@ def attach(
     metrics_public: bool = METRICS_PUBLIC_OPTION,
     force: bool = FORCE_OPTION,
 ) -> int:
-    """Put the probe into a running Python server without restarting it (with --metrics, serve its ledgers until it exits)."""
+    """Put the probe into a running Python server without restarting it.
+
+    It needs gdb and permission to ptrace PID (the same user, and kernel.yama.ptrace_scope 0, or
+    CAP_SYS_PTRACE in a container). The probe then writes its trace until the server exits;
+    `kvdoctor replay TRACE` judges it. With --metrics, kvdoctor stays and serves its metrics until
+    PID exits."""
     from kvdoctor.commands.attach import attach_command
 
     return attach_command(
@@ -261,7 +354,7 @@ def attach(
     )
 
 
-@app.command()
+@_command("kvdoctor fixes", f"kvdoctor run --fix dedup-free -- {SGLANG_SERVER}")
 @_guarded
 def fixes() -> int:
     """List the optional fixes, what each changes, and its risk (all are off by default)."""
@@ -270,10 +363,10 @@ def fixes() -> int:
     return list_fixes()
 
 
-@app.command()
+@_command("kvdoctor probes", "kvdoctor probes --table > supported.md")
 @_guarded
-def probes(table: bool = typer.Option(False, "--table", help="print the supported-releases table (Markdown, as in the README)")) -> int:
-    """The releases each probe map covers and CI tests, and what the probe would do with the engine installed here."""
+def probes(table: bool = typer.Option(False, "--table", help="print the supported-releases table (Markdown)")) -> int:
+    """Which SGLang and vLLM releases kvdoctor supports, and what it would do with the ones here."""
     from kvdoctor.commands.probes import probes as show_probes
 
     return show_probes(table)

@@ -1,5 +1,5 @@
-"""What `kvdoctor watch` shows while it samples: the live table on a TTY, or a line for each
-host-growth attribution without one.
+"""What `kvdoctor watch` shows while it samples: the live table on a TTY; without one, a stream of
+lines (JSON or text) as it samples and finds, and a line for each host-growth attribution.
 
 The table is redrawn at most twice a second and runs the (costlier) growth test at most every few
 seconds, so drawing never slows the sampling down.
@@ -7,14 +7,16 @@ seconds, so drawing never slows the sampling down.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from kvdoctor.analysis import growth
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.findings import Finding
-from kvdoctor.outputs import one_line
+from kvdoctor.outputs import one_line, reader_may_leave, strict
 from kvdoctor.units import format_duration, format_optional_bytes, format_rate, short_title
 
 
@@ -39,6 +41,7 @@ LIVE_REFRESH_S = 0.5  # the live table is redrawn at most this often
 LIVE_GROWTH_EVERY_S = 5.0  # the (costlier) growth test for the table runs at most this often
 LIVE_RATE_WINDOW_S = 60.0  # the table's rate column is the slope over this recent span
 FLAG_CLASSES = ("anon", "pinned", "gpu", "rss")  # a row is flagged by the first of these that grows
+STREAM_SCHEMA_ID = "kvdoctor.watch/1"  # as the summary's (kvdoctor.live.summary); each line's "type" says which
 
 
 def sparkline(values: list[float], width: int = 24) -> str:
@@ -171,3 +174,76 @@ class LiveView:
 def attribution_line(finding: Finding) -> str:
     """A host-growth attribution as it happens, for a watch without the live table."""
     return f"kvdoctor: {one_line(finding.message)}"
+
+
+def finding_key(finding: Finding) -> tuple[Any, ...]:
+    """What makes a finding the same one from one look to the next: its kind, process and what of it
+    (a memory class, an allocator), not its count or rate, which move as the watch goes on."""
+    evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
+    return (finding.kind, finding.pid, str(evidence.get("memory_class", "")), str(evidence.get("allocator", "")))
+
+
+class WatchStream:
+    """What a watch puts out as it goes without the live table, each line flushed so that a pipe
+    (`| tee`, a log collector) sees it at once.
+
+    `json`: one JSON line ("type": "sample") each round with every process's memory, one
+    ("type": "finding") the first time each finding is seen, and at the end one ("type":
+    "summary") holding the summary `--format json` prints, so the last line says what the watch
+    concluded. Text: a line for each finding as it is first seen. Findings are looked for every
+    `findings_every_s` (the growth test is the costly part of a round)."""
+
+    def __init__(self, out: TextIO, *, as_json: bool, findings_every_s: float) -> None:
+        self.out, self.as_json, self.findings_every_s = out, as_json, findings_every_s
+        self._announced: dict[tuple[Any, ...], Finding] = {}
+        self._next_findings_s = 0.0
+        self._started_s = time.monotonic()
+        self._gone = False
+        self._samples = 0
+
+    def _line(self, record: dict[str, Any]) -> None:
+        line = json.dumps(strict({"schema": STREAM_SCHEMA_ID, **record, "time_s": round(time.time(), 3)}), default=str, allow_nan=False)
+        self._write(line)
+
+    def _write(self, line: str) -> None:
+        if self._gone:
+            return
+        try:
+            with reader_may_leave():  # the reader left (`| head`): the watch goes on, its trace too
+                print(line, file=self.out, flush=True)
+        except (OSError, ValueError):
+            self._gone = True
+
+    def round(self, samples: int, processes: list[dict[str, Any]], findings: Callable[[], list[Finding]]) -> None:
+        """After each round of samples (`samples` of them so far): its line, then any finding not
+        seen before."""
+        elapsed_s = time.monotonic() - self._started_s
+        if self.as_json and samples > self._samples:  # not a round that found the process gone
+            self._samples = samples
+            self._line({"type": "sample", "samples": samples, "elapsed_s": round(elapsed_s, 3), "processes": processes})
+        if time.monotonic() >= self._next_findings_s:
+            self._next_findings_s = time.monotonic() + self.findings_every_s
+            self.announce(findings())
+
+    def announce(self, findings: list[Finding]) -> None:
+        """A line for each of `findings` not announced before."""
+        for finding in findings:
+            key = finding_key(finding)
+            if key in self._announced:
+                continue
+            self._announced[key] = finding
+            if self.as_json:
+                self._line({"type": "finding", **finding.to_dict()})
+            else:
+                self._write(f"kvdoctor watch: {finding.severity.upper()} {finding.kind}: {one_line(finding.message)}")
+
+    def summary(self, report: dict[str, Any], findings: list[Finding]) -> None:
+        """The last line of a JSON stream: the watch's summary, after a line for each of its
+        findings not yet announced; a finding announced earlier that the final analysis no longer
+        makes (a growth that stopped) is listed under "no_longer_found", so the stream and the
+        summary never disagree in silence."""
+        self.announce(findings)
+        final = {finding_key(f) for f in findings}
+        gone = [f.to_dict() for key, f in self._announced.items() if key not in final]
+        if self.as_json:
+            self._line({"type": "summary", **report, "no_longer_found": gone})

@@ -32,7 +32,7 @@ FIXES = {
         Fix(
             "dedup-free",
             "double frees: a second free of a slot puts it in the free list twice and it is later handed to two requests",
-            "slots the ledger knows are already free are dropped from free()/free_page_ids() arguments (each reported)",
+            "slots kvdoctor saw freed already are dropped from free()/free_page_ids() arguments (each reported)",
             "low on CPU indices; on GPU indices it is skipped (dropping entries needs a data-dependent shape, i.e. a sync)",
         ),
         Fix(
@@ -46,7 +46,7 @@ FIXES = {
         ),
         Fix(
             "recompute-last-loc",
-            "stale last_loc after a relocation (HiCache load, eviction) between computing and using it (seed 002)",
+            "a stale last_loc: the request's last KV slot moved (a HiCache load, an eviction) between computing it and allocating after it",
             "last_loc is re-read from req_to_token right before alloc_extend/alloc_decode when kvdoctor saw how "
             "it was computed (get_last_loc); otherwise it is left alone",
             "low: one gather on the device, no synchronisation; it cannot help when the request's row itself is stale",

@@ -24,6 +24,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvdoctor.analysis import growth
@@ -35,7 +36,7 @@ from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.live.prometheus import PrometheusExporter
 from kvdoctor.live.summary import WatchResult
-from kvdoctor.live.view import LIVE_GROWTH_EVERY_S, LiveView, attribution_line
+from kvdoctor.live.view import LIVE_GROWTH_EVERY_S, LiveView, WatchStream, attribution_line
 from kvdoctor.outputs import claim_output, remove_claimed
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
@@ -203,7 +204,9 @@ def _process_summaries(sampler: Sampler, detector: MemoryGrowthDetector) -> list
     return out
 
 
-def _sample_until_stopped(sampler: Sampler, duration_s: float | None, on_round: WatchRecorder, live_view: LiveView | None) -> bool:
+def _sample_until_stopped(
+    sampler: Sampler, duration_s: float | None, on_round: Callable[[list[schema.Event]], None], live_view: LiveView | None
+) -> bool:
     """Runs the sampler (Ctrl-C stops it cleanly); True when it was interrupted."""
     stop = threading.Event()
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -231,11 +234,12 @@ def run_watch(
     growth_params: growth.GrowthParams | None = None,
     prometheus_address: tuple[str, int] | None = None,
     force: bool = False,
+    stream: WatchStream | None = None,
 ) -> WatchResult:
     """Samples `pid` and its descendants until `duration_s`, Ctrl-C or the root's exit, and
     analyses everything it wrote. `live` draws the table (for a TTY); `growth_params` tunes the
     growth test (the defaults suit watches of minutes to days); `force` lets `trace_path` replace
-    a file there."""
+    a file there; `stream` is told of each round (without the live table: lines as the watch goes)."""
     path = os.path.abspath(trace_path) if trace_path else default_trace_path("watch", pid)
     owned = claim_trace(path, force=force)  # before anything is put into the server
     probe_tail = None
@@ -260,8 +264,14 @@ def run_watch(
             raise
         print(f"kvdoctor: Prometheus metrics on {exporter.url}", file=sys.stderr)
     started_s = time.monotonic()
+
+    def sampled(events: list[schema.Event]) -> None:
+        on_round(events)
+        if stream is not None:
+            stream.round(sampler.rounds, _process_summaries(sampler, memory), analyzer.findings)
+
     try:
-        interrupted = _sample_until_stopped(sampler, duration_s, on_round, live_view)
+        interrupted = _sample_until_stopped(sampler, duration_s, sampled, live_view)
     finally:
         if exporter is not None:
             exporter.stop()

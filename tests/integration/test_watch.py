@@ -7,14 +7,17 @@ outside). The growth tests drive kvdoctor.analysis.growth with synthetic series 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 import os
+import queue
 import random
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from types import SimpleNamespace
 
@@ -132,12 +135,47 @@ def _events(path: str) -> list[schema.Event]:
 # --------------------------------------------------------------------------- watch on real processes
 
 
-def test_growing_child_is_flagged_as_anon_growth_at_the_right_rate(spawn, tmp_path, capsys):
+class FlushedLines(io.TextIOBase):
+    """A stdout that is no terminal and keeps each line with the time it was flushed: what the
+    reader of a pipe gets, and when."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.lines: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        return len(text)
+
+    def flush(self) -> None:
+        *done, self.pending = self.pending.split("\n")
+        self.lines += [(time.monotonic(), line) for line in done]
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_growing_child_is_flagged_as_anon_growth_at_the_right_rate(spawn, tmp_path, monkeypatch):
+    """Without a terminal (jsonl, as auto is then): the growth is a line as soon as it is found,
+    while the watch goes on, and the summary, the last line, agrees with what was streamed."""
     rate_mib_s = 8.0
     child = spawn(GROWER, str(rate_mib_s), "300")
     trace = str(tmp_path / "grow.kvtrace.json")
-    code = watch(child.pid, interval_s=0.25, duration_s=14, trace_path=trace, output_format="json", growth_params=FAST)
-    report = json.loads(capsys.readouterr().out)
+    out = FlushedLines()
+    monkeypatch.setattr(sys, "stdout", out)
+    code = watch(child.pid, interval_s=0.25, duration_s=14, trace_path=trace, output_format="jsonl", growth_params=FAST)
+    assert out.pending == ""  # every line was flushed
+    lines = [(at, json.loads(text)) for at, text in out.lines]
+    assert all(line["schema"] == "kvdoctor.watch/1" for _, line in lines)
+    *streamed, (_, report) = lines
+    assert report["type"] == "summary" and report["no_longer_found"] == []
+    samples = [(at, line) for at, line in streamed if line["type"] == "sample"]
+    found = [(at, line) for at, line in streamed if line["type"] == "finding"]
+    assert [line["samples"] for _, line in samples] == list(range(1, report["samples"] + 1))  # one line a round
+    grew = [(at, line) for at, line in found if line["kind"] == "memory_growth" and line["pid"] == child.pid]
+    assert len(grew) == 1 and grew[0][0] < samples[-1][0] - 1.0, found  # said while the watch still ran, not at its end
+    assert sorted((f["kind"], f["pid"]) for _, f in found) == sorted((f["kind"], f["pid"]) for f in report["findings"])
+    assert samples[-1][1]["processes"] == report["processes"]  # the last round's numbers are the summary's
     assert code == 1
     growth_findings = [f for f in report["findings"] if f["kind"] == "memory_growth" and f["pid"] == child.pid]
     classes = sorted(f["evidence"]["memory_class"] for f in growth_findings)
@@ -168,6 +206,111 @@ def test_child_that_warms_up_to_a_plateau_is_not_flagged(spawn, tmp_path, capsys
     assert report["findings"] == [] and code == 0
     proc = next(p for p in report["processes"] if p["pid"] == child.pid)
     assert proc["anon_bytes"] >= 190 * MIB  # it did take the memory, and then held it
+
+
+def test_watch_through_a_pipe_writes_a_line_each_interval_while_the_process_runs(spawn, tmp_path):
+    """`kvdoctor watch PID | tee`: the first JSON line comes within two intervals of the watch's
+    start, while the watched process (and the watch, 300 s long) still run; the lines go on each
+    interval, and once the process is gone the last line is the summary, agreeing with them."""
+    interval_s = 1.0
+    child = spawn(GROWER, "4", "200")
+    env = {key: value for key, value in os.environ.items() if key != "KVDOCTOR_TRACE"}
+    command = [sys.executable, "-m", "kvdoctor.cli", "watch", str(child.pid), "--interval", str(interval_s), "--duration", "300"]
+    watcher = subprocess.Popen(
+        [*command, "--trace", str(tmp_path / "w.kvtrace.json")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    arrived: queue.Queue[tuple[float, str | None]] = queue.Queue()
+
+    def read() -> None:
+        for text in watcher.stdout:
+            arrived.put((time.time(), text))
+        arrived.put((time.time(), None))
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        at_s, text = arrived.get(timeout=120)  # generous: starting Python on a loaded machine takes seconds
+        assert child.poll() is None and watcher.poll() is None, watcher.stderr.read() if watcher.poll() is not None else ""
+        first = json.loads(text)
+        assert first["type"] == "sample" and first["samples"] == 1 and first["elapsed_s"] <= 2 * interval_s, first
+        assert at_s - first["time_s"] < 10, "the line was held back before it reached the pipe"
+        assert [p["pid"] for p in first["processes"]] == [child.pid] and first["processes"][0]["rss_bytes"] > 0
+        at_s, text = arrived.get(timeout=120)
+        second = json.loads(text)
+        assert second["samples"] == 2 and child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+    assert watcher.wait(timeout=120) in (0, 1), watcher.stderr.read()
+    rest = []
+    while (item := arrived.get(timeout=120))[1] is not None:
+        rest.append(json.loads(item[1]))
+    *samples, summary = [first, second, *rest]
+    assert summary["type"] == "summary" and summary["root_exited"], summary
+    assert [line["samples"] for line in samples] == list(range(1, summary["samples"] + 1))  # a line each round, none held back
+
+    def numbers(processes):
+        return [(p["pid"], p["rss_bytes"], p["peak_rss_bytes"], p["samples"]) for p in processes]
+
+    assert numbers(samples[-1]["processes"]) == numbers(summary["processes"])  # the last round's numbers are the summary's
+
+
+def test_a_watch_stream_says_each_finding_once_and_what_the_summary_no_longer_finds():
+    from kvdoctor.analysis.findings import Finding
+    from kvdoctor.live.view import WatchStream
+
+    growth_anon = Finding(
+        "memory_growth", "error", "scheduler (pid 7) anonymous memory grows\n2 GiB/h", evidence={"memory_class": "anon"}, pid=7
+    )
+    growth_gpu = Finding("memory_growth", "error", "pid 7 GPU memory grows", evidence={"memory_class": "gpu"}, pid=7)
+    later = Finding("double_free", "error", "2 double frees", count=2, pid=8)
+    text = io.StringIO()
+    stream = WatchStream(text, as_json=False, findings_every_s=0.0)
+    stream.round(1, [], lambda: [growth_anon])
+    stream.round(2, [], lambda: [dataclasses.replace(growth_anon, message="grows faster"), growth_gpu])  # the same, and a new one
+    assert text.getvalue().splitlines() == [
+        "kvdoctor watch: ERROR memory_growth: scheduler (pid 7) anonymous memory grows\\x0a2 GiB/h",  # one line, whatever the message
+        "kvdoctor watch: ERROR memory_growth: pid 7 GPU memory grows",
+    ]
+    lines = io.StringIO()
+    stream = WatchStream(lines, as_json=True, findings_every_s=3600.0)
+    stream.round(1, [{"pid": 7}], lambda: [growth_anon, growth_gpu])
+    stream.round(2, [{"pid": 7}], lambda: [growth_anon, growth_gpu, later])  # not looked for again within the hour
+    stream.summary({"schema": "kvdoctor.watch/1", "findings": [growth_anon.to_dict(), later.to_dict()]}, [growth_anon, later])
+    got = [json.loads(line) for line in lines.getvalue().splitlines()]
+    assert [(line["type"], line.get("kind"), line.get("samples")) for line in got] == [
+        ("sample", None, 1),
+        ("finding", "memory_growth", None),
+        ("finding", "memory_growth", None),
+        ("sample", None, 2),
+        ("finding", "double_free", None),  # found only at the end: said before the summary
+        ("summary", None, None),
+    ]
+    assert [f["evidence"]["memory_class"] for f in got[-1]["no_longer_found"]] == ["gpu"]
+
+
+def test_a_watch_stream_whose_reader_left_keeps_the_watch_going(spawn, tmp_path):
+    sleeper = spawn("import time; print('ready', flush=True); time.sleep(60)")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write fails with EPIPE, as after `| head -1`
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvdoctor.cli", "watch", str(sleeper.pid), "--interval", "0.2", "--duration", "1.5"]
+            + ["--trace", str(tmp_path / "w.kvtrace.json")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert _events(str(tmp_path / "w.kvtrace.json"))[-1].name == schema.TRACE_END
 
 
 def test_child_exiting_mid_watch_leaves_a_readable_trace(spawn, tmp_path, capsys):
