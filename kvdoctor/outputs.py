@@ -209,7 +209,9 @@ def reader_may_leave() -> Iterator[None]:
 
 def tolerant_streams() -> None:
     """stdout and stderr write what their encoding cannot hold as backslash escapes (`≥` as
-    \\u2265 under PYTHONIOENCODING=ascii or a C locale), never an error mid-report."""
+    \\u2265 under PYTHONIOENCODING=ascii or a C locale), never an error mid-report; and a stderr
+    whose reader went away (`2>&1 | head -c1`) takes later lines quietly, so the command still
+    ends with its own exit code (`run`'s is its command's)."""
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
@@ -217,6 +219,40 @@ def tolerant_streams() -> None:
                 reconfigure(errors="backslashreplace")
             except (ValueError, OSError):
                 pass
+    if not isinstance(sys.stderr, _ReaderMayLeave) and sys.stderr is not None:
+        sys.stderr = _ReaderMayLeave(sys.stderr)
+
+
+class _ReaderMayLeave:
+    """A text stream (stderr) whose writes end quietly once its reader went away: the descriptor
+    then points at /dev/null, so neither a later line nor the interpreter's last flush fails."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._reader_left()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_left()
+
+    def _reader_left(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def strict(value: Any) -> Any:

@@ -56,7 +56,7 @@ class ProbeRecord:
     def stopped_writing(self, value: Any) -> None:
         """The writers `run` learnt had stopped ({"pid": reason}, from the trace's end event)."""
         for pid_text, reason in list(value.items())[:MAX_LEDGERS] if isinstance(value, dict) else []:
-            if str(pid_text).isdigit():
+            if str(pid_text).isascii() and str(pid_text).isdigit():  # `²` passes isdigit and fails int
                 pid = int(pid_text)
                 self.said_by_run[pid] = str(reason)[:200] or "a write failed"
                 self.write_error.setdefault(pid, self.said_by_run[pid])

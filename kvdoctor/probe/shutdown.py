@@ -73,16 +73,22 @@ def writers_stopped(directory: str) -> dict[int, str]:
     except OSError:
         return out
     for name in names[:MAX_WRITERS_STOPPED]:
-        pid_text = name[len(WRITER_STOPPED) :]
-        if not pid_text.isdigit():
+        pid = pid_of(name[len(WRITER_STOPPED) :])
+        if pid is None:
             continue
         try:
             with open(os.path.join(directory, name), "rb") as fh:
                 reason = fh.read(500).decode("utf-8", "replace")
         except OSError:
             reason = ""
-        out[int(pid_text)] = reason or "a write failed"
+        out[pid] = reason or "a write failed"
     return out
+
+
+def pid_of(text: str) -> int | None:
+    """The pid a rendezvous file's name ends with, or None: only ASCII digits (`²` and `٣` pass
+    str.isdigit and fail int), and no more of them than a pid has."""
+    return int(text) if 0 < len(text) <= 10 and text.isascii() and text.isdigit() else None
 
 
 def _alive(pid: int) -> bool:
@@ -180,7 +186,7 @@ class Rendezvous:
                 names = os.listdir(self.directory)
             except OSError:
                 names = []
-            asked = sorted(int(n.split(".", 1)[1]) for n in names if n.startswith("ledger.") and n.split(".", 1)[1].isdigit())
+            asked = sorted(pid for n in names if n.startswith("ledger.") and (pid := pid_of(n[len("ledger.") :])) is not None)
             for pid in asked:
                 if pid not in answers and f"census.{pid}" in names:
                     try:
