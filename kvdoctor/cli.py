@@ -30,7 +30,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="A memory-leak and memory-safety doctor for LLM serving processes (SGLang, vLLM).",
-    epilog=examples("kvdoctor demo", f"kvdoctor run -- {SGLANG_SERVER}", "kvdoctor watch 4242", "kvdoctor run --help"),
+    epilog=examples("kvdoctor demo", f"kvdoctor run -- {SGLANG_SERVER}", "kvdoctor watch 4242", "kvdoctor gate -- bash bench.sh"),
     pretty_exceptions_enable=False,
 )
 
@@ -48,7 +48,7 @@ def _command(*example_lines: str, takes_command: bool = False) -> Callable[[Call
     return register
 
 
-REPORT_FORMAT_HELP = "text, json, jsonl (one finding a line, labelled as the metrics) or html"
+REPORT_FORMAT_HELP = "text, json, jsonl (a JSON line a finding, labelled as the Prometheus metrics are) or html (one self-contained page)"
 TRACE_HELP = "where the trace goes (default: {} in the current directory)"
 TIME_NAME = "<YYYYmmdd-HHMMSS>"
 
@@ -191,7 +191,10 @@ def replay(
     output_format: str = typer.Option("text", "--format", metavar="FORMAT", help=REPORT_FORMAT_HELP),
     output: str | None = typer.Option(None, "-o", "--output", metavar="PATH", help="write the report here instead of stdout"),
     pprof: str | None = typer.Option(
-        None, "--pprof", metavar="DIR", help="also write the trace's attribution windows as pprof files into this folder"
+        None,
+        "--pprof",
+        metavar="DIR",
+        help="also write where host memory grew (the trace's --attribution windows) as pprof profiles into DIR",
     ),
     force: bool = FORCE_OPTION,
 ) -> int:

@@ -53,12 +53,16 @@ def test_gate_any_budget(growth, orphans, fail_on):
 
 
 @settings(max_examples=EXAMPLES, deadline=HANG_MS, suppress_health_check=list(HealthCheck))
-@given(pid=st.one_of(st.integers(-(10**12), 10**12).map(str), words), interval=st.one_of(st.floats(allow_nan=True).map(str), words))
-def test_watch_any_pid_and_interval(pid, interval):
+@given(
+    pid=st.one_of(st.integers(-(10**12), 10**12).map(str), words),
+    interval=st.one_of(st.floats(allow_nan=True).map(str), words),
+    fmt=st.sampled_from(["auto", "jsonl", "text", "json", "yaml"]),
+)
+def test_watch_any_pid_and_interval(pid, interval, fmt):
     digits = pid.strip()
     if digits.isascii() and digits.isdigit() and 0 < int(digits) < 1 << 22 and os.path.exists(f"/proc/{int(digits)}"):
         return  # a real process: watching it is not hostile input
-    invoke(["watch", pid, "--interval", interval, "--duration", "0.01", "--format", "json", "--trace", os.path.join(TMP, "w.kvtrace.json")])
+    invoke(["watch", pid, "--interval", interval, "--duration", "0.01", "--format", fmt, "--trace", os.path.join(TMP, "w.kvtrace.json")])
 
 
 @settings(max_examples=EXAMPLES, deadline=HANG_MS, suppress_health_check=list(HealthCheck))
