@@ -16,7 +16,7 @@
   through a temporary name, so a failed write leaves no half file.
 - JSON is strict (`strict`): a number that is not finite (a NaN or an infinity a damaged trace
   carried into the evidence) is written as null, since strict parsers (JavaScript's, jq's) reject
-  `NaN`/`Infinity`.
+  `NaN`/`Infinity`; nesting deeper than MAX_DEPTH is said, not written.
 """
 
 from __future__ import annotations
@@ -255,12 +255,19 @@ class _ReaderMayLeave:
         return getattr(self._stream, name)
 
 
-def strict(value: Any) -> Any:
-    """`value` with every non-finite float as None, through dicts, lists and tuples."""
+MAX_DEPTH = 32  # levels of nesting a report writes; a crafted trace's deeper evidence is said, not written
+
+
+def strict(value: Any, depth: int = 0) -> Any:
+    """`value` with every non-finite float as None, through dicts, lists and tuples, and what is
+    nested deeper than MAX_DEPTH as a string saying so (a 900-deep field from a trace made the
+    JSON writer raise RecursionError)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_DEPTH:
+        return f"(nested deeper than {MAX_DEPTH} levels: not written)"
     if isinstance(value, dict):
-        return {key: strict(item) for key, item in value.items()}
+        return {key: strict(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [strict(item) for item in value]
+        return [strict(item, depth + 1) for item in value]
     return value

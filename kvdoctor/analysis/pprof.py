@@ -19,7 +19,7 @@ from typing import Any
 from kvdoctor.outputs import claim_folder, write_private
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import redact
-from kvdoctor.units import as_int
+from kvdoctor.units import as_int, finite_number
 
 # profile.proto field numbers (github.com/google/pprof/proto/profile.proto)
 PROFILE_SAMPLE_TYPE, PROFILE_SAMPLE, PROFILE_MAPPING, PROFILE_LOCATION, PROFILE_FUNCTION, PROFILE_STRINGS = 1, 2, 3, 4, 5, 6
@@ -105,6 +105,15 @@ def _frames(site: dict[str, Any]) -> list[tuple[str, int, str]]:
     return frames
 
 
+def _nanoseconds(value: Any, per_unit: float) -> int:
+    """`value` (seconds or µs) in ns for an int64 field; 0 where a damaged trace has no finite
+    number there (an infinite or NaN window made int() raise)."""
+    number = finite_number(value)
+    if number is None or isinstance(value, bool):
+        return 0
+    return int(min(max(number * per_unit, 0.0), float(1 << 62)))
+
+
 def encode_window(args: dict[str, Any], labels: dict[str, str], time_ns: int) -> bytes:
     """One attribution window (a `host_growth_sites` event's args) as a gzipped pprof profile."""
     profile = _Profile()
@@ -114,8 +123,7 @@ def encode_window(args: dict[str, Any], labels: dict[str, str], time_ns: int) ->
         locations = [profile.location(file, line, function) for file, line, function in _frames(site)]
         values = [as_int(site.get("size_diff_bytes")), max(0, as_int(site.get("count_diff")))]
         profile.sample(locations, values, {**labels, "thread": str(site.get("thread") or "")})
-    window_s = args.get("window_s")
-    duration_ns = int(float(window_s) * 1e9) if isinstance(window_s, (int, float)) else 0
+    duration_ns = _nanoseconds(args.get("window_s"), 1e9)
     comment = f"kvdoctor attribution window {args.get('window_index', '?')} ({args.get('engine', 'tracemalloc')})"
     return gzip.compress(profile.finish(time_ns, duration_ns, comment), mtime=0)
 
@@ -156,7 +164,7 @@ def write_profiles(
             "pid": str(event.pid),
             "title": redact(str(info.get("process_title") or ""))[:120],
         }
-        data = encode_window(event.args, labels, int(float(event.ts) * 1000))  # ts: wall-clock µs
+        data = encode_window(event.args, labels, _nanoseconds(event.ts, 1000))  # ts: wall-clock µs
         if not written:
             folder = claim_folder(folder, what="pprof folder")
         path = os.path.join(folder, f"pid{event.pid}-window{as_int(event.args.get('window_index'))}.pb.gz")

@@ -1,6 +1,7 @@
 """Findings as JSON lines (`--format jsonl`): one object per finding, for log shippers, labelled
 as `run --metrics` labels its series (engine, version, pid, title, rank, pool), so a log line
-and an alert about the same pool join on the same labels."""
+and an alert about the same pool join on the same labels. Each line is strict JSON (ASCII, with
+`\\u` escapes), as `--format json` is."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import re
 
 from kvdoctor.analysis.analyzer import Analysis
+from kvdoctor.outputs import strict
 from kvdoctor.trace.writer import redact
 
 JSONL_SCHEMA_ID = "kvdoctor.finding/1"
@@ -47,5 +49,7 @@ def render_jsonl(analysis: Analysis) -> str:
             "pool": pool,
         }
         record = {"schema": JSONL_SCHEMA_ID, **labels, **finding.to_dict()}
-        lines.append(json.dumps(record, sort_keys=False, default=str, ensure_ascii=False))
+        # strict JSON, as --format json: no NaN, nothing nested past MAX_DEPTH, and every control
+        # character (DEL and C1 too) as a \u escape, which `printable` leaves alone
+        lines.append(json.dumps(strict(record), sort_keys=False, default=str, allow_nan=False))
     return "\n".join(lines)

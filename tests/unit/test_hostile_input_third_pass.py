@@ -4,6 +4,7 @@ its fix."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -343,3 +344,78 @@ def test_a_lone_surrogate_in_a_title_never_fails_a_run_metrics_scrape():
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(state))
     assert b"\\ud800" in generate_latest(registry) or b"\\udc80" in generate_latest(registry)
+
+
+# ---------------------------------------------------------------- items 13 and 14: crafted values in reports and profiles
+
+
+def _crafted_trace(path: str) -> str:
+    """A trace as no probe writes one, by hand: a 900-deep field, a NaN, DEL and C1 characters in a
+    request id, and attribution windows whose length is infinite or NaN."""
+    import json
+
+    from kvdoctor.trace import schema
+    from kvdoctor.trace.writer import TraceWriter, finish_trace
+
+    writer = TraceWriter(path)
+    writer.write_batch([schema.header_event(pid=7, engine="sglang", engine_version="0.5.23", process_title="sglang::scheduler", extra={})])
+    writer.close()
+    violation = {
+        "kind": schema.DOUBLE_FREE,
+        "allocator": "TokenToKVPoolAllocator#0",
+        "site": "scheduler.py:1",
+        "count": 2,
+        "slot_ids": [1, 2],
+        "requests": {"req-\x7f-\x85-\x9b": 2},
+        "ratio": math.nan,
+    }
+    line = json.dumps({"ph": "i", "name": schema.VIOLATION, "pid": 7, "tid": 0, "ts": 1e6, "args": violation})
+    line = line[: -len("}}")] + ', "deep": ' + "[" * 900 + '"bottom"' + "]" * 900 + "}}"  # json.dumps itself would recurse
+    window = {"window_index": 0, "window_s": math.inf, "top_sites": [{"file": "a.py", "line": 1, "size_diff_bytes": 10}]}
+    lines = [
+        line,
+        json.dumps({"ph": "i", "name": schema.HOST_GROWTH_SITES, "pid": 7, "tid": 0, "ts": 2e6, "args": window}),
+        json.dumps(
+            {
+                "ph": "i",
+                "name": schema.HOST_GROWTH_SITES,
+                "pid": 7,
+                "tid": 0,
+                "ts": 3e6,
+                "args": {**window, "window_index": 1, "window_s": math.nan},
+            }
+        ),
+    ]
+    with open(path, "a") as fh:
+        fh.write("".join(ln + ",\n" for ln in lines))
+    finish_trace(path, 7, {"command_exit": 0})
+    return path
+
+
+def _replay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvdoctor.cli", "replay", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("output_format", ["json", "jsonl", "text", "html"])
+def test_reports_of_crafted_values_are_strict_json_and_never_an_internal_error(tmp_path, output_format):
+    import json
+
+    trace = _crafted_trace(str(tmp_path / "crafted.kvtrace.json"))
+    proc = _replay(trace, "--format", output_format)
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr, (output_format, proc.stderr[-2000:])
+    assert proc.returncode in (0, 1), (output_format, proc.returncode)
+    if output_format == "json":
+        json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} in the JSON report"))  # before: RecursionError
+    if output_format == "jsonl":
+        records = [json.loads(ln, parse_constant=lambda c: pytest.fail(f"{c} in JSONL")) for ln in proc.stdout.splitlines() if ln]
+        assert records and "\\x7f" not in proc.stdout and "\\x85" not in proc.stdout  # invalid JSON escapes, before
+        found = next(r for r in records if r["kind"] == "double_free")
+        assert "req-\x7f-\x85-\x9b" in found["evidence"]["requests"]
+        assert found["evidence"]["ratio"] is None
+
+
+def test_pprof_windows_with_infinite_or_nan_times_are_written(tmp_path):
+    trace = _crafted_trace(str(tmp_path / "crafted.kvtrace.json"))
+    proc = _replay(trace, "--pprof", str(tmp_path / "profiles"))
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]  # before: OverflowError
+    assert sorted(os.listdir(tmp_path / "profiles")) == ["pid7-window0.pb.gz", "pid7-window1.pb.gz"]
