@@ -35,7 +35,7 @@ LEDGERS_NAMED = 64  # damaged or unjudged ledgers named apiece; the rest is coun
 D = TypeVar("D")
 _HEADERS = (schema.HEADER, schema.RUN_HEADER)
 _NAMING = frozenset({schema.CENSUS, schema.VIOLATION})  # the events whose tables name requests and sites
-READ_BY_ANALYZER = frozenset({*_HEADERS, schema.PROCESS_NAME, schema.CENSUS, schema.TRACE_END})  # besides its sinks
+READ_BY_ANALYZER = frozenset({*_HEADERS, schema.PROCESS_NAME, schema.PROBE_STATUS, schema.CENSUS, schema.TRACE_END})  # besides its sinks
 
 
 @dataclasses.dataclass
@@ -60,6 +60,9 @@ class Analysis:
     unheaded_pids: list[int] = dataclasses.field(default_factory=list)  # wrote probe events, no readable probe header
     damaged_lines: int = 0  # lines of the trace that could not be read (not the cut last one)
     outlived: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {pid, title} that outlived `run`'s command
+    growth_evidence: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per pid and memory class (growth_verdict)
+    growth_budget_bytes_per_s: float | None = None  # what the growth verdicts of watch and replay are judged against
+    end_events: int = 0  # the trace's end events: 0 when the run was killed or is still running
 
     @property
     def errors(self) -> list[Finding]:
@@ -89,6 +92,17 @@ def _numbers(args: dict[str, Any]) -> dict[str, Any]:
 
 
 MAX_OUTLIVED = 16
+
+
+def _engine_from_map(processes: dict[int, dict[str, Any]], event: schema.Event) -> None:
+    """A probe that started before its engine was imported (`run --attribution` starts it first)
+    wrote its header with no engine; the ledger's map it chose later ("sglang-0.5.23.toml") names it."""
+    info = processes.get(event.pid)
+    if info is None or info.get("engine") or not info.get("probe"):
+        return
+    engine = str(event.args["map"]).split("-", 1)[0]
+    if engine in schema.SERVING_ENGINES:
+        info["engine"] = engine
 
 
 def _outlived(value: Any) -> list[dict[str, Any]]:
@@ -205,6 +219,7 @@ class Analyzer:
         self.end_ts_us: float | None = None
         self.command_exit: int | None = None
         self.outlived: list[dict[str, Any]] = []
+        self.end_events = 0
         self.damaged_censuses: dict[str, str] = {}
         self._unnamed_ledgers = [0, 0]  # censuses of ledgers not named: [not judged, damaged]
 
@@ -230,6 +245,8 @@ class Analyzer:
             if name in _HEADERS:
                 info = processes.setdefault(event.pid, {})
                 info.update({k: str(event.args[k]) for k in ("engine", "engine_version", "process_title", "probe") if event.args.get(k)})
+            elif name == schema.PROBE_STATUS and event.args.get("map"):
+                _engine_from_map(processes, event)
             elif name == schema.PROCESS_NAME and event.args.get("name"):
                 processes.setdefault(event.pid, {})["process_title"] = str(event.args["name"])
             elif name == schema.CENSUS:
@@ -244,6 +261,7 @@ class Analyzer:
                     self.censuses += 1
                     self.last_censuses[event.pid] = {"ts_us": event.ts, "reason": str(args.get("reason", "")), "age_s": args.get("age_s")}
             elif name == schema.TRACE_END:
+                self.end_events += 1
                 self.end_ts_us = float(event.args.get("ended_at_us") or event.ts or 0) or None
                 code = event.args.get("command_exit")
                 if isinstance(code, int) and not isinstance(code, bool):
@@ -308,7 +326,16 @@ class Analyzer:
             unheaded_pids=self._record.unheaded(self.processes),
             damaged_lines=damaged_lines,
             outlived=self.outlived,
+            growth_evidence=[v for d in self.detectors for v in getattr(d, "growth_verdicts", list)()],
+            growth_budget_bytes_per_s=self._growth_budget(),
+            end_events=self.end_events,
         )
+
+    def _growth_budget(self) -> float | None:
+        params = next((p for p in (getattr(d, "params", None) for d in self.detectors) if isinstance(p, GrowthParams)), None)
+        if params is None:
+            return None
+        return params.budget_bytes_per_s if params.budget_bytes_per_s is not None else params.min_rate_bytes_per_s
 
 
 def analyze(

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.analysis.admission import MAX_PROCESSES
 from kvdoctor.analysis.budgets import ANY_ENGINE, BUDGETED_KINDS, Budgets
 from kvdoctor.analysis.findings import Finding
+from kvdoctor.analysis.gate_growth import growth_by_process
+from kvdoctor.analysis.gate_orphans import census_basis, named_orphans
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import one_line
 from kvdoctor.trace import schema
@@ -146,24 +148,6 @@ def _probe_check(analysis: Analysis, engine: str, required: bool) -> Check:
     return Check("probe-reported", False, detail)
 
 
-def _census_basis(analysis: Analysis) -> str:
-    """Which census the orphan verdict stands on, per probed process, and how old it was when the
-    run ended: a rolling one misses a leak made after it."""
-    parts = []
-    for pid, last in sorted(analysis.last_censuses.items())[:8]:
-        reason = last.get("reason") or "a"
-        age_s = last.get("age_s")
-        if age_s is None and analysis.end_ts_us and last.get("ts_us"):
-            age_s = max(0.0, (analysis.end_ts_us - float(last["ts_us"])) / 1e6)
-        text = f"pid {pid}: the {reason} census"
-        if age_s is not None:
-            text += f", {float(age_s):.1f} s before the end"
-        if reason == "rolling":
-            text += " (a leak made after it is not seen)"
-        parts.append(text)
-    return "; ".join(parts)
-
-
 def _listed(items: dict[Any, str], most: int = 4) -> str:
     text = "; ".join(f"{key}: {why}" for key, why in list(items.items())[:most])
     return text + (f"; and {len(items) - most} more" if len(items) > most else "")
@@ -176,8 +160,14 @@ def _completeness_check(analysis: Analysis) -> Check:
         gaps[f"pid {pid}"] = "it wrote probe events but its probe header is missing or damaged, so no engine can be named for it"
     if analysis.damaged_lines:
         gaps["the trace"] = f"{analysis.damaged_lines} line(s) could not be read"
+    if analysis.end_events != 1:
+        gaps["the run"] = (
+            "the trace has no end event (the run was killed or is still running), so what happened at its end is not in it"
+            if analysis.end_events == 0
+            else f"the trace has {analysis.end_events} end events, so which exit code ends the run cannot be told"
+        )
     if gaps:
-        detail = "a probe's record stops early or cannot be read, so a clean verdict cannot vouch for the whole run: " + _listed(gaps)
+        detail = "the record stops early or cannot be read, so a clean verdict cannot vouch for the whole run: " + _listed(gaps)
         return Check("probe-complete", False, detail, judged=False)
     probed = sum(len(pids) for pids in _probed(analysis).values())
     if not probed:
@@ -211,11 +201,11 @@ def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
         )
         return Check("max-orphan-slots", False, detail, judged=False)
     orphans = _orphans(analysis)
-    basis = _census_basis(analysis)
+    basis = census_basis(analysis)
     if analysis.not_judged:
         basis += "; not judged: " + "; ".join(f"{ledger} ({reason})" for ledger, reason in list(analysis.not_judged.items())[:4])
     passed = orphans <= budgets.max_orphan_slots
-    named = "" if passed else _named_orphans(analysis)
+    named = "" if passed else named_orphans(analysis)
     return Check(
         "max-orphan-slots",
         passed,
@@ -237,25 +227,6 @@ def _unanalysed_check(analysis: Analysis) -> Check:
     )
 
 
-def _named_orphans(analysis: Analysis, most: int = 3) -> str:
-    """The largest orphan findings by their evidence: slots, where they were allocated, for whom."""
-    parts = []
-    for finding in sorted((f for f in analysis.findings if f.kind == schema.ORPHAN_SLOTS), key=lambda f: -as_int(f.count or 0))[:most]:
-        ev = finding.evidence
-        slots = [str(s) for s in (ev.get("slot_ids") or [])[:8]]
-        text = f"{finding.count} in pid {ev.get('pid', finding.pid)} {ev.get('allocator', '')}".rstrip()
-        if slots:
-            text += f" (slots {', '.join(slots)}{', ...' if as_int(finding.count or 0) > len(slots) else ''})"
-        site = next(iter(ev.get("allocated_at") or {}), "")
-        request = next(iter(ev.get("requests") or {}), "")
-        if site:
-            text += f", allocated by {str(site).split(' < ')[0]}"
-        if request:
-            text += f" for {request}"
-        parts.append(text)
-    return "; ".join(parts)
-
-
 def _other_errors_check(analysis: Analysis, budgets: Budgets) -> Check:
     """Every error finding fails the gate unless its kind was waived (`--allow`)."""
     counted = set(budgets.fail_on) | set(BUDGETED_KINDS)
@@ -271,20 +242,32 @@ def _other_errors_check(analysis: Analysis, budgets: Budgets) -> Check:
 
 
 def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
+    """Broken when a growth finding's rate is over the budget; held only when every process
+    sampled to the end has each memory class bounded under it (kvdoctor.analysis.growth_verdict);
+    otherwise not judged, with the reason, like a missing census."""
     over = [f for f in _growth_findings(analysis) if _rate_of(f) > budgets.max_growth_bytes_per_s]
     budget_text = _rate_text(budgets.max_growth_bytes_per_s)
-    if not over:
-        seen = _max_growth(analysis)
-        return Check("max-growth", True, f"no memory growth over {budget_text}" + (f" (fastest {_rate_text(seen)})" if seen else ""))
-    parts = []
-    for f in sorted(over, key=_rate_of, reverse=True):
-        ev = f.evidence
-        pid = ev.get("pid", f.pid)
-        title = str(ev.get("process_title") or (analysis.processes.get(f.pid) or {}).get("process_title") or "")
-        parts.append(
-            f"pid {pid}{' (' + title[:60] + ')' if title else ''} {ev.get('memory_class', 'memory')} grows {_rate_text(_rate_of(f))}"
-        )
-    return Check("max-growth", False, f"over the budget of {budget_text}: " + "; ".join(parts))
+    if over:
+        parts = []
+        for f in sorted(over, key=_rate_of, reverse=True):
+            ev = f.evidence
+            pid = ev.get("pid", f.pid)
+            title = str(ev.get("process_title") or (analysis.processes.get(f.pid) or {}).get("process_title") or "")
+            parts.append(
+                f"pid {pid}{' (' + title[:60] + ')' if title else ''} {ev.get('memory_class', 'memory')} grows {_rate_text(_rate_of(f))}"
+            )
+        return Check("max-growth", False, f"over the budget of {budget_text}: " + "; ".join(parts))
+    held, unjudged, gone = growth_by_process(analysis, budgets.max_growth_bytes_per_s)
+    if not held and not unjudged:
+        return Check("max-growth", False, "not judged: no memory sample in the trace", judged=False)
+    if unjudged:
+        detail = f"not judged against {budget_text}: " + _listed(unjudged, 3)
+        return Check("max-growth", False, detail + (f"; held: {_listed(held, 2)}" if held else ""), judged=False)
+    seen = _max_growth(analysis)
+    detail = f"held under {budget_text}" + (f" (fastest {_rate_text(seen)})" if seen else "") + ": " + _listed(held, 3)
+    if gone:
+        detail += f"; not judged, exited during the run: {_listed(gone, 2)}"
+    return Check("max-growth", True, detail)
 
 
 def outlived_sentence(outlived: list[dict[str, Any]]) -> str:

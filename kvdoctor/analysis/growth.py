@@ -42,8 +42,11 @@ except ImportError:  # pragma: no cover - depends on the environment
 DEFAULT_MIN_RATE_BYTES_PER_S = 50 * MIB / HOUR_S  # 50 MiB/h: below this, a leak is not urgent
 DEFAULT_WARMUP_S = 60.0
 DEFAULT_WINDOWS = 4
-DEFAULT_MIN_SPAN_S = 60.0  # 10 GB/h is flagged after 60 s of post-warm-up data
+DEFAULT_MIN_SPAN_S = 30.0  # a sustained climb is called on 30 s of data after the start-up, at the earliest
 DEFAULT_MIN_SAMPLES = 20  # at least 5 samples per window
+DEFAULT_SETTLE_S = 10.0  # the start-up is over once memory holds still this long
+DEFAULT_SETTLE_BYTES = 8 * MIB  # "holds still": it stays within this band over that stretch
+MIN_WINDOWS = 3  # a staircase whose steps are longer than a quarter of the span is tried on fewer
 DEFAULT_CONFIDENCE = 0.99  # one-sided level of the lower bound
 DEFAULT_RECENT_FRACTION = 0.5  # latest window must still grow at this fraction of the overall rate
 DEFAULT_MAX_POINTS = 600  # points kept for the pairwise slopes (about 180k pairs)
@@ -65,6 +68,9 @@ class GrowthParams:
     confidence: float = DEFAULT_CONFIDENCE
     recent_fraction: float = DEFAULT_RECENT_FRACTION
     max_points: int = DEFAULT_MAX_POINTS
+    settle_s: float = DEFAULT_SETTLE_S
+    settle_bytes: float = DEFAULT_SETTLE_BYTES
+    budget_bytes_per_s: float | None = None  # what a verdict is judged against (None: min_rate_bytes_per_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,21 +236,36 @@ def theil_sen(
 
 
 def _window_grew(times_s: Sequence[float], values: Sequence[float], max_points: int) -> tuple[bool, float]:
-    """Did this window grow? Its Theil–Sen slope is > 0, or, for a staircase whose flat steps
-    tie the median at exactly 0, its last quarter sits above its first quarter."""
+    """Did this window grow, and at what rate? Its Theil–Sen slope is > 0, or, for a staircase
+    whose flat steps tie the median near 0, its last quarter sits above its first quarter; the
+    rate is the larger of the slope and the steps' own rise (quarter to quarter)."""
     est = theil_sen(times_s, values, max_points=max_points)
     if est is None:
         return False, 0.0
-    if est.slope > 0:
-        return True, est.slope
-    if est.slope == 0 and len(values) >= 4:
+    step_rate = 0.0
+    if len(values) >= 4:
         quarter = max(1, len(values) // 4)
-        if statistics.median(values[-quarter:]) > statistics.median(values[:quarter]):
-            return True, est.slope
+        rise = statistics.median(values[-quarter:]) - statistics.median(values[:quarter])
+        apart = (sum(times_s[-quarter:]) - sum(times_s[:quarter])) / quarter
+        step_rate = rise / apart if apart > 0 else 0.0
+    if est.slope > 0:
+        return True, max(est.slope, step_rate)
+    if est.slope == 0 and step_rate > 0:
+        return True, step_rate
     return False, est.slope
 
 
 def _check_span(times_s: Sequence[float], values: Sequence[float], params: GrowthParams) -> GrowthResult | None:
+    """The test on one span, with the windows asked for and then, for a staircase whose steps a
+    quarter of the span can miss, on fewer (never under MIN_WINDOWS)."""
+    for windows in range(params.windows, min(params.windows, MIN_WINDOWS) - 1, -1):
+        result = _check_windows(times_s, values, dataclasses.replace(params, windows=windows))
+        if result is not None:
+            return result
+    return None
+
+
+def _check_windows(times_s: Sequence[float], values: Sequence[float], params: GrowthParams) -> GrowthResult | None:
     n = len(times_s)
     if n < max(params.min_samples, 3 * params.windows) or times_s[-1] - times_s[0] < params.min_span_s:
         return None
@@ -296,19 +317,17 @@ def detect_growth_with(
 ) -> GrowthResult | None:
     """Returns evidence of unbounded growth, or None when the series does not show it (yet).
 
-    `times_s` must be increasing. Samples before `origin_s + warmup_s` are ignored (`origin_s`
-    defaults to the first sample; pass the process start time to count warm-up from there).
-    The post-warm-up series is analysed whole; if that fails, its most recent half and quarter
-    are tried too, so a leak that starts late in a long watch is still found once its own span
-    is long enough.
+    `times_s` must be increasing. Samples of the start-up are ignored (`startup_end_s`). The
+    post-start-up series is analysed whole; if that fails, its most recent half, quarter and so on
+    down to `min_span_s` are tried too, so a leak that starts late in a long watch is found once
+    its own span is long enough.
     """
     if len(times_s) != len(values_bytes):
         raise ValueError("times_s and values_bytes differ in length")
     times_s, values_bytes = plausible_points(times_s, values_bytes)
     if not times_s or params.windows < 1:
         return None
-    origin = times_s[0] if origin_s is None else origin_s
-    first = bisect.bisect_left(times_s, origin + max(params.warmup_s, 0.0))
+    first = bisect.bisect_left(times_s, startup_end_s(params, times_s, values_bytes, origin_s=origin_s))
     t = list(times_s[first:])
     v = [float(x) for x in values_bytes[first:]]
     if len(t) < 3:
@@ -318,7 +337,7 @@ def detect_growth_with(
         return result
     if _decelerating(t, v, params):
         return None  # the whole span bends flat: a filling cache, whatever its recent part says
-    for _ in range(2):
+    while True:  # ever shorter recent spans, down to the shortest that can be judged
         half = t[0] + (t[-1] - t[0]) / 2
         keep = next((i for i, ti in enumerate(t) if ti >= half), len(t))
         t, v = t[keep:], v[keep:]
@@ -328,6 +347,32 @@ def detect_growth_with(
         if result is not None:
             return result
     return None
+
+
+def startup_end_s(params: GrowthParams, times_s: Sequence[float], values: Sequence[float], *, origin_s: float | None = None) -> float:
+    """When the process's start-up ends: the first time its memory holds still (within a band of
+    `settle_bytes` for `settle_s`, at least 5 samples), at the latest `warmup_s` after `origin_s` (the
+    process's start; the first sample when not given). A process that allocates once and holds
+    flat is judged from its flat part; one that climbs from its start is judged after `warmup_s`."""
+    if not times_s:
+        return 0.0
+    origin = times_s[0] if origin_s is None else origin_s
+    cap = origin + max(params.warmup_s, 0.0)
+    if params.settle_s <= 0 or cap <= times_s[0]:
+        return cap
+    n = len(times_s)
+    j = 0
+    for i in range(n):
+        if times_s[i] >= cap:
+            break
+        while j < n and times_s[j] - times_s[i] < params.settle_s:
+            j += 1
+        if j >= n:
+            break
+        stretch = values[i : j + 1]
+        if len(stretch) >= 5 and max(stretch) - min(stretch) < params.settle_bytes:
+            return times_s[i]
+    return cap
 
 
 def _decelerating(times_s: Sequence[float], values: Sequence[float], params: GrowthParams) -> bool:

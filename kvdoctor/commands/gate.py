@@ -68,7 +68,7 @@ def growth_params_for(budgets: Budgets) -> GrowthParams:
     """The growth test with the user's budget as its floor where that is below the default one: a
     budget the user sets is the budget (a steady 40 MiB/h fails a 10 MiB/h budget)."""
     floor = min(DEFAULT_MIN_RATE_BYTES_PER_S, max(budgets.max_growth_bytes_per_s, 0.0))
-    return dataclasses.replace(GrowthParams(), min_rate_bytes_per_s=floor)
+    return dataclasses.replace(GrowthParams(), min_rate_bytes_per_s=floor, budget_bytes_per_s=budgets.max_growth_bytes_per_s)
 
 
 def _baseline(path: str, budgets: Budgets) -> Analysis:

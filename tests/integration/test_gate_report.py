@@ -71,20 +71,26 @@ def test_gate_leak_trace_fails_on_orphan_slots(demo_traces, tmp_path, capsys):
     assert "FAIL  max-orphan-slots" in out and "kvdoctor gate: FAIL" in out
 
 
-def test_gate_clean_trace_passes(demo_traces, tmp_path):
+def test_gate_clean_trace_holds_every_budget_it_can_judge(demo_traces, tmp_path):
+    """The demo's trace has no sampler's memory: its growth budget is not judged (2, and the JUnit
+    case an error), never a pass; every other budget holds."""
     junit = str(tmp_path / "gate.xml")
     html = str(tmp_path / "report.html")
-    assert gate([demo_traces["none"]], junit=junit, html=html) == 0
+    assert gate([demo_traces["none"]], junit=junit, html=html) == 2
     cases = _junit_cases(junit)
     assert {"max-growth", "max-orphan-slots", "no-double_free", "no-double_alloc"} <= set(cases)
-    assert all(c.find("failure") is None and c.find("error") is None for c in cases.values())
+    assert cases["max-growth"].find("error").get("type") == "could-not-judge"
+    assert "no memory sample" in cases["max-growth"].find("error").get("message")
+    others = [c for name, c in cases.items() if name != "max-growth"]
+    assert all(c.find("failure") is None and c.find("error") is None for c in others)
     assert "<svg" in open(html, encoding="utf-8").read()
 
 
 def test_baseline_regression(demo_traces):
     leak, clean = analyze_trace(demo_traces["leak"]), analyze_trace(demo_traces["none"])
     lenient = Budgets(max_orphan_slots=1000)
-    assert judge(leak, lenient, baseline=leak).exit_code == 0
+    same = judge(leak, lenient, baseline=leak)
+    assert not same.failed and [c.name for c in same.unjudged] == ["max-growth"]  # no memory sample to judge growth on
     result = judge(leak, lenient, baseline=clean)
     check = {c.name: c for c in result.checks}["baseline-regression"]
     assert not check.passed and "orphaned slots 64 vs baseline 0" in check.detail
@@ -93,7 +99,7 @@ def test_baseline_regression(demo_traces):
 WORKLOAD = "from kvdoctor.demo.workload import WorkloadConfig, run_workload; run_workload(WorkloadConfig(fault={!r}))"
 
 
-@pytest.mark.parametrize("fault,expected", [("leak", 1), ("none", 0)])
+@pytest.mark.parametrize("fault,expected", [("leak", 1), ("none", 2)])  # none: a few seconds, growth not judged
 def test_gate_command_runs_under_probe(fault, expected, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KVDOCTOR_TRACE", raising=False)
@@ -101,8 +107,10 @@ def test_gate_command_runs_under_probe(fault, expected, tmp_path, monkeypatch):
     trace = str(tmp_path / "cmd.kvtrace.json")
     code = gate([sys.executable, "-c", WORKLOAD.format(fault)], trace=trace, junit=str(tmp_path / "j.xml"))
     assert code == expected
-    failed = [n for n, c in _junit_cases(str(tmp_path / "j.xml")).items() if c.find("failure") is not None]
+    cases = _junit_cases(str(tmp_path / "j.xml"))
+    failed = [n for n, c in cases.items() if c.find("failure") is not None]
     assert failed == (["max-orphan-slots"] if fault == "leak" else [])
+    assert [n for n, c in cases.items() if c.find("error") is not None] == ["max-growth"]
 
 
 def test_a_command_whose_probe_never_reported_fails_the_gate(tmp_path, monkeypatch, capsys):

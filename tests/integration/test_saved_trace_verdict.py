@@ -44,11 +44,16 @@ def test_a_saved_trace_of_an_unprobed_command_fails_the_gate(tmp_path):
     assert "FAIL  probe-reported: no probe reported from an engine" in later.stdout
 
 
-def test_a_saved_trace_of_a_clean_probed_run_passes_as_the_live_run_did(tmp_path):
+def test_a_saved_trace_of_a_clean_probed_run_is_judged_as_the_live_run_was(tmp_path):
+    """A clean run of a few seconds: every budget holds but growth, which so little data after the
+    start-up cannot judge (2, never a pass), later as live."""
     ran, later, live = run_then_gate(tmp_path, sys.executable, "-c", CLEAN)
     assert ran.returncode == 0, ran.stderr[-2000:]
-    assert later.returncode == live.returncode == 0, later.stdout + live.stdout
+    assert later.returncode == live.returncode == 2, later.stdout + live.stdout
     assert "PASS  command-exit: the command exited 0" in later.stdout
+    assert [line.split(":")[0].strip() for line in later.stdout.splitlines() if line.startswith("  ") and "PASS" not in line] == [
+        "N/A   max-growth"
+    ], later.stdout
     strip = lambda out: [line for line in out.splitlines() if "trace" not in line and "pid" not in line]
     assert strip(later.stdout) == strip(live.stdout)
 
@@ -207,9 +212,19 @@ def test_a_record_that_stops_early_cannot_vouch_for_the_end(tmp_path, case):
     assert "kvdoctor gate: COULD NOT JUDGE (" in proc.stdout and reason in proc.stdout, proc.stdout
 
 
+def _flat_memory(pid: int, seconds: int = 20) -> list[schema.Event]:
+    """What the sampler records of a process whose memory holds flat: enough for the growth
+    budget to be judged held (with fewer samples it is "not judged", never a pass)."""
+    return [
+        schema.Event(ph="C", name=schema.MEMORY_COUNTER, pid=pid, ts=i * S, cat=schema.CAT_SAMPLER, args={"rss_bytes": 1 << 30})
+        for i in range(seconds)
+    ]
+
+
 def test_the_same_records_reaching_the_end_pass(tmp_path):
     """The control: both schedulers counted, nothing dropped, no write error, the probe on to the end."""
     events = _clean_start(7) + [_probe_header(8), _slots(8, 1 * S, 500), _census(8, 3 * S), _stats(7, 3 * S)]
+    events += _flat_memory(7) + _flat_memory(8)
     proc = kv("gate", _write_trace(str(tmp_path / "whole.kvtrace.json"), events), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout
     assert "PASS  probe-complete: every probe's record reaches the end (2 processes)" in proc.stdout

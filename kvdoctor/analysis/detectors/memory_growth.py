@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
+from kvdoctor.analysis.growth_verdict import growth_evidence
 from kvdoctor.trace import schema
 from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
@@ -212,14 +213,41 @@ class MemoryGrowthDetector:
         recent = [pid for pid, t in self._last_ts_s.items() if latest - t <= 5.0]
         return sum(self._last_rss.get(pid, 0.0) for pid in recent)
 
+    def _origin(self, pid: int, first_s: float) -> float | None:
+        origin = self._start_s.get(pid)
+        if origin is not None and not (first_s - _TEN_DAYS_S <= origin <= first_s + 1.0):
+            return None  # a clock that is not the epoch: count warm-up from the first sample
+        return origin
+
     def growth(self, pid: int, memory_class: str) -> GrowthResult | None:
         s = self._series.get((pid, memory_class))
         if s is None or len(s) < 3:
             return None
-        origin = self._start_s.get(pid)
-        if origin is not None and not (s.times[0] - _TEN_DAYS_S <= origin <= s.times[0] + 1.0):
-            origin = None  # a clock that is not the epoch: count warm-up from the first sample
-        return detect_growth_with(self.params, s.times, s.values, origin_s=origin)
+        return detect_growth_with(self.params, s.times, s.values, origin_s=self._origin(pid, s.times[0]))
+
+    def growth_verdicts(self) -> list[dict[str, Any]]:
+        """Per process and reported memory class, the evidence a growth budget is judged on
+        (kvdoctor.analysis.growth_verdict), and whether the process stopped being sampled well
+        before the others (it exited during the run: what it held went with it)."""
+        out: list[dict[str, Any]] = []
+        last = max(self._last_ts_s.values(), default=0.0)
+        for (pid, memory_class), s in sorted(self._series.items()):
+            if memory_class not in REPORTED_CLASSES or not s.times:
+                continue
+            evidence = growth_evidence(self.params, s.times, s.values, origin_s=self._origin(pid, s.times[0]))
+            if evidence is None:
+                continue
+            gap = max(5.0, 3 * (s.times[-1] - s.times[0]) / max(len(s) - 1, 1))
+            out.append(
+                {
+                    "pid": pid,
+                    "memory_class": memory_class,
+                    "process_title": self._titles.get(pid, ""),
+                    "exited_early": last - self._last_ts_s.get(pid, last) > gap,
+                    **evidence.to_dict(),
+                }
+            )
+        return out
 
     # -- output ----------------------------------------------------------------------------------
     def findings(self) -> list[Finding]:
