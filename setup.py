@@ -8,6 +8,7 @@ import re
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNITS = "kvdoctor/probe/csrc"
@@ -22,6 +23,24 @@ SOURCES = [
     f"{UNITS}/launch.c",
 ]
 BUILD_ERROR_NOTE = "_hotpath.build-error"  # read by kvdoctor/probe/hotpath_loader.py
+# Installed beside the packages (site-packages), so every interpreter of that environment reads it
+# at start-up, as coverage.py's hook does: it costs one environment lookup, and only where
+# `kvdoctor run`/`gate` set KVDOCTOR_AUTOPROBE does it load kvdoctor/probe/entry.py, which turns
+# the probe on when an engine is imported (a server script that replaced PYTHONPATH keeps it).
+AUTOPROBE_PTH = "kvdoctor-autoprobe.pth"
+AUTOPROBE_LINE = (
+    "import os; os.environ.get('KVDOCTOR_AUTOPROBE') and exec('try:\\n import kvdoctor.probe.entry\\nexcept Exception:\\n pass')\n"
+)
+
+
+class BuildPyWithHook(build_py):
+    """build_py that also writes the start-up hook at the top of the build, where a wheel's
+    top-level files come from."""
+
+    def run(self) -> None:
+        super().run()
+        with open(os.path.join(self.build_lib, AUTOPROBE_PTH), "w") as fh:
+            fh.write(AUTOPROBE_LINE)
 
 
 class BuildHotPath(build_ext):
@@ -48,6 +67,9 @@ class BuildHotPath(build_ext):
 def _summary(exc: Exception) -> str:
     """`gcc exited with status 1 on kvdoctor/probe/csrc/tensors.c`, not the whole command line."""
     found = re.search(r"Command '\[(.*)\]' returned non-zero exit status (\d+)", str(exc))
+    missing = re.search(r"No such file or directory: '([^']+)'", str(exc))
+    if found is None and missing is not None:
+        return f"no C compiler: {missing.group(1)} is not installed; install gcc or clang, then kvdoctor again"
     if found is None:
         return f"{type(exc).__name__}: {exc}"
     words = [w.strip("'\" ") for w in found.group(1).split(", ")]
@@ -81,5 +103,5 @@ setup(
             libraries=["dl"],  # launch.c finds libcuda's cuLaunchKernel at its first call
         )
     ],
-    cmdclass={"build_ext": BuildHotPath},
+    cmdclass={"build_ext": BuildHotPath, "build_py": BuildPyWithHook},
 )

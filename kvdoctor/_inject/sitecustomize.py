@@ -4,8 +4,10 @@ Most of those processes never import an engine (shell helpers, compilers, tokeni
 nothing of kvdoctor is imported here: a finder of a few lines waits for an engine's top-level
 package (`import sglang`, `import vllm`) and only then turns the probe on, before the engine's
 first module loads. With attribution asked for, the probe starts at once (it watches the whole
-process). Then this hands over to any sitecustomize the environment already had. Nothing here
-may fail the host: every error is swallowed.
+process). Where kvdoctor is installed in the process's own environment, its start-up hook
+(kvdoctor-autoprobe.pth, kvdoctor/probe/entry.py) has done that already and this leaves it be.
+Then this hands over to any sitecustomize the environment already had. Nothing here may fail the
+host: every error is swallowed.
 """
 
 import os
@@ -44,7 +46,9 @@ class _EngineWatch:
 
 
 try:
-    if os.environ.get("KVDOCTOR_ATTRIBUTION", "").strip().lower() not in _OFF:
+    if "kvdoctor.probe.entry" in sys.modules:
+        pass  # kvdoctor is installed here: its start-up hook (kvdoctor-autoprobe.pth) watches already
+    elif os.environ.get("KVDOCTOR_ATTRIBUTION", "").strip().lower() not in _OFF:
         _activate()
     elif os.environ.get("KVDOCTOR_DISABLE", "").strip().lower() not in _ON:  # 0 does not disable (as settings.py reads it)
         sys.meta_path.insert(0, _EngineWatch)

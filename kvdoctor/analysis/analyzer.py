@@ -63,6 +63,9 @@ class Analysis:
     growth_evidence: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per pid and memory class (growth_verdict)
     growth_budget_bytes_per_s: float | None = None  # what the growth verdicts of watch and replay are judged against
     end_events: int = 0  # the trace's end events: 0 when the run was killed or is still running
+    probe_path_lost: list[dict[str, Any]] = dataclasses.field(
+        default_factory=list
+    )  # {pid, title, lost}: Python processes `run` saw lose its PYTHONPATH (or environment)
 
     @property
     def errors(self) -> list[Finding]:
@@ -83,6 +86,7 @@ class Analysis:
             "uncounted_ledgers": self.uncounted_ledgers,
             "unheaded_pids": self.unheaded_pids,
             "outlived": self.outlived,
+            "probe_path_lost": self.probe_path_lost,
             "notes": self.notes,
         }
 
@@ -113,6 +117,13 @@ def _outlived(value: Any) -> list[dict[str, Any]]:
         if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
             out.append({"pid": pid, "title": str(item.get("title") or "")[:120]})
     return out
+
+
+def _path_lost(value: Any) -> list[dict[str, Any]]:
+    """The Python processes whose PYTHONPATH (or environment) lost what `run` set for the probe, as its end event lists them."""
+    items = [item for item in value if isinstance(item, dict) and isinstance(item.get("pid"), int)] if isinstance(value, list) else []
+    lost = {item["pid"]: str(item.get("lost") or "")[:20] for item in items}
+    return [{**p, "lost": lost[p["pid"]]} for p in _outlived(items)]
 
 
 class SeriesCollector:
@@ -220,6 +231,7 @@ class Analyzer:
         self.command_exit: int | None = None
         self.outlived: list[dict[str, Any]] = []
         self.end_events = 0
+        self.probe_path_lost: list[dict[str, Any]] = []
         self.damaged_censuses: dict[str, str] = {}
         self._unnamed_ledgers = [0, 0]  # censuses of ledgers not named: [not judged, damaged]
 
@@ -267,6 +279,7 @@ class Analyzer:
                 if isinstance(code, int) and not isinstance(code, bool):
                     self.command_exit = code
                 self.outlived = _outlived(event.args.get("outlived"))
+                self.probe_path_lost = _path_lost(event.args.get("probe_path_lost"))
                 self._record.stopped_writing(event.args.get("writers_stopped"))
             for feed in feeds:
                 feed(event)
@@ -326,6 +339,7 @@ class Analyzer:
             unheaded_pids=self._record.unheaded(self.processes),
             damaged_lines=damaged_lines,
             outlived=self.outlived,
+            probe_path_lost=self.probe_path_lost,
             growth_evidence=[v for d in self.detectors for v in getattr(d, "growth_verdicts", list)()],
             growth_budget_bytes_per_s=self._growth_budget(),
             end_events=self.end_events,

@@ -27,7 +27,7 @@ from kvdoctor.analysis.gate_orphans import census_basis, named_orphans
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.outputs import one_line
 from kvdoctor.trace import schema
-from kvdoctor.units import as_float, as_int, format_rate
+from kvdoctor.units import as_float, as_int, format_rate, short_title
 
 if TYPE_CHECKING:  # `run` reads outlived_sentence without loading the detectors
     from kvdoctor.analysis.analyzer import Analysis
@@ -144,8 +144,20 @@ def _probe_check(analysis: Analysis, engine: str, required: bool) -> Check:
     others = [f"pid {pid} {str((info or {}).get('process_title') or '')[:50]}".strip() for pid, info in sorted(analysis.processes.items())]
     expected = "an engine" if engine == ANY_ENGINE else engine
     detail = f"no probe reported from {expected}" + (f" (the probe reported from {seen})" if seen else "")
+    if analysis.probe_path_lost:  # `run` saw why: the command's own environment dropped the probe's way in
+        return Check("probe-reported", False, detail + ": " + "; ".join(map(_path_lost_sentence, analysis.probe_path_lost[:4])))
     detail += "; processes in the trace: " + ("; ".join(others[:6]) or "none") + ": did the server start, and under kvdoctor?"
     return Check("probe-reported", False, detail)
+
+
+def _path_lost_sentence(process: dict[str, Any]) -> str:
+    where = f"pid {process['pid']} ({short_title(str(process.get('title') or '?'), 60)})"
+    if process.get("lost") == "environment":
+        return f"{where}: the process's environment lost kvdoctor's variables (KVDOCTOR_TRACE): pass the environment on to it"
+    return (
+        f"{where}: the process's PYTHONPATH lost kvdoctor's directory: keep $PYTHONPATH in it "
+        "(PYTHONPATH=DIR:$PYTHONPATH), or install kvdoctor into that Python's environment"
+    )
 
 
 def _listed(items: dict[Any, str], most: int = 4) -> str:

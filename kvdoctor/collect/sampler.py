@@ -37,6 +37,7 @@ class _Tracked:
     next_pinned_time_s: float = 0.0
     last: dict[str, Any] | None = None
     peak_rss_bytes: int = 0
+    said_title: str | None = None  # the title the last sample that carried one gave
 
 
 class Sampler:
@@ -59,6 +60,7 @@ class Sampler:
         pinned_cpu_fraction: float = 0.005,
         tree_refresh_s: float = 2.0,
         with_gpu: bool = True,
+        on_exec: Callable[[int], Any] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -73,6 +75,7 @@ class Sampler:
         self.pinned_cpu_fraction = pinned_cpu_fraction
         self.tree_refresh_s = tree_refresh_s
         self.with_gpu = with_gpu
+        self.on_exec = on_exec  # called with each process of the tree when first seen and when its title changes (an exec)
         self.memory_limit_bytes = machine_memory_limit_bytes(root_pid)
         self.processes: dict[int, _Tracked] = {}
         self.exited: dict[int, _Tracked] = {}
@@ -94,8 +97,10 @@ class Sampler:
                 known = self.processes[pid].info
                 if info.title and info.title != known.title:  # setproctitle ran after we saw it
                     known.title, known.role = info.title, info.role
+                    self._seen_exec(pid)
                 continue
             self.processes[pid] = _Tracked(info=info)
+            self._seen_exec(pid)
             start_s = start_time_s(info.start_ticks)
             header = schema.header_event(
                 pid=pid,
@@ -115,6 +120,13 @@ class Sampler:
             events.append(header)
         self._next_tree_scan_s = now_s + self.tree_refresh_s
         return events
+
+    def _seen_exec(self, pid: int) -> None:
+        if self.on_exec is not None:
+            try:
+                self.on_exec(pid)
+            except Exception:
+                pass
 
     def sample_once(self) -> list[schema.Event]:
         """One round over the tree: returns (and emits) its header and counter events."""
@@ -169,7 +181,8 @@ class Sampler:
                 args["open_files"] = reading["open_files"]
             if reading["cpu_s"] is not None:
                 args["cpu_s"] = reading["cpu_s"]
-            args["title"] = tracked.info.title
+            if tracked.info.title != tracked.said_title:  # the title once, and again only when it changed
+                args["title"] = tracked.said_title = tracked.info.title
             events.append(schema.Event(ph="C", name=schema.MEMORY_COUNTER, pid=pid, ts=ts_us, cat=schema.CAT_SAMPLER, args=args))
         if self.root_pid not in self.processes:
             self.root_alive = False

@@ -1,7 +1,11 @@
 """Starting a command with the probe in every Python process it starts.
 
 The probe rides in through PYTHONPATH (a sitecustomize that activates it and then chains to the
-host's own), so multiprocessing spawn children such as SGLang's scheduler carry it too. Every
+host's own), so multiprocessing spawn children such as SGLang's scheduler carry it too; where
+kvdoctor is installed in the server's own environment, its start-up hook (kvdoctor-autoprobe.pth,
+asked for with KVDOCTOR_AUTOPROBE) brings it in even when a script replaced PYTHONPATH. A Python
+process whose PYTHONPATH lost kvdoctor's directory is recorded at the trace's end (probe_path_lost),
+so a verdict without a probe can say why. Every
 process appends to one trace, and a sampler thread adds the memory of the command's process tree
 from outside; when the command ends the trace is closed.
 
@@ -23,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +34,13 @@ from types import FrameType
 from typing import Any
 
 import kvdoctor
+from kvdoctor.collect.procfs import read_title
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output, remove_claimed
 from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, writers_stopped
 from kvdoctor.runner import default_trace_path
+from kvdoctor.runner.rendezvous import new_rendezvous
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace, redact, redact_args
 
@@ -44,6 +49,8 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 SAMPLER_JOIN_TIMEOUT_S = 5.0
 GROUP_GRACE_S = 10.0  # what is left of the command's group gets this long after SIGTERM, then SIGKILL
 PR_SET_PDEATHSIG = 1
+ENV_AUTOPROBE = "KVDOCTOR_AUTOPROBE"  # read by kvdoctor/probe/entry.py (imported by the .pth only where it is set)
+MAX_PATH_LOST = 8  # Python processes named in the trace whose PYTHONPATH lost kvdoctor's directory
 
 
 def probe_environment(
@@ -59,6 +66,7 @@ def probe_environment(
     env["PYTHONPATH"] = INJECT_DIR + (os.pathsep + existing if existing else "")
     env["KVDOCTOR_TRACE"] = trace_path
     env["KVDOCTOR_PACKAGE_ROOT"] = kvdoctor.PACKAGE_ROOT
+    env[ENV_AUTOPROBE] = "1"
     if fixes:
         env["KVDOCTOR_FIXES"] = ",".join(fixes)
     if attribution:
@@ -131,13 +139,48 @@ def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
             pass
 
 
-def _start_sampler(pid: int, trace_path: str, interval_s: float, failures: list[str]) -> tuple[threading.Event, threading.Thread, Sampler]:
+def probe_path_lost(pid: int) -> str:
+    """What a Python process of the command lacks of what `run` gave it to load the probe
+    ("PYTHONPATH" or "environment"), as the environment it was started with shows; '' when
+    nothing, or when it is no Python interpreter."""
+    try:
+        if not os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python"):
+            return ""
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read(1 << 20)
+    except OSError:
+        return ""
+    env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    if b"KVDOCTOR_TRACE" not in env:
+        return "environment"
+    paths = os.fsdecode(env.get(b"PYTHONPATH", b"")).split(os.pathsep)
+    return "" if INJECT_DIR in {os.path.abspath(p) for p in paths if p} else "PYTHONPATH"
+
+
+class ProbePathCheck:
+    """The command's Python processes whose PYTHONPATH (or whole environment) lost what `run` set,
+    checked as the sampler first sees each and again after an exec: {pid: {pid, title, lost}}."""
+
+    def __init__(self) -> None:
+        self.lost: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, pid: int) -> None:
+        lost = probe_path_lost(pid)
+        if not lost:
+            self.lost.pop(pid, None)
+        elif pid in self.lost or len(self.lost) < MAX_PATH_LOST:
+            self.lost[pid] = {"pid": pid, "title": redact(read_title(pid))[:120], "lost": lost}
+
+
+def _start_sampler(
+    pid: int, trace_path: str, interval_s: float, failures: list[str], on_exec: Callable[[int], Any] | None = None
+) -> tuple[threading.Event, threading.Thread, Sampler]:
     """Samples the command's process tree from outside (memory by class) into the same trace, so
     growth is judged for every process, probed or not. A trace it cannot write to (a full disk)
     stops it, said in `failures`."""
     stop = threading.Event()
     writer = TraceWriter(trace_path)
-    sampler = Sampler(pid, interval_s=interval_s, emit=writer)
+    sampler = Sampler(pid, interval_s=interval_s, emit=writer, on_exec=on_exec)
 
     def loop() -> None:
         try:
@@ -240,7 +283,8 @@ def run_command(
     previous = {sig: signal.signal(sig, forward) for sig in forwarded_signals()}
     sampling = None
     failures: list[str] = []  # what could not be written to the trace
-    rendezvous = tempfile.mkdtemp(prefix="kvdoctor-run-")  # 0700: only this user's processes answer there
+    paths = ProbePathCheck()
+    rendezvous = new_rendezvous()  # 0700, named by run's pid: a SIGKILLed run's is removed by the next
     try:
         if on_start is not None:
             on_start()
@@ -255,7 +299,7 @@ def run_command(
             raise KvdoctorError(f"cannot start {command[0]}: {exc.strerror}") from None
         for signum in pending:
             forward(signum, None)
-        sampling = _start_sampler(child.pid, trace_path, sample_interval_s, failures) if sample_interval_s > 0 else None
+        sampling = _start_sampler(child.pid, trace_path, sample_interval_s, failures, paths) if sample_interval_s > 0 else None
         try:
             code = child.wait()
         finally:
@@ -277,6 +321,8 @@ def run_command(
         end["outlived"] = leftovers
     if stopped:
         end["writers_stopped"] = {str(pid): reason for pid, reason in stopped.items()}
+    if paths.lost:
+        end["probe_path_lost"] = list(paths.lost.values())
     try:
         finish_trace(trace_path, os.getpid(), end)
     except OSError as exc:
