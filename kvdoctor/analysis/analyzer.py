@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from kvdoctor.analysis.admission import COUNTED, MAX_PROCESSES, Admission, level_of
+from kvdoctor.analysis.causes import ordered
 from kvdoctor.analysis.detectors import all_detectors
 from kvdoctor.analysis.detectors.base import Detector, Sink, reads
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
@@ -306,12 +307,11 @@ class Analyzer:
         return next((d for d in self.detectors if isinstance(d, kind)), None)
 
     def findings(self) -> list[Finding]:
-        """The findings as they stand now, errors first."""
+        """The findings as they stand now: errors first, causes before their consequences (kvdoctor.analysis.causes)."""
         findings: list[Finding] = []
         for detector in self.detectors:
             findings.extend(detector.findings())
-        findings.sort(key=lambda f: (SEVERITY_ORDER.get(f.severity, 9), f.kind, -f.count))
-        return findings
+        return ordered(findings)
 
     def finish(self, notes: Iterable[str] = (), *, damaged_lines: int = 0) -> Analysis:
         notes = [*notes, *self.admission.notes(), *self._series.notes()]

@@ -117,9 +117,8 @@ class ViolationDetector:
             evidence = {k: v for k, v in group["first"].items() if k not in ("kind", "count")}
             evidence["events"] = group["events"]
             evidence["pid"] = pid
-            out.append(
-                Finding(self.kind, self.severity, self.message(group["count"], allocator, site, evidence), group["count"], evidence, pid)
-            )
+            message = self.message(group["count"], allocator, site, evidence)
+            out.append(Finding(self.kind, self.severity, message, group["count"], evidence, pid, first_ts_us=group["first_ts_us"]))
         if self.left_out:
             out.append(left_out_finding(self.kind, self.severity, self.left_out, "(process, allocator, call site)"))
         return out
