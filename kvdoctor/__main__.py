@@ -1,5 +1,5 @@
 """`python -m kvdoctor`: the same command line as the `kvdoctor` script."""
 
-from kvdoctor.cli import main
+from kvdoctor.console import main
 
 main()

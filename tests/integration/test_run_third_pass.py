@@ -58,3 +58,69 @@ def test_rendezvous_files_with_non_ascii_digits_do_not_crash_run(tmp_path):
     ends = [e for e in trace if e.get("name") == schema.TRACE_END]
     assert len(ends) == 1 and ends[0]["args"]["command_exit"] == 3
     assert _run_dirs() - before == set()  # the rendezvous directory is gone
+
+
+# ---------------------------------------------------------------- item 16: what a killed or interrupted run leaves
+
+
+def _pid_never_running() -> int:
+    with open("/proc/sys/kernel/pid_max") as fh:
+        return int(fh.read()) + 1  # above pid_max: no process has it
+
+
+def test_the_next_run_removes_what_sigkilled_runs_left_in_tmp(tmp_path):
+    tmp = tempfile.gettempdir()
+    dead = os.path.join(tmp, f"kvdoctor-run-{_pid_never_running()}-left")
+    alive = os.path.join(tmp, f"kvdoctor-run-{os.getpid()}-mine")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "keep").write_text("kept")
+    link = os.path.join(tmp, f"kvdoctor-run-{_pid_never_running()}-link")
+    os.mkdir(dead)
+    os.mkdir(alive)
+    os.symlink(other, link)
+    try:
+        open(os.path.join(dead, "census.request"), "w").close()
+        proc = kv_run(tmp_path, "true")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not os.path.exists(dead)  # before: every SIGKILLed run left one
+        assert os.path.isdir(alive) and os.path.islink(link) and (other / "keep").read_text() == "kept"
+    finally:
+        for path in (dead, alive):
+            if os.path.isdir(path):
+                os.rmdir(path)
+        if os.path.islink(link):
+            os.unlink(link)
+
+
+def test_a_sigkilled_runs_directory_is_named_by_its_pid(tmp_path):
+    import signal
+    import time
+
+    before = _run_dirs()
+    trace = str(tmp_path / "t.kvtrace.json")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "kvdoctor.cli", "run", "--sample-interval", "0", "--trace", trace, "--", "sleep", "60"],
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (_run_dirs() - before) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    left = _run_dirs() - before
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=30)
+    assert [os.path.basename(p).split("-")[2] for p in left] == [str(run.pid)]
+    (tmp_path / "next").mkdir()  # the command (sleep) dies with its run (PR_SET_PDEATHSIG)
+    assert kv_run(tmp_path / "next", "true").returncode == 0
+    assert not (left & _run_dirs())
+
+
+def test_ctrl_c_while_the_command_line_imports_is_one_line(tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "typer.py").write_text("raise KeyboardInterrupt  # Ctrl-C while the command line's modules import\n")
+    env = {**os.environ, "PYTHONPATH": str(fake)}
+    proc = subprocess.run([sys.executable, "-m", "kvdoctor", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr == "kvdoctor: interrupted\n"  # before: a traceback
