@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from kvdoctor.probe.callsites import short_path
-from kvdoctor.probe.settings import env_count, env_positive
+from kvdoctor.probe.settings import DAY_S, env_count, env_number
 from kvdoctor.trace import schema
 
 ENV_ATTRIBUTION = "KVDOCTOR_ATTRIBUTION"
@@ -108,9 +108,10 @@ def _status(probe: Any, state: str, reason: str) -> None:
 class Attribution:
     def __init__(self, probe: Any) -> None:
         self.probe = probe
-        self.period_s = env_positive(ENV_PERIOD_S, DEFAULT_PERIOD_S)
-        self.window_s = min(env_positive(ENV_WINDOW_S, DEFAULT_WINDOW_S), self.period_s)
-        self.sample_hz = env_positive(ENV_SAMPLE_HZ, DEFAULT_SAMPLE_HZ)
+        # bounded below and above: a 1e-9 s period or a 1e9 Hz sampler would take the GIL from the server
+        self.period_s = env_number(ENV_PERIOD_S, DEFAULT_PERIOD_S, low=0.1, high=DAY_S)
+        self.window_s = min(env_number(ENV_WINDOW_S, DEFAULT_WINDOW_S, low=0.05, high=DAY_S), self.period_s)
+        self.sample_hz = env_number(ENV_SAMPLE_HZ, DEFAULT_SAMPLE_HZ, low=0.01, high=1000.0)
         self.top = env_count(ENV_TOP, DEFAULT_TOP, high=1000)
         self.stop = threading.Event()
         self.windows = 0

@@ -22,7 +22,7 @@ from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, ImportHook
 from kvdoctor.probe.maps import ProbeMap, available_maps
 from kvdoctor.probe.patching import Patching, still_importing
-from kvdoctor.probe.settings import DAY_S, env_number, env_positive, env_switch
+from kvdoctor.probe.settings import DAY_S, env_number, env_switch
 from kvdoctor.probe.shutdown import Rendezvous
 from kvdoctor.trace import schema
 
@@ -61,7 +61,7 @@ class Probe(Patching):
         self._inject = set(inject or ())
         self.emitter = Emitter(
             trace_path,
-            flush_interval_s=env_positive(ENV_WRITER_INTERVAL_S, 0.5, high=3600.0),
+            flush_interval_s=env_number(ENV_WRITER_INTERVAL_S, 0.5, low=0.01, high=3600.0),  # 1e-9 would spin a core
             header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()},
         )
         self.sites = CallSites()

@@ -419,3 +419,26 @@ def test_pprof_windows_with_infinite_or_nan_times_are_written(tmp_path):
     proc = _replay(trace, "--pprof", str(tmp_path / "profiles"))
     assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]  # before: OverflowError
     assert sorted(os.listdir(tmp_path / "profiles")) == ["pid7-window0.pb.gz", "pid7-window1.pb.gz"]
+
+
+# ---------------------------------------------------------------- neighbours: values that would spin the server
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVDOCTOR_WRITER_INTERVAL_S", "1e-9"),  # the writer thread in a busy loop
+        ("KVDOCTOR_ATTRIBUTION_SAMPLE_HZ", "1e9"),  # the attribution sampler taking the GIL without a pause
+        ("KVDOCTOR_ATTRIBUTION_PERIOD_S", "1e-9"),  # tracemalloc windows back to back
+    ],
+)
+def test_values_that_would_spin_a_core_keep_the_default(monkeypatch, capsys, name, value):
+    from kvdoctor.probe import attribution, runtime, settings
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(settings, "_SAID", set())
+    probe = runtime.Probe(None)
+    worker = Attribution(_Probe(""))
+    assert probe.emitter.flush_interval_s == 0.5
+    assert worker.sample_hz == attribution.DEFAULT_SAMPLE_HZ and worker.period_s == attribution.DEFAULT_PERIOD_S
+    assert [ln.split("=")[0] for ln in capsys.readouterr().err.splitlines() if "KVDOCTOR_" in ln] == [f"kvdoctor: {name}"]
