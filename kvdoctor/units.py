@@ -156,15 +156,18 @@ def parse_rate(text: str) -> float:
 
 
 def short_title(title: str, limit: int | None = None) -> str:
-    """A process title fit for one line: whitespace collapsed, an interpreter's path cut to its
-    name (`/usr/bin/python3 -m sglang...` -> `python3 -m sglang...`), cut at `limit` with "…"."""
+    """A process title fit for one line: whitespace collapsed, the program's path cut to its name
+    (`/usr/bin/python3 -m sglang...` -> `python3 -m sglang...`, also after a leading `kvdoctor`),
+    cut at `limit` with "…" after the last whole word that fits (mid-word only where none does)."""
     words = title.split()
-    if words and "/" in words[0] and "::" not in words[0]:
-        words[0] = words[0].rsplit("/", 1)[-1]
+    first = 1 if len(words) > 1 and words[0] == "kvdoctor" else 0
+    if len(words) > first and "/" in words[first] and "::" not in words[first]:
+        words[first] = words[first].rsplit("/", 1)[-1]
     text = " ".join(words)
     if limit is None or len(text) <= limit:
         return text
-    return text[: limit - 1] + "…"
+    cut = text.rfind(" ", 0, limit - 1)
+    return text[:cut] + " …" if cut >= limit // 2 else text[: limit - 1] + "…"
 
 
 # --------------------------------------------------------------------------- bounded series

@@ -11,6 +11,7 @@ from kvdoctor.analysis.findings import ERROR, INFO, WARNING
 from kvdoctor.outputs import one_line, printable
 from kvdoctor.reporters.bounded import PROCESSES_SHOWN, first_processes, shown_findings
 from kvdoctor.trace.schema import STATUS_KINDS
+from kvdoctor.units import short_title
 
 MARK = {ERROR: "ERROR", WARNING: "warn ", INFO: "info "}
 EVIDENCE_KEYS = (
@@ -30,7 +31,7 @@ def render_text(analysis: Analysis) -> str:
     lines = []
     listed, unlisted = first_processes(analysis.processes, PROCESSES_SHOWN)
     procs = ", ".join(
-        f"{pid} {one_line(str(info.get('process_title', ''))[:40])}".strip()
+        f"{pid} {short_title(one_line(info.get('process_title', '')), 48)}".strip()
         + (f" [{one_line(info.get('engine'))} {one_line(info.get('engine_version'))}]" if info.get("engine") else "")
         for pid, info in listed
     ) + (f" and {unlisted} more" if unlisted else "")
