@@ -45,6 +45,8 @@ MAX_WAIT_S = 60.0  # the most ENV_WAIT_S may ask for: a shutdown is never held l
 POLL_S = 0.05
 REQUEST = "census.request"
 WRITER_STOPPED = "writer-stopped."
+# never through a link, and never blocked on a FIFO someone left at the name (O_NONBLOCK: ENXIO instead)
+_PRIVATE_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
 MAX_WRITERS_STOPPED = 64  # read back by `run`: bounded like everything else it reads
 
 
@@ -54,7 +56,7 @@ def note_writer_stopped(error: str) -> None:
     if not directory:
         return
     try:
-        fd = os.open(os.path.join(directory, f"{WRITER_STOPPED}{os.getpid()}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(os.path.join(directory, f"{WRITER_STOPPED}{os.getpid()}"), _PRIVATE_WRITE, 0o600)
     except OSError:
         return
     try:
@@ -135,7 +137,7 @@ class Rendezvous:
         """Atomically (a reader never sees half a file); False when the directory is gone."""
         try:
             temp = self._path(f".{name}.{os.getpid()}")
-            with open(temp, "w") as fh:
+            with os.fdopen(os.open(temp, _PRIVATE_WRITE, 0o600), "w") as fh:
                 json.dump(body, fh)
             os.replace(temp, self._path(name))
             return True

@@ -442,3 +442,26 @@ def test_values_that_would_spin_a_core_keep_the_default(monkeypatch, capsys, nam
     assert probe.emitter.flush_interval_s == 0.5
     assert worker.sample_hz == attribution.DEFAULT_SAMPLE_HZ and worker.period_s == attribution.DEFAULT_PERIOD_S
     assert [ln.split("=")[0] for ln in capsys.readouterr().err.splitlines() if "KVDOCTOR_" in ln] == [f"kvdoctor: {name}"]
+
+
+def test_a_fifo_at_a_rendezvous_name_never_blocks_the_probe(tmp_path):
+    from kvdoctor.probe import shutdown
+
+    os.mkfifo(tmp_path / f".census.1.{os.getpid()}")
+    os.mkfifo(tmp_path / f"{shutdown.WRITER_STOPPED}{os.getpid()}")
+    results: list[bool] = []
+
+    def write() -> None:
+        results.append(shutdown.Rendezvous(str(tmp_path))._write("census.1", {"pid": 1}))
+        os.environ[shutdown.ENV_RENDEZVOUS] = str(tmp_path)
+        try:
+            shutdown.note_writer_stopped("disk full")
+        finally:
+            del os.environ[shutdown.ENV_RENDEZVOUS]
+        results.append(True)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    writer.join(timeout=20)
+    assert not writer.is_alive(), "the probe blocked on a FIFO in the run's directory"
+    assert results == [False, True]
