@@ -63,3 +63,9 @@ def _cut(holder: dict[str, Any], key: str, mine: dict[str, Any]) -> None:
     left["count"] = as_count(left.get("count")) + sum(as_count(v) for k, v in mine.items() if k not in kept)
     mine.clear()
     mine.update(kept)
+
+
+def scalars(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` without its lists and tables: what a detector keeps of the latest of an event it
+    reads only counts from (a crafted event's million ids are not kept with it)."""
+    return {key: value for key, value in args.items() if not isinstance(value, (dict, list))}

@@ -465,3 +465,34 @@ def test_a_fifo_at_a_rendezvous_name_never_blocks_the_probe(tmp_path):
     writer.join(timeout=20)
     assert not writer.is_alive(), "the probe blocked on a FIFO in the run's directory"
     assert results == [False, True]
+
+
+@pytest.mark.parametrize("detector_name", ["MmFeaturesHeldDetector", "MambaOrphanSlotsDetector", "LoraGhostUidDetector"])
+def test_the_latest_count_a_detector_keeps_holds_no_list_of_ids(detector_name):
+    import gc
+
+    from kvdoctor.analysis.detectors import lora_ghost_uid, mamba_orphan_slots, mm_features_held
+    from kvdoctor.trace import schema
+
+    detector = {
+        "MmFeaturesHeldDetector": (mm_features_held.MmFeaturesHeldDetector, schema.MM_INPUTS),
+        "MambaOrphanSlotsDetector": (mamba_orphan_slots.MambaOrphanSlotsDetector, schema.MAMBA_POOL),
+        "LoraGhostUidDetector": (lora_ghost_uid.LoraGhostUidDetector, schema.LORA_POOL),
+    }[detector_name]
+    sink = detector[0]()
+    tracemalloc.start()
+    try:
+        for pid in range(1, 9):  # eight processes, each one latest event naming 50,000 requests
+            args = {
+                "when": "exit",
+                "slots": 8,
+                "released": [f"r{pid}-{i}" for i in range(50_000)],
+                "waiting": {f"w{i}": 1 for i in range(50_000)},
+            }
+            sink.feed(schema.Event(ph="i", name=detector[1], pid=pid, ts=1.0, args=args))
+            del args
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * 1024 * 1024, held  # before: every id of every process's latest event (~40 MB)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdoctor.analysis.detectors.base import ViolationDetector, as_list
+from kvdoctor.analysis.named import scalars
 from kvdoctor.trace import schema
 from kvdoctor.units import as_count
 
@@ -29,7 +30,7 @@ class LoraGhostUidDetector(ViolationDetector):
         if event.name == schema.LORA_POOL:
             key = (event.pid, str(event.args.get("pool", "")))
             if key in self.last_count or len(self.last_count) < 1024:
-                self.last_count[key] = event.args
+                self.last_count[key] = scalars(event.args)  # the counts the message reads, not the uid lists
             return
         super().feed(event)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdoctor.analysis.detectors.base import ViolationDetector, as_list
+from kvdoctor.analysis.named import scalars
 from kvdoctor.trace import schema
 from kvdoctor.units import as_count
 
@@ -29,7 +30,7 @@ class MambaOrphanSlotsDetector(ViolationDetector):
     def feed(self, event: schema.Event) -> None:
         if event.name == schema.MAMBA_POOL:
             if event.pid in self.last_count or len(self.last_count) < 1024:
-                self.last_count[event.pid] = event.args
+                self.last_count[event.pid] = scalars(event.args)  # the counts the message reads, not the holders' lists
             return
         super().feed(event)
 

@@ -41,7 +41,7 @@ class MmFeaturesHeldDetector:
             if len(self.processes) >= MAX_PROCESSES:
                 return
             proc = self.processes[event.pid] = {"requests": {}, "untracked": 0, "last": {}}
-        proc["last"] = args
+        proc["last"] = {k: args.get(k) for k in ("scheduler", "when")}  # what the message reads, not the whole event
         proc["untracked"] = max(proc["untracked"], as_count(args.get("untracked_requests")))
         requests: dict[str, dict[str, Any]] = proc["requests"]
         listed = [h for h in as_list(args.get("held")) if isinstance(h, dict)]
