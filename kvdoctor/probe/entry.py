@@ -17,6 +17,7 @@ import sys
 
 ENV_AUTOPROBE = "KVDOCTOR_AUTOPROBE"  # set by `kvdoctor run`/`gate` for the command's processes
 ENGINE_PACKAGES = ("sglang", "vllm")  # as kvdoctor/_inject/sitecustomize.py's (a test holds them equal)
+_OFF = ("", "0", "false", "no", "off")  # KVDOCTOR_ATTRIBUTION: not asked for (as the sitecustomize reads it)
 
 
 def _activate() -> None:
@@ -46,7 +47,7 @@ def start() -> None:
     try:
         if not os.environ.get(ENV_AUTOPROBE) or os.environ.get("KVDOCTOR_DISABLE"):
             return
-        if os.environ.get("KVDOCTOR_ATTRIBUTION"):
+        if os.environ.get("KVDOCTOR_ATTRIBUTION", "").strip().lower() not in _OFF:
             _activate()
         elif EngineWatch not in sys.meta_path:
             sys.meta_path.insert(0, EngineWatch)

@@ -145,9 +145,9 @@ def test_the_start_up_hook_costs_nothing_unless_run_asks_for_it(installed):
     assert _run([installed.python, "-c", code], env=_tool_env()).stdout.strip() == "[]"
     asked = _run([installed.python, "-c", code], env={**_tool_env(), "KVDOCTOR_AUTOPROBE": "1"})
     assert asked.stdout.strip() == "['kvdoctor', 'kvdoctor.probe', 'kvdoctor.probe.entry']" and asked.stderr == "", asked
-    sources = [os.path.join(REPO, "kvdoctor", *p) for p in (("_inject", "sitecustomize.py"), ("probe", "entry.py"))]
-    watched = {open(s).read().split("ENGINE_PACKAGES = ", 1)[1].split("#", 1)[0].strip() for s in sources}
-    assert len(watched) == 1, watched  # both ways in watch for the same engines
+    sources = [open(os.path.join(REPO, "kvdoctor", *p)).read() for p in (("_inject", "sitecustomize.py"), ("probe", "entry.py"))]
+    for name in ("ENGINE_PACKAGES = ", "_OFF = "):  # both ways in watch for the same engines, read attribution alike
+        assert len({s.split(name, 1)[1].split("#", 1)[0].strip() for s in sources}) == 1, name
 
 
 def _gate_over_a_script(installed, tmp_path, server_python: str) -> subprocess.CompletedProcess:
