@@ -299,7 +299,10 @@ def export(
 def gate(
     ctx: typer.Context,
     max_growth: str = typer.Option(
-        DEFAULT_MAX_GROWTH, "--max-growth", metavar="RATE", help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s)"
+        DEFAULT_MAX_GROWTH,
+        "--max-growth",
+        metavar="RATE",
+        help="fail if any memory class grows faster (e.g. 500MiB/h, 10MB/s); off: judge no growth (a job too short for it)",
     ),
     max_orphan_slots: int = typer.Option(
         0,

@@ -13,6 +13,7 @@ from kvdoctor.trace import schema
 from kvdoctor.units import HOUR_S, MIB
 
 DEFAULT_MAX_GROWTH = "500MiB/h"
+GROWTH_OFF = ("off", "none")  # `--max-growth off`: the user asks for no growth verdict (a job too short for one)
 DEFAULT_FAIL_ON = (schema.DOUBLE_FREE, schema.DOUBLE_ALLOC, schema.STALE_LAST_LOC, schema.INDEX_OUT_OF_RANGE)
 
 
@@ -24,6 +25,7 @@ BUDGETED_KINDS = (schema.ORPHAN_SLOTS, schema.MEMORY_GROWTH)  # judged by their 
 @dataclasses.dataclass
 class Budgets:
     max_growth_bytes_per_s: float = 500 * MIB / HOUR_S
+    judge_growth: bool = True  # False: `--max-growth off`, the growth check is said to be off, never passed
     max_orphan_slots: int = 0
     fail_on: set[str] = dataclasses.field(default_factory=lambda: set(DEFAULT_FAIL_ON))
     allow: set[str] = dataclasses.field(default_factory=set)  # error kinds the user waived by name

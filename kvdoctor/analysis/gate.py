@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # `run` reads outlived_sentence without loading the detectors
     from kvdoctor.analysis.analyzer import Analysis
 
 DEFAULT_TOLERANCE = 0.2  # a baseline regression is a rise of more than this fraction
+GROWTH_HINT = "judge growth on a longer run, or pass --max-growth off to judge the rest alone"
 RATE_DIGITS = 1  # growth rates in check details: "512.0 MiB/h"
 
 
@@ -47,9 +48,17 @@ class Check:
     detail: str
     judged: bool = True  # False: nothing to judge it on (it neither passes nor fails)
     warning: bool = False  # passed, with something the user should see (it never fails the gate)
+    off: bool = False  # turned off by the user: neither passed nor judged, and it never fails the gate
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "judged": self.judged, "warning": self.warning, "detail": self.detail}
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "judged": self.judged,
+            "warning": self.warning,
+            "off": self.off,
+            "detail": self.detail,
+        }
 
 
 @dataclasses.dataclass
@@ -61,11 +70,15 @@ class GateResult:
 
     @property
     def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.judged and not c.passed]
+        return [c for c in self.checks if c.judged and not c.passed and not c.off]
 
     @property
     def unjudged(self) -> list[Check]:
-        return [c for c in self.checks if not c.judged]
+        return [c for c in self.checks if not c.judged and not c.off]
+
+    @property
+    def turned_off(self) -> list[Check]:
+        return [c for c in self.checks if c.off]
 
     @property
     def warned(self) -> list[Check]:
@@ -87,14 +100,15 @@ class GateResult:
         if self.unjudged:
             return f"kvdoctor gate: COULD NOT JUDGE ({'; '.join(c.detail for c in self.unjudged)})"
         warned = f", {len(self.warned)} warning{'s' if len(self.warned) > 1 else ''}" if self.warned else ""
-        return f"kvdoctor gate: PASS ({len(self.checks)} checks{warned})"
+        off = f", {len(self.turned_off)} turned off: {', '.join(c.name for c in self.turned_off)}" if self.turned_off else ""
+        return f"kvdoctor gate: PASS ({len(self.checks) - len(self.turned_off)} checks{warned}{off})"
 
     def summary_lines(self) -> list[str]:
         """One line per check: a detail quotes the trace (request ids, titles), which never starts
         a line of its own (a forged `PASS` line, or a `::error` command in a CI log)."""
         lines = [f"kvdoctor gate: {one_line(self.source)}"] if self.source else []
         for check in self.checks:
-            mark = ("WARN" if check.warning else "PASS") if check.passed else "FAIL" if check.judged else "N/A "
+            mark = "OFF " if check.off else ("WARN" if check.warning else "PASS") if check.passed else "FAIL" if check.judged else "N/A "
             lines.append(f"  {mark}  {check.name}: {one_line(check.detail)}")
         lines.append(one_line(self.verdict()))
         return lines
@@ -257,6 +271,8 @@ def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
     """Broken when a growth finding's rate is over the budget; held only when every process
     sampled to the end has each memory class bounded under it (kvdoctor.analysis.growth_verdict);
     otherwise not judged, with the reason, like a missing census."""
+    if not budgets.judge_growth:
+        return Check("max-growth", False, "turned off (--max-growth off): memory growth was not judged", judged=False, off=True)
     over = [f for f in _growth_findings(analysis) if _rate_of(f) > budgets.max_growth_bytes_per_s]
     budget_text = _rate_text(budgets.max_growth_bytes_per_s)
     if over:
@@ -273,8 +289,8 @@ def _growth_check(analysis: Analysis, budgets: Budgets) -> Check:
     if not held and not unjudged:
         return Check("max-growth", False, "not judged: no memory sample in the trace", judged=False)
     if unjudged:
-        detail = f"not judged against {budget_text}: " + _listed(unjudged, 3)
-        return Check("max-growth", False, detail + (f"; held: {_listed(held, 2)}" if held else ""), judged=False)
+        detail = f"not judged against {budget_text}: " + _listed(unjudged, 3) + (f"; held: {_listed(held, 2)}" if held else "")
+        return Check("max-growth", False, detail + f" ({GROWTH_HINT})", judged=False)
     seen = _max_growth(analysis)
     detail = f"held under {budget_text}" + (f" (fastest {_rate_text(seen)})" if seen else "") + ": " + _listed(held, 3)
     if gone:

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.analysis.budgets import ANY_ENGINE, DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, ENGINE_CHOICES, Budgets, finding_kinds
+from kvdoctor.analysis.budgets import ANY_ENGINE, DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, ENGINE_CHOICES, GROWTH_OFF, Budgets, finding_kinds
 from kvdoctor.analysis.gate import check_baseline_engines, judge
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError, TraceError
@@ -55,8 +55,10 @@ def budgets_from(max_growth: str, max_orphan_slots: int, fail_on: str, allow: st
         raise KvdoctorError("--max-orphan-slots must be 0 or more")
     if engine not in ENGINE_CHOICES:
         raise KvdoctorError(f"--engine {engine!r} is not one kvdoctor probes", "choose " + ", ".join(ENGINE_CHOICES))
+    growth_off = str(max_growth).strip().lower() in GROWTH_OFF
     return Budgets(
-        max_growth_bytes_per_s=parse_rate(max_growth),
+        max_growth_bytes_per_s=parse_rate(DEFAULT_MAX_GROWTH if growth_off else max_growth),
+        judge_growth=not growth_off,
         max_orphan_slots=int(max_orphan_slots),
         fail_on=finding_kinds(fail_on, "--fail-on"),
         allow=finding_kinds(allow, "--allow") if allow else set(),

@@ -29,11 +29,13 @@ def render_junit(result: GateResult) -> str:
     lines = [
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
-        f'  <testsuite name="{SUITE}" tests="{tests}" failures="{failures}" errors="{errors}" skipped="0">',
+        f'  <testsuite name="{SUITE}" tests="{tests}" failures="{failures}" errors="{errors}" skipped="{len(result.turned_off)}">',
     ]
     for check in result.checks:
         lines.append(f'    <testcase classname="{SUITE}" name={quoteattr(check.name)}>')
-        if not check.judged:
+        if check.off:
+            lines.append(f"      <skipped message={quoteattr(check.detail)} />")
+        elif not check.judged:
             lines.append(f'      <error message={quoteattr(check.detail)} type="could-not-judge">{escape(check.detail)}</error>')
         elif check.passed:
             lines.append(f"      <system-out>{'warning: ' if check.warning else ''}{escape(check.detail)}</system-out>")

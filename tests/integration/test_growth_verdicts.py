@@ -49,9 +49,9 @@ def _memory_trace(path, rss_at, seconds, *, ends=1, exits=(), extra_events=()):
     return path
 
 
-def _gate(tmp_path, name, rss_at, seconds, capsys, **kwargs):
+def _gate(tmp_path, name, rss_at, seconds, capsys, budget_options=None, **kwargs):
     junit = str(tmp_path / f"{name}.xml")
-    code = gate([_memory_trace(str(tmp_path / f"{name}.kvtrace.json"), rss_at, seconds, **kwargs)], junit=junit)
+    code = gate([_memory_trace(str(tmp_path / f"{name}.kvtrace.json"), rss_at, seconds, **kwargs)], junit=junit, **(budget_options or {}))
     out = capsys.readouterr().out
     growth = next(line for line in out.splitlines() if "max-growth" in line)
     case = next(c for c in ET.parse(junit).getroot().iter("testcase") if c.get("name") == "max-growth")
@@ -174,3 +174,15 @@ def test_the_growth_rule_is_in_the_docstring():
     doc = growth_verdict.__doc__ or ""
     assert f"{growth.DEFAULT_SETTLE_S:.0f} s" in doc and f"first {growth.DEFAULT_WARMUP_S:.0f} s" in doc
     assert f"{growth.DEFAULT_MIN_SPAN_S:.0f} s" in doc and f"{growth.DEFAULT_CONFIDENCE:.0%}" in doc
+
+
+def test_growth_turned_off_is_said_off_and_judges_the_rest(tmp_path, capsys):
+    """A job too short to judge growth can still gate its slots: `--max-growth off` says the check is
+    off (never PASS), counts it apart, and does not make the gate exit 2; any other budget still fails."""
+    code, growth, case, out = _gate(tmp_path, "off", lambda t: 300 * MIB + CLIMB * t, 20, capsys, {"max_growth": "off"})
+    assert code == 0, out
+    assert growth.startswith("  OFF   max-growth: turned off (--max-growth off)"), growth
+    assert case.find("skipped") is not None and case.find("error") is None and case.find("failure") is None
+    assert "kvdoctor gate: PASS (" in out and "1 turned off: max-growth" in out, out
+    code, growth, _, out = _gate(tmp_path, "short", lambda t: 300 * MIB + CLIMB * t, 20, capsys)
+    assert code == 2 and "--max-growth off" in growth, growth  # the unjudged line says how to judge the rest alone
