@@ -16,19 +16,19 @@ from kvdoctor.trace import schema
 
 
 def kv_run(tmp_path, *command: str, stderr=subprocess.PIPE, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`kvdoctor run` of `command`; the result's `pid` is run's own (its rendezvous directory's name)."""
     trace = str(tmp_path / "t.kvtrace.json")
-    return subprocess.run(
-        [sys.executable, "-m", "kvdoctor.cli", "run", "--sample-interval", "0", "--trace", trace, "--", *command],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-    )
+    args = [sys.executable, "-m", "kvdoctor.cli", "run", "--sample-interval", "0", "--trace", trace, "--", *command]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO) as run:
+        out, err = run.communicate(timeout=timeout)
+    proc = subprocess.CompletedProcess(args, run.returncode, out, err)
+    proc.pid = run.pid  # type: ignore[attr-defined]
+    return proc
 
 
-def _run_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "kvdoctor-run-*")))
+def _run_dirs(pid: int | str = "*") -> set[str]:
+    """The rendezvous directories in the temp dir, of one run (by its pid) or of all."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"kvdoctor-run-{pid}-*")))
 
 
 # ---------------------------------------------------------------- item 10: a stderr reader that goes away
@@ -48,7 +48,6 @@ def test_a_stderr_reader_that_went_away_leaves_runs_exit_code(tmp_path):
 
 
 def test_rendezvous_files_with_non_ascii_digits_do_not_crash_run(tmp_path):
-    before = _run_dirs()
     script = 'touch "$KVDOCTOR_RENDEZVOUS/writer-stopped.²" "$KVDOCTOR_RENDEZVOUS/ledger.²" "$KVDOCTOR_RENDEZVOUS/writer-stopped.٣"; exit 3'
     proc = kv_run(tmp_path, "sh", "-c", script)
     assert proc.returncode == 3, proc.stderr[-2000:]  # before: 2, internal error: ValueError
@@ -57,7 +56,7 @@ def test_rendezvous_files_with_non_ascii_digits_do_not_crash_run(tmp_path):
         trace = json.load(fh)
     ends = [e for e in trace if e.get("name") == schema.TRACE_END]
     assert len(ends) == 1 and ends[0]["args"]["command_exit"] == 3
-    assert _run_dirs() - before == set()  # the rendezvous directory is gone
+    assert _run_dirs(proc.pid) == set()  # the rendezvous directory is gone
 
 
 # ---------------------------------------------------------------- item 16: what a killed or interrupted run leaves
@@ -69,26 +68,27 @@ def _pid_never_running() -> int:
 
 
 def test_the_next_run_removes_what_sigkilled_runs_left_in_tmp(tmp_path):
-    tmp = tempfile.gettempdir()
-    dead = os.path.join(tmp, f"kvdoctor-run-{_pid_never_running()}-left")
-    alive = os.path.join(tmp, f"kvdoctor-run-{os.getpid()}-mine")
+    import shutil
+
+    tmp, token = tempfile.gettempdir(), os.path.basename(str(tmp_path))
+    dead = os.path.join(tmp, f"kvdoctor-run-{_pid_never_running()}-{token}")
+    alive = os.path.join(tmp, f"kvdoctor-run-{os.getpid()}-{token}")
+    link = os.path.join(tmp, f"kvdoctor-run-{_pid_never_running()}-{token}link")
     other = tmp_path / "elsewhere"
     other.mkdir()
     (other / "keep").write_text("kept")
-    link = os.path.join(tmp, f"kvdoctor-run-{_pid_never_running()}-link")
-    os.mkdir(dead)
-    os.mkdir(alive)
-    os.symlink(other, link)
     try:
+        os.mkdir(dead)
+        os.mkdir(alive)
+        os.symlink(other, link)
         open(os.path.join(dead, "census.request"), "w").close()
         proc = kv_run(tmp_path, "true")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert not os.path.exists(dead)  # before: every SIGKILLed run left one
         assert os.path.isdir(alive) and os.path.islink(link) and (other / "keep").read_text() == "kept"
     finally:
-        for path in (dead, alive):
-            if os.path.isdir(path):
-                os.rmdir(path)
+        shutil.rmtree(dead, ignore_errors=True)
+        shutil.rmtree(alive, ignore_errors=True)
         if os.path.islink(link):
             os.unlink(link)
 
@@ -97,7 +97,6 @@ def test_a_sigkilled_runs_directory_is_named_by_its_pid(tmp_path):
     import signal
     import time
 
-    before = _run_dirs()
     trace = str(tmp_path / "t.kvtrace.json")
     run = subprocess.Popen(
         [sys.executable, "-m", "kvdoctor.cli", "run", "--sample-interval", "0", "--trace", trace, "--", "sleep", "60"],
@@ -105,15 +104,15 @@ def test_a_sigkilled_runs_directory_is_named_by_its_pid(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
-    while not (_run_dirs() - before) and time.monotonic() < deadline and run.poll() is None:
+    while not _run_dirs(run.pid) and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.05)
-    left = _run_dirs() - before
+    left = _run_dirs(run.pid)
     run.send_signal(signal.SIGKILL)
     run.wait(timeout=30)
-    assert [os.path.basename(p).split("-")[2] for p in left] == [str(run.pid)]
+    assert len(left) == 1 and all(os.path.isdir(p) for p in left)  # before: kvdoctor-run-XXXXXXXX, no pid to tell it by
     (tmp_path / "next").mkdir()  # the command (sleep) dies with its run (PR_SET_PDEATHSIG)
     assert kv_run(tmp_path / "next", "true").returncode == 0
-    assert not (left & _run_dirs())
+    assert not any(os.path.exists(p) for p in left)
 
 
 def test_ctrl_c_while_the_command_line_imports_is_one_line(tmp_path):
