@@ -3,7 +3,7 @@ fault, and the diagnosis a user would get. No GPU, no model, no download."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import os
 import sys
 
@@ -18,7 +18,10 @@ NEEDED = {"torch": "torch", "sglang": "SGLang"}  # module -> what to call it
 def check_demo_needs() -> None:
     """A one-line refusal where this Python lacks what the demo runs on (SGLang's real classes, on
     torch), before anything imports them: kvdoctor installed on its own has neither."""
-    missing = [name for module, name in NEEDED.items() if importlib.util.find_spec(module) is None]
+    # PathFinder, not importlib.util.find_spec: a look-up through sys.meta_path is what the probe's
+    # start-up hook (kvdoctor/probe/entry.py) waits for, and would turn on the probe of a `kvdoctor
+    # run` around this demo before the demo's own, whose trace would then stay empty
+    missing = [name for module, name in NEEDED.items() if importlib.machinery.PathFinder.find_spec(module) is None]
     if missing:
         raise KvdoctorError(
             f"the demo needs {' and '.join(NEEDED.values())} (it runs SGLang's real allocator and radix tree), and this Python "
