@@ -65,6 +65,6 @@ def ordered(findings: list[Finding]) -> list[Finding]:
         if cause is None:
             continue
         at = f" at {_where(cause)}" if _where(cause) else ""
-        finding.caused_by = f"{cause.kind} x{cause.count}{at}"
+        finding.caused_by = f"{cause.kind} x{cause.counted()}{at}"
         finding.message = f"{finding.message.rstrip('.')}; caused by {finding.caused_by}"
     return out

@@ -53,7 +53,7 @@ def render_text(analysis: Analysis) -> str:
     shown, left = shown_findings(analysis.findings)
     for finding in shown:
         mark = MARK.get(finding.severity, one_line(finding.severity))
-        counted = "" if finding.kind in STATUS_KINDS or not finding.count else f" x{finding.count}"  # "x0" would read as "none"
+        counted = "" if finding.kind in STATUS_KINDS or not finding.count else f" x{finding.counted()}"  # "x0" would read as "none"
         lines.append(f"{mark} {one_line(finding.kind)}{counted}: {one_line(finding.message)}")
         for key in EVIDENCE_KEYS:
             value = finding.evidence.get(key)

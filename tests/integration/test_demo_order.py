@@ -1,5 +1,5 @@
 """Each `kvdoctor demo --fault F` prints the planted fault as its first error finding, and every
-later error finding that follows from it names its cause ("caused by double_free x64 at _finish")."""
+later error finding that follows from it names its cause ("caused by double_free x64 slots at _finish")."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ GPU_REPORTS = os.path.join(REPO, "reports", "gpu")
 @pytest.mark.parametrize(
     "trace,status,counted",
     [
-        ("hicache_memray.trace.json", schema.PROBE_PARTIAL, f"{schema.RETAINED_VIEW} x3759: "),
-        ("ll_oor_nofix.trace.json", schema.PROBE_OFF, f"{schema.INDEX_OUT_OF_RANGE} x13: "),
+        ("hicache_memray.trace.json", schema.PROBE_PARTIAL, f"{schema.RETAINED_VIEW} x3759 tensors: "),
+        ("ll_oor_nofix.trace.json", schema.PROBE_OFF, f"{schema.INDEX_OUT_OF_RANGE} x13 indices: "),
     ],
 )
 def test_a_status_finding_prints_without_a_count(trace, status, counted):

@@ -83,6 +83,8 @@ class ViolationDetector:
     severity = ERROR
     template = ""
     merged_counts: tuple[str, ...] = ("requests", "sites", "allocated_at")  # evidence tables summed over a group's events
+    unit = ""  # what the count counts, as the finding names it ("slots", "last_loc values")
+    paged = False  # the count is of KV slots kept by the ledger a page at a time (see slot_count)
 
     def __init__(self) -> None:
         self.groups: dict[tuple[int, str, str], dict[str, Any]] = {}
@@ -94,12 +96,13 @@ class ViolationDetector:
         args = event.args
         key = (event.pid, str(args.get("allocator", "")), str(args.get("site", "")))
         group = self.groups.get(key)
-        count = as_count(args.get("count"))
+        count = slot_count(args) if self.paged else as_count(args.get("count"))
         if group is None:
             if len(self.groups) >= MAX_LEDGER_ENTRIES:
                 self.left_out.add(key, count)
                 return
             self.groups[key] = {"count": count, "first": dict(args), "events": 1, "first_ts_us": event.ts}
+            self.groups[key]["page_size"] = max(1, as_count(args.get("page_size"))) if self.paged else 1
         else:
             group["count"] += count
             group["events"] += 1
@@ -118,9 +121,12 @@ class ViolationDetector:
             evidence["events"] = group["events"]
             evidence["pid"] = pid
             message = self.message(group["count"], allocator, site, evidence)
-            out.append(Finding(self.kind, self.severity, message, group["count"], evidence, pid, first_ts_us=group["first_ts_us"]))
+            found = Finding(self.kind, self.severity, message, group["count"], evidence, pid, first_ts_us=group["first_ts_us"])
+            found.unit, found.page_size = self.unit, group["page_size"]
+            out.append(found)
         if self.left_out:
             out.append(left_out_finding(self.kind, self.severity, self.left_out, "(process, allocator, call site)"))
+            out[-1].unit = self.unit
         return out
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
@@ -140,6 +146,21 @@ def left_out_finding(kind: str, severity: str, left: LeftOut, entry: str) -> Fin
         {"entries_not_kept": left.entries(), "events": left.events},
         0,
     )
+
+
+def slot_count(args: dict[str, Any]) -> int:
+    """The slots a violation event names. The ledger keeps one state a page, and at a page size
+    above one the probe's `count` is of the entries it checked: slots for some calls, page starts
+    for others (an extend checks only the pages it begins). So there the count is the slots of the
+    pages hit (the pages its `sites` tally names, exact up to 4096 an event) times the page size,
+    or the count where that is more (a slot checked twice)."""
+    count = as_count(args.get("count"))
+    page_size = as_count(args.get("page_size"))
+    sites = args.get("sites")
+    if page_size <= 1 or not isinstance(sites, dict):
+        return count
+    pages = sum(as_count(n) for n in sites.values())
+    return max(pages * page_size, count)
 
 
 def as_list(value: Any) -> list[Any]:

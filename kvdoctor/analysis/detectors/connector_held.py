@@ -117,5 +117,5 @@ class ConnectorHeldDetector:
                 "untracked_requests": group["untracked"],
                 "pid": pid,
             }
-            out.append(Finding(schema.CONNECTOR_HELD_BLOCKS, ERROR if held else WARNING, message, blocks, evidence, pid))
+            out.append(Finding(schema.CONNECTOR_HELD_BLOCKS, ERROR if held else WARNING, message, blocks, evidence, pid, unit="blocks"))
         return out

@@ -112,5 +112,5 @@ class ContainerGrowthDetector:
             }
             if known:
                 evidence["known_issue"] = known
-            out.append(Finding(schema.CONTAINER_GROWTH, ERROR, message, grown, evidence, pid))
+            out.append(Finding(schema.CONTAINER_GROWTH, ERROR, message, grown, evidence, pid, unit="items"))
         return out

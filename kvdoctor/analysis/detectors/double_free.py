@@ -8,6 +8,8 @@ from kvdoctor.trace import schema
 
 class DoubleFreeDetector(ViolationDetector):
     kind = schema.DOUBLE_FREE
+    unit = "slots"
+    paged = True
     template = (
         "{count} KV slot(s) freed while already free{slots} by {site}; "
         "the allocator now lists them twice and will hand each to two requests"

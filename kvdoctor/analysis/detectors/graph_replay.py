@@ -8,6 +8,7 @@ from kvdoctor.trace import schema
 
 class GraphReplayDuringLoadDetector(ViolationDetector):
     kind = schema.GRAPH_REPLAY_DURING_LOAD
+    unit = "replays"
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         batch = ""

@@ -64,5 +64,5 @@ class HostGrowthAttributionDetector:
             if args.get("memray_command"):
                 evidence["memray_command"] = args["memray_command"]
             severity = WARNING if growth_bytes >= self.warn_bytes else INFO
-            out.append(Finding(schema.HOST_GROWTH, severity, message, growth_bytes, evidence, pid))
+            out.append(Finding(schema.HOST_GROWTH, severity, message, growth_bytes, evidence, pid, unit="bytes"))
         return out

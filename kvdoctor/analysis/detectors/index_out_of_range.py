@@ -10,6 +10,7 @@ from kvdoctor.trace import schema
 
 class IndexOutOfRangeDetector(ViolationDetector):
     kind = schema.INDEX_OUT_OF_RANGE
+    unit = "indices"
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
         if "mamba_state_column" in evidence:

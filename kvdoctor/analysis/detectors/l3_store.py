@@ -107,5 +107,5 @@ class L3StoreDetector:
                 )
             }
             evidence.update({"backends": backends, "store_bytes_bound": held, "retained_bytes": retained, "pid": pid})
-            out.append(Finding(schema.L3_STORE_BYTES, severity, message, never, evidence, pid))
+            out.append(Finding(schema.L3_STORE_BYTES, severity, message, never, evidence, pid, unit="pages"))
         return out

@@ -19,6 +19,7 @@ from kvdoctor.units import as_count
 
 class LoraGhostUidDetector(ViolationDetector):
     kind = schema.LORA_GHOST_UID
+    unit = "slots"
     consumes = frozenset({schema.VIOLATION, schema.LORA_POOL})
     merged_counts = ("adapters",)
 

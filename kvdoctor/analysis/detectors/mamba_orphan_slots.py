@@ -20,6 +20,7 @@ from kvdoctor.units import as_count
 
 class MambaOrphanSlotsDetector(ViolationDetector):
     kind = schema.MAMBA_ORPHAN_SLOTS
+    unit = "slots"
     consumes = frozenset({schema.VIOLATION, schema.MAMBA_POOL})
     merged_counts = ("requests",)
 

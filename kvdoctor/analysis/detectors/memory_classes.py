@@ -222,7 +222,9 @@ class MemoryClassGrowthDetector:
             "python_heap_source": latest.get("python_heap_source"),
             "latest": {k: v for k, v in latest.items() if isinstance(v, (int, float, str))},
         }
-        return Finding(kind=schema.MEMORY_CLASS_GROWTH, severity=WARNING, message=message, count=1, evidence=evidence, pid=pid)
+        return Finding(
+            kind=schema.MEMORY_CLASS_GROWTH, severity=WARNING, message=message, count=1, evidence=evidence, pid=pid, unit="class"
+        )
 
 
 def _rate(bytes_per_s: float) -> str:

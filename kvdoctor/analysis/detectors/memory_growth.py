@@ -307,4 +307,4 @@ class MemoryGrowthDetector:
             "limit_bytes": limit,
             "time_to_oom_s": tto,
         }
-        return Finding(kind=schema.MEMORY_GROWTH, severity=ERROR, message=message, count=1, evidence=evidence, pid=pid)
+        return Finding(kind=schema.MEMORY_GROWTH, severity=ERROR, message=message, count=1, evidence=evidence, pid=pid, unit="process")

@@ -120,6 +120,14 @@ class MmFeaturesHeldDetector:
                 "pid": pid,
             }
             out.append(
-                Finding(schema.MM_FEATURES_HELD, ERROR if held else WARNING, message, len(requests) + proc["untracked"], evidence, pid)
+                Finding(
+                    schema.MM_FEATURES_HELD,
+                    ERROR if held else WARNING,
+                    message,
+                    len(requests) + proc["untracked"],
+                    evidence,
+                    pid,
+                    unit="requests",
+                )
             )
         return out

@@ -113,10 +113,12 @@ class OrphanSlotsDetector:
                     orphans,
                     {"ledgers_not_kept": len(self.left_latest), "census": "latest"},
                     0,
+                    unit="slots",
                 )
             )
         if self.left_releases.count:
             out.append(left_out_finding(schema.ORPHAN_SLOTS, ERROR, self.left_releases, "(process, allocator) release"))
+            out[-1].unit = "slots"
         return out
 
     def findings(self) -> list[Finding]:
@@ -142,6 +144,7 @@ class OrphanSlotsDetector:
                         freed,
                         {"allocator": allocator, "slot_ids": dangling, "pid": pid},
                         pid,
+                        unit="slots",
                     )
                 )
         return out
@@ -235,7 +238,8 @@ class OrphanSlotsDetector:
                 f"at the {args.get('reason', '')} census (slots {shown}); allocated by {top_site} for {top_req} "
                 f"and never freed or inserted" + _released_on(evidence.get("released_on")) + sglang_says
             )
-        return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)
+        page_size = 1 if vllm else max(1, as_count(args.get("page_size")))
+        return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid, unit="slots", page_size=page_size)
 
     @staticmethod
     def _release_finding(key: tuple[int, str], found: dict[str, Any]) -> Finding:
@@ -261,7 +265,7 @@ class OrphanSlotsDetector:
         }
         if found.get("released_on"):
             evidence["released_on"] = found["released_on"]
-        return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid)
+        return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid, unit="slots")
 
 
 def _released_on(paths: Any) -> str:

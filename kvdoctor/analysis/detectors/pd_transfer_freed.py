@@ -18,6 +18,7 @@ from kvdoctor.trace import schema
 
 class PdTransferFreedDetector(ViolationDetector):
     kind = schema.PD_TRANSFER_FREED_IN_FLIGHT
+    unit = "pages"
     merged_counts = ("requests",)
 
     def feed(self, event: schema.Event) -> None:

@@ -16,6 +16,7 @@ from kvdoctor.units import as_count
 
 class PdTransferStuckDetector(ViolationDetector):
     kind = schema.PD_TRANSFER_STUCK
+    unit = "transfers"
     severity = WARNING
     merged_counts = ("requests",)
 

@@ -149,6 +149,7 @@ class ProbeHealthDetector:
                         count,
                         {"pid": pid},
                         pid,
+                        unit="events",
                     )
                 )
         for pid, err in self.write_error.items():

@@ -15,6 +15,7 @@ from kvdoctor.trace import schema
 
 class RefcountDisagreesDetector(ViolationDetector):
     kind = schema.REFCOUNT_DISAGREES
+    unit = "slots"
     severity = WARNING
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:

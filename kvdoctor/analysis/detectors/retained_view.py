@@ -72,5 +72,5 @@ class RetainedViewDetector:
                 "retained_bytes_per_hour": round(rate),
                 "pid": pid,
             }
-            out.append(Finding(schema.RETAINED_VIEW, severity, message, views, evidence, pid))
+            out.append(Finding(schema.RETAINED_VIEW, severity, message, views, evidence, pid, unit="tensors"))
         return out

@@ -8,6 +8,7 @@ from kvdoctor.trace import schema
 
 class StaleLastLocDetector(ViolationDetector):
     kind = schema.STALE_LAST_LOC
+    unit = "last_loc values"
     merged_counts = (*ViolationDetector.merged_counts, "last_loc_of")
     template = (
         "{count} last_loc value(s) passed by {site}{passed_for} point at slots the request no longer holds{slots} ({request}); "

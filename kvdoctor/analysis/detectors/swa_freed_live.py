@@ -18,6 +18,7 @@ from kvdoctor.trace import schema
 
 class SwaFreedLiveDetector(ViolationDetector):
     kind = schema.SWA_SLOT_FREED_LIVE
+    unit = "slots"
     merged_counts = ("requests",)
 
     def message(self, count: int, allocator: str, site: str, evidence: dict[str, Any]) -> str:
