@@ -108,7 +108,35 @@ def target_python_version(pid: int) -> tuple[int, int]:
         raise KvdoctorError(
             f"pid {pid} is not a Python process (it runs {exe})", "give the pid of the Python server process, or " + RUN_INSTEAD
         )
+    if "libpython" not in maps and not _holds_python_api(f"/proc/{pid}/exe"):
+        raise KvdoctorError(  # a program named like Python (a copy of `sleep` called python3.11) is none
+            f"pid {pid} is not a Python process: it runs {exe}, whose name says Python but which has no Python C API",
+            "give the pid of the Python server process, or " + RUN_INSTEAD,
+        )
     return int(found.group(1)), int(found.group(2))
+
+
+PYTHON_API_SYMBOL = b"PyRun_SimpleString\x00"  # what the injection calls: every interpreter exports it
+EXE_SCAN_BYTES = 512 * 1024 * 1024
+
+
+def _holds_python_api(path: str) -> bool:
+    """Whether the executable at `path` (no libpython mapped: a statically linked interpreter, or
+    not one at all) names the C API function the injection calls. Unreadable: assumed to."""
+    tail = b""
+    read = 0
+    try:
+        with open(path, "rb") as fh:
+            while read < EXE_SCAN_BYTES:
+                block = fh.read(1 << 20)
+                if not block:
+                    return False
+                if PYTHON_API_SYMBOL in tail + block:
+                    return True
+                tail, read = block[-len(PYTHON_API_SYMBOL) :], read + len(block)
+    except OSError:
+        return True
+    return True
 
 
 def _capabilities() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -65,6 +66,25 @@ def test_attach_to_a_process_that_is_not_python_says_so():
         line = info.value.one_line()
         assert f"pid {sleeper.pid} is not a Python process" in line and "sleep" in line and "kvdoctor run --" in line
         assert "\n" not in line
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_program_named_like_python_is_not_taken_for_one(tmp_path):
+    """A copy of `sleep` called python3.11 has no interpreter to run code in: refused at once, not
+    waited on for gdb's 20 s and then blamed as an idle interpreter."""
+    impostor = tmp_path / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", impostor)
+    sleeper = subprocess.Popen([str(impostor), "60"])
+    try:
+        started = time.monotonic()
+        with pytest.raises(KvdoctorError) as info:
+            attach(sleeper.pid, str(tmp_path / "never.kvtrace.json"))
+        line = info.value.one_line()
+        assert f"pid {sleeper.pid} is not a Python process" in line and "no Python C API" in line, line
+        assert time.monotonic() - started < 10  # no gdb was started for it
+        assert not (tmp_path / "never.kvtrace.json").exists()
     finally:
         sleeper.kill()
         sleeper.wait()
