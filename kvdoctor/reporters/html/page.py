@@ -4,10 +4,12 @@ evidence, and the plots. Self-contained: inline CSS and SVG, no scripts, no font
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
+from kvdoctor.analysis.gate_growth import growth_by_process
 from kvdoctor.reporters.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
 from kvdoctor.reporters.html.svg import memory_plot, slots_plot
 from kvdoctor.reporters.html.text import escape as _e
@@ -41,6 +43,7 @@ table.procs td.title{word-break:break-all;font-family:ui-monospace,SFMono-Regula
 .stat.error .n{color:#b91c1c}.stat.warning .n{color:#b45309}.stat.ok .n{color:#15803d}
 .verdict{margin-top:10px;padding:10px 14px;border-radius:8px;font-weight:600}
 .verdict.bad{background:#fef2f2;color:#991b1b;border:1px solid #fecaca}
+.verdict.unjudged{background:#fffbeb;color:#92400e;border:1px solid #fde68a}
 .verdict.good{background:#f0fdf4;color:#166534;border:1px solid #bbf7d0}
 .card{background:#fff;border:1px solid #e5e7eb;border-left:5px solid #9ca3af;border-radius:8px;padding:12px 16px;margin:12px 0}
 .card.error{border-left-color:#dc2626}.card.warning{border-left-color:#d97706}.card.info{border-left-color:#2563eb}
@@ -69,6 +72,18 @@ footer{color:#9ca3af;font-size:12px;margin-top:32px}
 
 def _finding_pid(finding: Finding) -> int:
     return as_int(finding.evidence.get("pid", finding.pid), default=finding.pid)
+
+
+def _clock(key: str, value: Any) -> str:
+    """A time of day for a value that is one (seconds or microseconds since the epoch), else ""."""
+    v = as_float(value) if not isinstance(value, bool) else None
+    if v is None:
+        return ""
+    if key.endswith("_us") and 1e15 <= v < 1e17:
+        v /= 1e6
+    elif not (key.endswith(("_s", "_ts", "ts")) and 1e9 <= v < 1e11):
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(v))
 
 
 def _value_html(value: Any, depth: int = 0) -> str:
@@ -115,13 +130,15 @@ def finding_card(finding: Finding, processes: dict[int, dict[str, Any]]) -> str:
     sev = finding.severity if finding.severity in (ERROR, WARNING, INFO) else "info"
     rows = []
     for key, value in finding.evidence.items():
-        rows.append(f"<dt>{_e(key)}</dt><dd>{_value_html(value)}{_e(_evidence_extra(str(key), value))}</dd>")
+        clock = _clock(str(key), value)
+        shown = _e(clock) if clock else f"{_value_html(value)}{_e(_evidence_extra(str(key), value))}"
+        rows.append(f"<dt>{_e(key)}</dt><dd>{shown}</dd>")
     pid = finding.pid
     who = ""
     if pid:
         title = (processes.get(pid) or {}).get("process_title", "")
         who = f'<span class="count">pid {pid}{(" · " + _e(_short(title)[:90])) if title else ""}</span>'
-    count = f'<span class="count">×{finding.count}</span>' if finding.count else ""
+    count = f'<span class="count">×{_e(finding.counted())}</span>' if finding.count else ""
     ev = f'<dl class="ev">{"".join(rows)}</dl>' if rows else ""
     return (
         f'<div class="card {sev}"><div class="head"><span class="badge {sev}">{_e(sev)}</span>'
@@ -144,6 +161,34 @@ def _parse_label(label: str) -> tuple[str, int, str]:
     except ValueError:
         pid = 0
     return kind, pid, name
+
+
+def _leaked(findings: list[Finding], censuses: dict[int, dict[str, Any]], pid: int, allocator: str) -> tuple[float, int] | None:
+    """(when, how many): the slots of one ledger its last census found leaked, as its findings count them."""
+    since = as_float((censuses.get(pid) or {}).get("ts_us"))
+    orphans = sum(
+        f.count
+        for f in findings
+        if f.kind == schema.ORPHAN_SLOTS
+        and f.pid == pid
+        and f.evidence.get("allocator") == allocator
+        and f.evidence.get("census") != "release"
+    )
+    return (since, orphans) if since is not None and orphans > 0 else None
+
+
+def _growth_not_judged(analysis: Analysis) -> str:
+    """The processes whose memory growth the data could not judge, and why, as watch's last line
+    and the gate say it; "" where every one was judged (or no memory was sampled)."""
+    budget = analysis.growth_budget_bytes_per_s
+    if budget is None or not analysis.growth_evidence:
+        return ""
+    _held, unjudged, gone = growth_by_process(analysis, budget)
+    named = {**unjudged, **gone}
+    if not named:
+        return ""
+    shown = "; ".join(f"{name}: {why}" for name, why in list(named.items())[:4])
+    return f"memory growth not judged ({shown}{f'; and {len(named) - 4} more' if len(named) > 4 else ''})"
 
 
 def render_html(analysis: Analysis) -> str:
@@ -171,10 +216,15 @@ def render_html(analysis: Analysis) -> str:
     out.append(f'<div class="stat"><div class="n">{infos}</div><div class="l">info</div></div>')
     out.append(f'<div class="stat"><div class="n">{len(processes)}</div><div class="l">processes</div></div>')
     out.append("</div>")
+    unjudged = _growth_not_judged(analysis)
     if errors:
         out.append(f'<div class="verdict bad">{errors} error finding(s): the traced processes broke KV or memory safety rules.</div>')
+    elif unjudged:
+        out.append('<div class="verdict unjudged">No error findings, but memory growth was not judged.</div>')
     else:
         out.append('<div class="verdict good">No error findings.</div>')
+    if unjudged:
+        out.append(f'<div class="verdict unjudged">{_e(unjudged)}</div>')
 
     out.append("<h2>Processes</h2>")
     if processes:
@@ -225,7 +275,7 @@ def render_html(analysis: Analysis) -> str:
             mine = [f for f in growth if _finding_pid(f) == pid]
             plots.append(memory_plot(label, entry, t0, mine, title))
         else:
-            plots.append(slots_plot(label, entry, t0, title))
+            plots.append(slots_plot(label, entry, t0, title, _leaked(findings, analysis.last_censuses, pid, name)))
     plots = [p for p in plots if p]
     if undrawn:
         plots.append(f'<div class="panel more">… and {undrawn} more series not drawn ({PLOTS_SHOWN_PER_KIND} of each kind are)</div>')

@@ -14,8 +14,21 @@ from kvdoctor.reporters.html.text import human_duration, human_rate
 from kvdoctor.units import as_float
 
 PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
-SLOT_COLOURS = {"free_slots": "#86efac", "owned_slots": "#93c5fd", "tree_slots": "#fcd34d", "unaccounted_slots": "#fca5a5"}
-SLOT_LABELS = {"free_slots": "free", "owned_slots": "owned by requests", "tree_slots": "in radix tree", "unaccounted_slots": "unaccounted"}
+LEAKED = "leaked_slots"  # a band of its own: slots a census found held by no live request
+SLOT_COLOURS = {
+    "free_slots": "#86efac",
+    "owned_slots": "#93c5fd",
+    "tree_slots": "#fcd34d",
+    "unaccounted_slots": "#fca5a5",
+    LEAKED: "#dc2626",
+}
+SLOT_LABELS = {
+    "free_slots": "free",
+    "owned_slots": "owned by requests",
+    "tree_slots": "in radix tree",
+    "unaccounted_slots": "unaccounted",
+    LEAKED: "leaked (no live request)",
+}
 
 WIDTH = 880
 HEIGHT = 300
@@ -215,7 +228,7 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
     x_scale, x_unit = _time_unit(x_hi - x_lo)
     frame = _Frame(x_lo, x_hi, y_lo, y_hi, y_scale=y_scale, y_unit=y_unit, x_scale=x_scale, x_unit=x_unit)
     if len(ts) == 1:
-        frame.x_label_override = f"one sample, at {human_duration(ts[0])} after trace start"
+        frame.x_label_override = f"time after trace start: {human_duration(ts[0])}"
     body: list[str] = []
     legend = []
     colours = {}
@@ -256,14 +269,34 @@ def memory_plot(label: str, entry: dict[str, Any], t0_us: float, growth: list[Fi
     return f'<div class="plot"><h3>Memory by class — {_e(title)}</h3><div class="sub">{sub}</div>{svg}{_legend(legend)}{oom_html}</div>'
 
 
-def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> str:
+def with_leaked(entry: dict[str, Any], leaked: tuple[float, int] | None) -> list[dict[str, Any]]:
+    """The samples, with the slots a census found leaked drawn as their own band. The ledger's
+    counters count a leaked slot as owned (or unaccounted): only a census knows its request is
+    gone. `leaked` is (the census's time, its orphans): samples from then on show them apart."""
+    values = [dict(v) if isinstance(v, dict) else {} for v in entry.get("values", [])]
+    if not leaked:
+        return values
+    since_us, orphans = leaked
+    for ts, v in zip(entry.get("ts_us", []), values, strict=False):
+        if ts < since_us:
+            continue
+        unaccounted = min(int(v.get("unaccounted_slots", 0) or 0), orphans)
+        owned = min(int(v.get("owned_slots", 0) or 0), orphans - unaccounted)
+        v["unaccounted_slots"] = int(v.get("unaccounted_slots", 0) or 0) - unaccounted
+        v["owned_slots"] = int(v.get("owned_slots", 0) or 0) - owned
+        v[LEAKED] = unaccounted + owned
+    return values
+
+
+def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str, leaked: tuple[float, int] | None = None) -> str:
     ts = [(t - t0_us) / 1e6 for t in entry.get("ts_us", [])]
-    values = entry.get("values", [])
+    values = with_leaked(entry, leaked)
     if not ts:
         return ""
+    labels = {**SLOT_LABELS, "owned_slots": "owned by live requests"} if leaked else SLOT_LABELS
     layers = [
         k
-        for k in ("free_slots", "owned_slots", "tree_slots", "unaccounted_slots")
+        for k in ("free_slots", "owned_slots", "tree_slots", "unaccounted_slots", LEAKED)
         if any(v.get(k) for v in values) or k in ("free_slots", "owned_slots", "tree_slots")
     ]
     totals = [v.get("total_slots") for v in values]
@@ -276,7 +309,7 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
     x_scale, x_unit = _time_unit(x_hi - x_lo)
     frame = _Frame(x_lo, x_hi, 0.0, y_hi, y_scale=1.0, y_unit="slots", x_scale=x_scale, x_unit=x_unit)
     if single:
-        frame.x_label_override = f"one sample, at {human_duration(ts[0])} after trace start"
+        frame.x_label_override = f"time after trace start: {human_duration(ts[0])}"
     body: list[str] = []
     if single:
         # one sample: a stacked column at its time, labelled with the counts
@@ -296,7 +329,7 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
             if y0 - y1 >= 14:
                 body.append(
                     f'<text x="{cx:.1f}" y="{(y0 + y1) / 2 + 4:.1f}" font-size="11" fill="#1f2937" text-anchor="middle">'
-                    f"{_e(SLOT_LABELS[k])}: {int(n)}</text>"
+                    f"{_e(labels[k])}: {int(n)}</text>"
                 )
             below += n
     else:
@@ -317,11 +350,11 @@ def slots_plot(label: str, entry: dict[str, Any], t0_us: float, title: str) -> s
         else:
             body.append(_polyline(total_pts, "#111827", width=1.4, dash="5 4"))
     svg = _svg(frame, body, f"KV slots of {title}", "KV slots")
-    legend = [(SLOT_COLOURS[k], SLOT_LABELS[k], "") for k in layers]
-    if total_pts:
-        legend.append(("#111827", "total slots", "dash"))
     last = values[-1]
-    counts = ", ".join(f"{SLOT_LABELS[k]} {int(last.get(k, 0) or 0)}" for k in layers)
+    legend = [(SLOT_COLOURS[k], f"{labels[k]} {int(last.get(k, 0) or 0)}", "") for k in layers]
+    if total_pts:
+        legend.append(("#111827", f"total slots {int(totals[-1] or 0)}" if isinstance(totals[-1], (int, float)) else "total slots", "dash"))
+    counts = ", ".join(f"{labels[k]} {int(last.get(k, 0) or 0)}" for k in layers)
     n = len(entry.get("ts_us", []))
     sub = (
         f"{_e(label)} · {n} sample{'s' if n != 1 else ''}"
