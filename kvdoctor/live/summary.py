@@ -10,6 +10,7 @@ from typing import Any, TextIO
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.live.view import display_title
 from kvdoctor.outputs import one_line, strict
+from kvdoctor.trace.schema import MEMORY_GROWTH
 from kvdoctor.units import format_duration, format_optional_bytes
 
 WATCH_SCHEMA_ID = "kvdoctor.watch/1"
@@ -26,6 +27,9 @@ class WatchResult:
     rounds: int
     elapsed_s: float
     root_exited: bool
+    # the growth verdict per process, as the gate says it (kvdoctor.analysis.gate_growth):
+    # {"budget": "...", "held" / "not_judged" / "gone": {"pid N (title)": why}}; {} where none was made
+    growth: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -46,11 +50,32 @@ def write_watch_text(result: WatchResult, out: TextIO) -> None:
             f"(peak {format_optional_bytes(proc['peak_rss_bytes'])})  {state:<7} {display_title(proc['title'])[:60]}",
             file=out,
         )
-    if not result.findings:
-        print("no memory growth found", file=out)
-        return
     for finding in result.findings:
         print(f"{finding.severity.upper()} {finding.kind}: {one_line(finding.message)}", file=out)
+    line = growth_line(result)
+    if line:
+        print(one_line(line), file=out)
+
+
+def growth_line(result: WatchResult) -> str:
+    """The watch's last line on growth, in the gate's words: not judged (and why) for a process
+    whose data bounds no verdict, "no memory growth" only where the data bounds its rate under the
+    floor, and nothing more where a growth finding (printed above) already names it."""
+    growth = result.growth or {}
+    grew = any(f.kind == MEMORY_GROWTH for f in result.findings)
+    unjudged = {**(growth.get("not_judged") or {}), **(growth.get("gone") or {})}
+    held = growth.get("held") or {}
+    budget = growth.get("budget") or "the growth floor"
+    if unjudged:
+        shown = "; ".join(f"{name}: {why}" for name, why in list(unjudged.items())[:4])
+        more = f"; and {len(unjudged) - 4} more" if len(unjudged) > 4 else ""
+        return f"memory growth not judged ({shown}{more})"
+    if grew:
+        return ""
+    if held:
+        shown = "; ".join(f"{name}: {why}" for name, why in list(held.items())[:4])
+        return f"no memory growth over {budget} ({shown})"
+    return "memory growth not judged (no memory of any process was sampled)"
 
 
 def watch_report(result: WatchResult) -> dict[str, Any]:
@@ -63,6 +88,7 @@ def watch_report(result: WatchResult) -> dict[str, Any]:
         "duration_s": result.elapsed_s,
         "root_exited": result.root_exited,
         "processes": result.processes,
+        "growth": result.growth,
     }
 
 

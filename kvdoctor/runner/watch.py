@@ -28,9 +28,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvdoctor.analysis import growth
-from kvdoctor.analysis.analyzer import Analyzer
+from kvdoctor.analysis.analyzer import Analysis, Analyzer
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis.gate_growth import growth_by_process
 from kvdoctor.collect.attach import attach_for_watch
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
@@ -42,6 +43,7 @@ from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import TraceTail
 from kvdoctor.trace.writer import TraceWriter, finish_trace, now_us
+from kvdoctor.units import format_rate
 
 D = TypeVar("D")
 
@@ -281,7 +283,8 @@ def run_watch(
     elif not sampler.root_alive:
         print(f"kvdoctor: pid {pid} exited; analysing what was sampled", file=sys.stderr)
     on_round.record(on_round.probe_events())
-    findings = analyzer.finish().findings
+    analysis = analyzer.finish()
+    findings = analysis.findings
     writer.write_batch(
         [schema.Event(ph="i", name=schema.FINDING, pid=f.pid, ts=now_us(), cat=schema.CAT_ANALYSIS, args=f.to_dict()) for f in findings]
     )
@@ -296,4 +299,15 @@ def run_watch(
         rounds=sampler.rounds,
         elapsed_s=elapsed_s,
         root_exited=not sampler.root_alive,
+        growth=growth_verdicts(analysis),
     )
+
+
+def growth_verdicts(analysis: Analysis) -> dict[str, Any]:
+    """Each process's growth verdict against the floor the watch's growth test uses, as the gate
+    judges a budget: held, not judged, or not judged and gone before the watch's end."""
+    budget = analysis.growth_budget_bytes_per_s
+    if budget is None:
+        return {}
+    held, unjudged, gone = growth_by_process(analysis, budget)
+    return {"budget": format_rate(budget, digits=1), "held": held, "not_judged": unjudged, "gone": gone}

@@ -8,6 +8,7 @@ outside). The growth tests drive kvdoctor.analysis.growth with synthetic series 
 from __future__ import annotations
 
 import dataclasses
+import html
 import io
 import json
 import math
@@ -208,6 +209,34 @@ def test_child_that_warms_up_to_a_plateau_is_not_flagged(spawn, tmp_path, capsys
     assert proc["anon_bytes"] >= 190 * MIB  # it did take the memory, and then held it
 
 
+def test_a_short_watch_of_a_growing_process_says_its_growth_was_not_judged_and_why(spawn, tmp_path, capsys):
+    """3 s of a process climbing 40 MiB/s is too little to call growth (or to bound it): watch's
+    last line says "not judged" with the gate's reason, never "no memory growth found"; its JSON
+    summary and the HTML of its trace say the same."""
+    child = spawn(GROWER, "40", "400")
+    trace = str(tmp_path / "short.kvtrace.json")
+    assert watch(child.pid, interval_s=0.25, duration_s=3, trace_path=trace, output_format="text") == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "no memory growth found" not in last
+    assert last.startswith(f"memory growth not judged (pid {child.pid} ") and "needed to call growth" in last, last
+    why = last.split(": ", 1)[1].rstrip(")")
+
+    child2 = spawn(GROWER, "40", "400")
+    trace2 = str(tmp_path / "short2.kvtrace.json")
+    watch(child2.pid, interval_s=0.25, duration_s=3, trace_path=trace2, output_format="jsonl")
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["type"] == "summary" and not summary["findings"], summary
+    ((name, reason),) = summary["growth"]["not_judged"].items()
+    assert name.startswith(f"pid {child2.pid}") and "needed to call growth" in reason, summary["growth"]
+
+    from kvdoctor.analysis.replay import analyze_trace
+    from kvdoctor.reporters import render
+
+    page = render(analyze_trace(trace), "html")
+    assert "No error findings.</div>" not in page and "memory growth was not judged" in page
+    assert html.escape(why.split(" (", 1)[0], quote=True) in page, why
+
+
 def test_watch_through_a_pipe_writes_a_line_each_interval_while_the_process_runs(spawn, tmp_path):
     """`kvdoctor watch PID | tee`: the first JSON line comes within two intervals of the watch's
     start, while the watched process (and the watch, 300 s long) still run; the lines go on each
@@ -323,7 +352,8 @@ def test_child_exiting_mid_watch_leaves_a_readable_trace(spawn, tmp_path, capsys
     assert code == 0
     assert elapsed < 10, "watch should stop when the watched process exits"
     assert f"pid {child.pid} exited; analysing what was sampled" in captured.err
-    assert "no memory growth found" in captured.out
+    assert "no memory growth found" not in captured.out  # 1.5 s of a process judges no growth
+    assert captured.out.splitlines()[-1].startswith("memory growth not judged (pid "), captured.out
     events = _events(trace)
     assert events[0].name == schema.RUN_HEADER
     headers = [e for e in events if e.name == schema.HEADER]
