@@ -1,0 +1,571 @@
+"""A whole real SGLang 0.5.23 server (`python3 -m sglang.launch_server`) on the GPU under `kvdoctor run`,
+with SGLang's GPU defaults (the overlap scheduler and CUDA graphs on), in the cases of issue #47:
+
+- clean-*: served by SGLang's own `bench_serving` and multi-turn chats with shared prefixes, aborts
+  and long prompts (tests/support/sglang_server.py's clients); verdict: 0 error findings, and every
+  census balanced against SGLang's own counters (the allocator's free list, the tree's evictable
+  and protected sizes): the ledger's free slots are the host's, and at idle total = free + tree;
+- fault-leak / fault-safety: the CPU e2e suite's planted faults (tests/support/sglang_fault), a
+  dropped free, a double free (with a stale last_loc and an out-of-range index in the same server),
+  each judged against what was planted: count, slots, request, site;
+- cost-{off,on}-N: `bench_serving` on fresh servers without and with the probe, measured one at a
+  time in alternating order (the others idle beside it), plus the GPU and host memory of the
+  scheduler process.
+
+    python3 bench/gpu/server_suite.py --out DIR [--cases a,b,...] [--cpu]
+
+The first case starts alone (its JIT kernels and Triton cache serve the others), then every other
+case starts at once; correctness loads run side by side, then the cost benchmarks one at a time.
+Each case's result, the kvdoctor trace and replay of the correctness cases, and the server logs go
+to DIR; DIR/summary.json and DIR/summary.md hold the verdicts. Exit 0 when every case holds.
+`--cpu` runs the same plumbing here with `--device cpu` (a check of the suite, not a result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+REPO = os.environ.get("KVDOCTOR_SRC") or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUPPORT = os.path.join(REPO, "tests", "support")
+sys.path.insert(0, SUPPORT)
+
+import servers  # noqa: E402
+import sglang_server  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CARRY = os.environ.get("SERVER_CARRY") or os.path.join(os.path.dirname(os.path.dirname(HERE)), ".carry", "server")
+GPU_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--host", "127.0.0.1", "--log-level", "warning"]
+CPU_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--sleep-on-idle", "--log-level", "warning"]
+SAFETY = "double-free,stale-last-loc,index-out-of-range"
+HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+HICACHE += ["--hicache-storage-backend", "file", "--hicache-write-policy", "write_through", "--hicache-ratio", "2"]
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str  # clean | leak | safety | cost
+    flags: list[str] = field(default_factory=list)
+    probe: bool = True
+    fault: str = ""
+    fault_at: int = 0
+    model: str = "model"
+    max_total_tokens: int = 65536
+    mem_fraction: str = ""  # the suite's --mem-fraction where empty
+    alone: bool = False  # started only once every other case has stopped, one at a time (a big model)
+
+
+def _cases() -> dict[str, Case]:
+    cases = [
+        Case("clean-p1", "clean"),
+        Case("clean-p16", "clean", ["--page-size", "16"]),
+        Case("clean-noradix", "clean", ["--page-size", "16", "--disable-radix-cache"]),
+        Case("clean-chunked", "clean", ["--page-size", "16", "--chunked-prefill-size", "64", "--schedule-policy", "fcfs"]),
+        Case("clean-p1-chunked", "clean", ["--chunked-prefill-size", "64"]),
+        Case("hicache", "clean", ["--page-size", "16", *HICACHE]),
+        Case("fault-leak", "leak", ["--disable-radix-cache"], fault="leak", fault_at=20),
+        Case("fault-safety", "safety", ["--page-size", "16", "--disable-radix-cache"], fault=SAFETY, fault_at=20),
+    ]
+    for n in range(1, 7):
+        cases.append(Case(f"cost-off-{n}", "cost", ["--sleep-on-idle"], probe=False))
+        cases.append(Case(f"cost-on-{n}", "cost", ["--sleep-on-idle"]))
+        for probe in (False, True):  # decode graphs up to the benchmark's 32 at a time (a shorter capture)
+            big = ["--sleep-on-idle", "--load-format", "dummy", "--cuda-graph-max-bs-decode", "32"]
+            name = f"cost8b-{'on' if probe else 'off'}-{n}"
+            cases.append(Case(name, "cost", big, probe=probe, model="model-8b", max_total_tokens=16384, mem_fraction="0.7", alone=True))
+    return {c.name: c for c in cases}
+
+
+CASES = _cases()
+
+
+def server_env_for(cpu: bool, fault: bool):
+    standins = os.path.join(CARRY, "standins")
+
+    def env(extra: dict[str, str]) -> dict[str, str]:
+        out = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") or k in ("KVDOCTOR_SRC",)}
+        path = [sglang_server.FAULT_DIR] if fault else []
+        path += [os.environ.get("SITE", ""), REPO, SUPPORT if cpu else standins]
+        out.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONWARNINGS": "ignore",
+                "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",  # sgl-kernel is stood in (README.md)
+                "PYTHONPATH": os.pathsep.join(p for p in path if p),
+            }
+        )
+        if cpu:
+            out["SGLANG_USE_CPU_ENGINE"] = "1"
+        out.update(extra)
+        return out
+
+    return env
+
+
+class GpuServer(sglang_server.Server):
+    """tests/support's server run with this machine's python and flags (the clients are its own)."""
+
+    def __init__(self, workdir: str, case: Case, cpu: bool, mem_fraction: str) -> None:
+        self.case = case
+        model = os.path.join(CARRY, case.model)
+        flags = [*(CPU_FLAGS if cpu else GPU_FLAGS), "--mem-fraction-static", case.mem_fraction or mem_fraction, *case.flags]
+        super().__init__(
+            workdir,
+            flags=flags,
+            probe=case.probe,
+            fault=case.fault,
+            fault_at=case.fault_at,
+            max_total_tokens=case.max_total_tokens,
+            model=model,
+        )
+        self._env = server_env_for(cpu, bool(case.fault))
+        self.stop_timeout_s = 180.0
+
+    def start(self, timeout_s: float = 300.0) -> GpuServer:
+        sglang_server.server_env = self._env
+        return super().start(timeout_s)  # type: ignore[return-value]
+
+
+def _events(trace: str) -> list[dict]:
+    out = []
+    with open(trace) as fh:
+        for line in fh:
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line.rstrip().rstrip(",")))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def _errors(report: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in report.get("findings", []):
+        if f["severity"] == "error":
+            out[f["kind"]] = out.get(f["kind"], 0) + f["count"]
+    return out
+
+
+def censuses(trace: str) -> dict:
+    """Every census against SGLang's own counters: the ledger's free slots are the allocator's
+    free list (none only in one of them); at idle the pool is the free list plus the tree."""
+    events = _events(trace)
+    rows = [e["args"] for e in events if e["name"] == "census"]
+    bad = []
+    for a in rows:
+        problems = []
+        if a.get("ledger_disagrees_slots"):
+            problems.append(f"ledger disagrees on {a['ledger_disagrees_slots']} slots")
+        if "host_free_slots" in a and a["host_free_slots"] != a.get("free_slots"):
+            problems.append(f"free {a.get('free_slots')} != host {a['host_free_slots']}")
+        if a.get("idle") and "tree_evictable_slots" in a:
+            diff = a["total_slots"] - a["host_free_slots"] - a["tree_evictable_slots"] - a["tree_protected_slots"]
+            if diff:
+                problems.append(f"idle: total - free - tree = {diff}")
+        if problems:
+            bad.append({"reason": a.get("reason"), "allocator": a.get("allocator"), "problems": problems})
+    hooked: dict[str, int] = {}  # per process, the most hooks it reported (the scheduler's are the pools')
+    for e in events:
+        m = re.search(r"(\d+) methods hooked", str(e["args"].get("reason", ""))) if e["name"] == "probe_status" else None
+        if m:
+            hooked[str(e["pid"])] = max(hooked.get(str(e["pid"]), 0), int(m.group(1)))
+    partial = [e["args"] for e in events if e["name"] == "probe_partial"]
+    last = {}
+    for a in rows:
+        last[a.get("allocator")] = {
+            k: a.get(k)
+            for k in ("reason", "idle", "total_slots", "free_slots", "host_free_slots", "tree_slots", "owned_slots", "unaccounted_slots")
+        }
+        last[a.get("allocator")].update({k: a[k] for k in ("tree_evictable_slots", "tree_protected_slots") if k in a})
+    return {
+        "censuses": len(rows),
+        "idle_censuses": sum(1 for a in rows if a.get("idle")),
+        "by_reason": _count(a.get("reason") for a in rows),
+        "unbalanced": bad[:10],
+        "unbalanced_count": len(bad),
+        "last": last,
+        "hooked": hooked,
+        "probe_partial": [{k: p.get(k) for k in ("component", "reason", "what")} for p in partial][:10],
+        "violations": _count(e["args"].get("kind") for e in events if e["name"] == "violation"),
+    }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in items:
+        out[str(i)] = out.get(str(i), 0) + 1
+    return out
+
+
+def probe_on(trace: str, timeout_s: float = 20.0) -> bool:
+    """The probe reported its hooks in the scheduler (a server that starts without them would
+    spend the device's time on nothing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(trace) and any(
+            e["name"] == "probe_status" and "methods hooked" in str(e["args"].get("reason")) for e in _events(trace)
+        ):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def wait_idle_census(trace: str, since_us: float, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(trace) and any(e["name"] == "census" and e["args"].get("idle") and e["ts"] >= since_us for e in _events(trace)):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def drive(server: GpuServer, cpu: bool) -> dict:
+    chats = server.conversations(turns=3 if not cpu else 2, users=8 if not cpu else 4)
+    bench = server.bench_serving(prompts=128 if not cpu else 24, concurrency=16 if not cpu else 8)
+    ok = re.search(r"Successful requests:\s+(\d+)", bench.stdout)
+    since_us = time.time() * 1e6
+    server.generate(list(range(5, 21)), 4)
+    idle = wait_idle_census(server.trace, since_us) if server.probe else None
+    return {"chats": chats, "bench_ok": int(ok.group(1)) if ok else 0, "bench_rc": bench.returncode, "idle_census_after_load": idle}
+
+
+def judge(case: Case, result: dict, server: GpuServer) -> None:
+    rc, report = servers.replay(server.trace)
+    errors = _errors(report)
+    result.update(replay_rc=rc, errors=errors, census=censuses(server.trace))
+    result["probe_partial"] = [f["message"][:300] for f in report.get("findings", []) if f["kind"] == "probe_partial"]
+    result["warnings"] = _count(f["kind"] for f in report.get("findings", []) if f["severity"] == "warning")
+    with open(os.path.join(server.workdir, "replay.json"), "w") as fh:
+        json.dump(report, fh)
+    planted = server.fault() or {}
+    result["planted"] = {k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size") if x in v} for k, v in planted.items()}
+    why = []
+    load = result.get("load", {})
+    if load.get("chats", {}).get("errors") or load.get("bench_rc") != 0:
+        why.append(f"load failed: {load}")
+    c = result["census"]
+    if case.kind == "leak" and planted.get("leak"):  # the leak itself: total - free - tree is what was dropped
+        want = f"idle: total - free - tree = {planted['leak']['count']}"
+        c["leak_as_planted"] = sum(1 for b in c["unbalanced"] if b["problems"] == [want])
+        c["unbalanced_count"] -= c["leak_as_planted"]
+    if not c["censuses"] or c["unbalanced_count"]:
+        why.append(f"censuses: {c['censuses']}, unbalanced {c['unbalanced_count']}")
+    if case.kind == "clean":
+        if errors or rc != 0:
+            why.append(f"errors {errors} rc {rc}")
+    elif case.kind == "leak":
+        leak = planted.get("leak")
+        if not leak:
+            why.append("no leak planted")
+        else:
+            named = [f for f in report["findings"] if f["kind"] == "orphan_slots" and f["severity"] == "error"]
+            result["named"] = [_named(f) for f in named]
+            page = leak["page_size"]
+            if errors != {"orphan_slots": leak["count"]}:
+                why.append(f"errors {errors}, planted {leak['count']}")
+            elif not _listed_first(named[0]["evidence"]["slot_ids"], leak["slot_ids"], page):
+                why.append("named slots differ from planted")
+            elif "rid " not in named[0]["message"] or not named[0]["evidence"].get("allocated_at"):
+                why.append("request or site not named")
+    elif case.kind == "safety":
+        want = {"double_free": planted.get("double-free", {}).get("count"), "stale_last_loc": 1, "index_out_of_range": 2}
+        result["named"] = [_named(f) for f in report["findings"] if f["severity"] == "error"]
+        if set(planted) != set(case.fault.split(",")):
+            why.append(f"planted only {sorted(planted)}")
+        if errors != want:
+            why.append(f"errors {errors}, want {want}")
+        double = next((f for f in report["findings"] if f["kind"] == "double_free"), None)
+        if double and planted.get("double-free"):
+            page = planted["double-free"]["page_size"]
+            if not {s // page for s in double["evidence"]["slot_ids"]} <= {s // page for s in planted["double-free"]["slot_ids"]}:
+                why.append("double free: named slots not the planted ones")
+        stale = next((f for f in report["findings"] if f["kind"] == "stale_last_loc"), None)
+        if stale and planted.get("stale-last-loc"):
+            page = planted["stale-last-loc"]["page_size"]
+            if planted["stale-last-loc"]["last_loc"] // page not in {s // page for s in stale["evidence"]["slot_ids"]}:
+                why.append("stale last_loc: the planted slot's page not named")
+        oor = next((f for f in report["findings"] if f["kind"] == "index_out_of_range"), None)
+        if oor and oor["evidence"].get("bad_index") != -5:
+            why.append(f"out of range: bad index {oor['evidence'].get('bad_index')}, planted -5")
+    result["verdict"] = "pass" if not why else "FAIL"
+    result["why"] = why
+
+
+def _listed_first(named: list[int], planted: list[int], page: int) -> bool:
+    """A finding lists the first slots of what it names (64 at most): those must be the planted
+    ones' first, page by page (a lost page is named by all its slots)."""
+    named_pages = sorted({s // page for s in named})
+    planted_pages = sorted({s // page for s in planted})
+    return bool(named_pages) and named_pages == planted_pages[: len(named_pages)]
+
+
+def _named(f: dict) -> dict:
+    ev = f.get("evidence", {})
+    return {
+        "kind": f["kind"],
+        "count": f["count"],
+        "message": f["message"][:400],
+        "slot_ids": (ev.get("slot_ids") or [])[:16],
+        "bad_index": ev.get("bad_index"),
+        "requests": dict(list((ev.get("requests") or {}).items())[:2]),
+        "site": str(ev.get("site", ""))[:300],
+        "allocated_at": list(ev.get("allocated_at") or {})[:2],
+    }
+
+
+def bench(server: GpuServer, cpu: bool, workdir: str) -> dict:
+    """SGLang's bench_serving: a warm-up pass, then the measured one (fixed lengths, ignore_eos)."""
+    n, conc, inp, outp = (24, 8, 64, 32) if cpu else (512, 32, 128, 128)
+    args = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(server.port)]
+    args += ["--model", server.model, "--tokenizer", server.model, "--dataset-name", "random-ids", "--random-range-ratio", "1.0"]
+    args += [
+        "--random-input-len",
+        str(inp),
+        "--random-output-len",
+        str(outp),
+        "--max-concurrency",
+        str(conc),
+        "--disable-tqdm",
+        "--seed",
+        "1",
+    ]
+    env = server._env({})
+    out = os.path.join(workdir, "bench.jsonl")
+    args += ["--num-prompts", str(n), "--warmup-requests", str(conc * 2), "--output-file", out]  # the warm-up: one burst first
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=400, cwd=workdir)
+    res: dict = {"rc": run.returncode, "prompts": n, "concurrency": conc, "input_len": inp, "output_len": outp}
+    try:
+        with open(out) as fh:
+            row = json.loads(fh.readlines()[-1])
+        for k in (
+            "output_throughput",
+            "median_itl_ms",
+            "p99_itl_ms",
+            "median_ttft_ms",
+            "p99_ttft_ms",
+            "median_tpot_ms",
+            "completed",
+            "duration",
+        ):
+            res[k] = row.get(k)
+    except (OSError, IndexError, json.JSONDecodeError):
+        res["stderr"] = run.stderr[-1500:]
+    res["memory"] = memory(server)
+    return res
+
+
+def memory(server: GpuServer) -> dict:
+    pid = server.scheduler_pid()
+    out: dict = {"scheduler_pid": pid}
+    if pid:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                out["rss_mib"] = next(int(ln.split()[1]) // 1024 for ln in fh if ln.startswith("VmRSS"))
+        except (OSError, StopIteration):
+            pass
+        try:
+            q = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            for ln in q.stdout.splitlines():
+                p, mib = [x.strip() for x in ln.split(",")]
+                if int(p) == pid:
+                    out["gpu_mib"] = int(mib)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    return out
+
+
+def cost_table(results: dict) -> dict:
+    out = {}
+    for prefix in ("cost", "cost8b"):
+        arms = {}
+        for arm in ("off", "on"):
+            rows = [
+                r["bench"]
+                for n, r in results.items()
+                if re.fullmatch(rf"{prefix}-{arm}-\d+", n) and r.get("bench", {}).get("output_throughput")
+            ]
+            if rows:
+                arms[arm] = {
+                    k: [r[k] for r in rows] for k in ("output_throughput", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms")
+                }
+                arms[arm]["rss_mib"] = [r["memory"].get("rss_mib") for r in rows]
+                arms[arm]["gpu_mib"] = [r["memory"].get("gpu_mib") for r in rows]
+        if "off" in arms and "on" in arms:
+            med = {arm: {k: statistics.median(v) for k, v in arms[arm].items() if v and None not in v} for arm in arms}
+            ratios = {k: round(med["on"][k] / med["off"][k], 4) for k in med["off"] if k in med["on"] and med["off"][k]}
+            out[prefix] = {
+                "rounds": {a: len(arms[a]["output_throughput"]) for a in arms},
+                "median": med,
+                "on_over_off": ratios,
+                "all": arms,
+            }
+    return out
+
+
+def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
+    # tests/support's clients read the model's vocabulary and tokenizer, and run this python
+    sglang_server.MODEL_DIR = os.path.join(CARRY, "model")
+    sglang_server.PYTHON = sys.executable
+    sglang_server.BASE_FLAGS = []  # the flags are all the case's
+    results: dict[str, dict] = {}
+    live: dict[str, GpuServer] = {}
+    log = open(os.path.join(out, "suite.log"), "a")
+
+    def say(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    def start(case: Case) -> None:
+        workdir = os.path.join(out, case.name)
+        os.makedirs(workdir, exist_ok=True)
+        server = GpuServer(workdir, case, cpu, mem_fraction)
+        t0 = time.monotonic()
+        results[case.name] = {"case": case.name, "kind": case.kind, "probe": case.probe, "flags": case.flags, "fault": case.fault}
+        try:
+            server.start()
+            live[case.name] = server
+            results[case.name]["start_s"] = round(time.monotonic() - t0, 1)
+            say(f"{case.name} up in {results[case.name]['start_s']} s")
+        except Exception as exc:
+            results[case.name].update(verdict="FAIL", why=[f"did not start: {exc}"[:3000]])
+            say(f"{case.name} did not start: {str(exc)[-1500:]}")
+
+    def finish(case: Case, work) -> None:
+        server = live.get(case.name)
+        if server is None:
+            return
+        r = results[case.name]
+        try:
+            work(server, r)
+        except Exception:
+            r.update(verdict="FAIL", why=[traceback.format_exc()[-2000:]])
+        finally:
+            r["stop_rc"] = server.stop()
+            r["log_tail"] = server.log_tail(1500) if r.get("verdict") == "FAIL" else ""
+        if r.get("verdict") != "FAIL":
+            try:
+                if case.kind != "cost":
+                    judge(case, r, server)
+                elif case.probe:
+                    c = censuses(server.trace)
+                    r["census"] = c
+                    if not c["censuses"] or c["unbalanced_count"]:
+                        r.update(verdict="FAIL", why=[f"censuses {c['censuses']}, unbalanced {c['unbalanced_count']}"])
+            except Exception:
+                r.update(verdict="FAIL", why=[traceback.format_exc()[-2000:]])
+        r.setdefault("verdict", "pass" if r.get("bench", {}).get("output_throughput") else "FAIL")
+        say(
+            f"{case.name}: {r.get('verdict')} {r.get('why', '')} {r.get('errors', '')} {json.dumps(r.get('bench', {}).get('output_throughput'))}"
+        )
+
+    alone = [c for c in cases if c.alone]  # 77 GB each at --mem-fraction-static 0.7: two do not fit
+    cases = [c for c in cases if not c.alone] or alone[:1]
+    alone = [c for c in alone if c not in cases]
+    start(cases[0])  # alone: the JIT kernels and caches it makes serve the others
+    if cases[0].probe and cases[0].name in live and not probe_on(live[cases[0].name].trace):
+        results[cases[0].name].update(verdict="FAIL", why=["the probe did not come up in the scheduler"])
+        live.pop(cases[0].name).stop()
+    if cases[0].name not in live:  # what stops the first stops them all: say so, spend no more
+        for c in cases[1:]:
+            results[c.name] = {"case": c.name, "kind": c.kind, "verdict": "not run", "why": [f"{cases[0].name} did not start"]}
+        return results
+    threads = [threading.Thread(target=start, args=(c,)) for c in cases[1:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def correctness(server: GpuServer, r: dict) -> None:
+        r["load"] = drive(server, cpu)
+
+    threads = [threading.Thread(target=finish, args=(c, correctness)) for c in cases if c.kind != "cost"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def cost(server: GpuServer, r: dict) -> None:
+        r["bench"] = bench(server, cpu, server.workdir)
+
+    for c in [c for c in cases if c.kind == "cost"]:  # one at a time, in the order given
+        finish(c, cost)
+    for c in alone:
+        start(c)
+        finish(c, cost)
+    return results
+
+
+def write_summary(out: str, results: dict, cpu: bool) -> dict:
+    """Written after every case, so that a run stopped at its limit leaves what it finished."""
+    cost = cost_table(results)
+    done = {n: r for n, r in results.items() if "verdict" in r}
+    summary = {"cases": done, "cost": cost, "cpu_dry_run": cpu, "passed": bool(done) and all(r["verdict"] == "pass" for r in done.values())}
+    with open(os.path.join(out, "summary.json.tmp"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    os.replace(os.path.join(out, "summary.json.tmp"), os.path.join(out, "summary.json"))
+    with open(os.path.join(out, "summary.md"), "w") as fh:
+        fh.write(summary_md(done, cost))
+    return summary
+
+
+def summary_md(results: dict, cost: dict) -> str:
+    lines = ["| case | verdict | errors | censuses (idle) | unbalanced | notes |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        c = r.get("census", {})
+        note = "; ".join(str(w)[:120] for w in r.get("why", []))
+        if r.get("bench", {}).get("output_throughput"):
+            b = r["bench"]
+            note = f"{b['output_throughput']:.0f} tok/s, ITL {b['median_itl_ms']:.2f}/{b['p99_itl_ms']:.2f} ms " + note
+        if r.get("named"):
+            note += " named: " + "; ".join(f"{n['kind']} x{n['count']}" for n in r["named"])
+        lines.append(
+            f"| {name} | {r.get('verdict')} | {r.get('errors', '')} | {c.get('censuses', '')} ({c.get('idle_censuses', '')}) | {c.get('unbalanced_count', '')} | {note} |"
+        )
+    for prefix, t in cost.items():
+        lines.append("")
+        lines.append(
+            f"{prefix}: rounds {t['rounds']}, probe on / off (medians): " + ", ".join(f"{k} {v}x" for k, v in t["on_over_off"].items())
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="clean-p1,clean-p16,clean-noradix,clean-chunked,fault-leak,fault-safety")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--mem-fraction", default="0.3")
+    a = ap.parse_args()
+    names = [n for n in a.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    results = run([CASES[n] for n in names], a.out, a.cpu, a.mem_fraction)
+    summary = write_summary(a.out, results, a.cpu)
+    print(summary_md(summary["cases"], summary["cost"]))
+    return 0 if summary["passed"] and len(summary["cases"]) == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
