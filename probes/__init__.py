@@ -1,1 +1,1 @@
-"""Versioned probe maps: which engine method means what, one readable file per engine version."""
+"""The probe maps: one file per engine (sglang.toml, vllm.toml), each hook with the releases it holds for."""

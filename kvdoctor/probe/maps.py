@@ -1,19 +1,23 @@
-"""Loads the versioned probe maps shipped in `probes/` (package data `kvdoctor.probes`).
+"""Loads the probe maps shipped in `probes/` (package data `kvdoctor.probes`): one file per engine.
 
 A map names, for a range of an engine's releases, which method of which class plays which role.
-`versions` is a list of releases or a range (`">=0.5.10,<0.5.16"`). A release no map covers is
-served by the nearest map whose hooks all resolve in the installed sources (`verify.check_map`).
+An engine's file (`probes/sglang.toml`) lists its maps in `[maps]` (name = the range it covers,
+`">=0.5.10,<0.5.16"` or a list of releases) and its hooks once, each with the releases it holds
+for (`since`, `until`; a value that changed is a list of ranged values): the map of a range is the
+hooks that hold where it starts. A release no map covers is served by the nearest map whose hooks
+all resolve in the installed sources (`verify.check_map`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import os
 import sys
 from typing import Any
 
-from kvdoctor.probe.versions import VersionRange, release_distance, version_key
+from kvdoctor.probe.versions import VersionKey, VersionRange, release_distance, version_key
 
 try:
     import tomllib
@@ -84,35 +88,118 @@ def load_toml(path: str) -> dict[str, Any]:
     return raw
 
 
-def load_map(path: str) -> ProbeMap:
-    raw = load_toml(path)
-    defaults = raw.get("allocator_defaults", {})
+_PARSED: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+_NOT_HERE = object()  # a ranged value none of whose ranges holds for a map
+_ENTRY_KEYS = ("module", "class", "kind", "methods", "args", "since", "until")
+
+
+def _parsed(path: str) -> dict[str, Any]:
+    """The file's TOML, read again only when the file changed (the loader is asked often)."""
+    stat = os.stat(path)
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    cached = _PARSED.get(path)
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, load_toml(path))
+        _PARSED[path] = cached
+    return cached[1]
+
+
+def range_start(versions: VersionRange) -> VersionKey:
+    """The first release a map's range covers: where `since`/`until` of the file's hooks are read."""
+    if versions.exact:
+        return min(version_key(v) or ((0,), 0, 0, 0, 0) for v in versions.exact)
+    lower = [bound for op, bound in versions.clauses if op in (">=", ">", "==")]
+    return max(lower) if lower else ((0,), 0, 0, 0, 0)
+
+
+class _Reader:
+    """One map of an engine file: reads each entry's `since`/`until` (the first release it holds
+    for, the first it no longer does) and each ranged value against the map's first release."""
+
+    def __init__(self, path: str, starts: set[VersionKey], start: VersionKey) -> None:
+        self.path, self.starts, self.start = path, starts, start
+
+    def _bound(self, text: Any, where: str) -> VersionKey:
+        key = version_key(str(text))
+        if key is None or key not in self.starts:
+            raise ValueError(f"{os.path.basename(self.path)}: {where}: {text!r} is not where one of its [maps] ranges starts")
+        return key
+
+    def holds(self, entry: dict[str, Any], where: str) -> bool:
+        since, until = entry.get("since"), entry.get("until")
+        if since is not None and self.start < self._bound(since, where):
+            return False
+        return until is None or self.start < self._bound(until, where)
+
+    def pick(self, value: Any, where: str, key: str = "value") -> Any:
+        """A plain value, or `{key = V, since = .., until = ..}`, or a list of those (the first whose
+        range holds); _NOT_HERE when none holds."""
+        cells = value if isinstance(value, list) and value and all(_ranged(v, key) for v in value) else None
+        if cells is None and _ranged(value, key):
+            cells = [value]
+        if cells is None:
+            return copy.deepcopy(value)
+        for cell in cells:
+            if self.holds(cell, where):
+                return copy.deepcopy(cell[key])
+        return _NOT_HERE
+
+    def values(self, table: dict[str, Any], where: str, key: str = "value") -> dict[str, Any]:
+        picked = {name: self.pick(value, f"{where}.{name}", key) for name, value in table.items()}
+        return {name: value for name, value in picked.items() if value is not _NOT_HERE}
+
+
+def _ranged(value: Any, key: str) -> bool:
+    return isinstance(value, dict) and key in value and set(value) <= {key, "since", "until"}
+
+
+def _one_map(path: str, raw: dict[str, Any], name: str, versions: VersionRange, starts: set[VersionKey]) -> ProbeMap:
+    read = _Reader(path, starts, range_start(versions))
+    defaults = read.values(raw.get("allocator_defaults", {}), "allocator_defaults")
     classes = []
     for entry in raw.get("classes", []):
-        options = {k: v for k, v in entry.items() if k not in ("module", "class", "kind", "methods", "args")}
+        where = f"{entry.get('class')} ({entry.get('module')})"
+        if not read.holds(entry, where):
+            continue
+        options = read.values({k: v for k, v in entry.items() if k not in _ENTRY_KEYS}, where)
         if entry.get("kind") == "allocator":
             options = {**defaults, **options}
+        args = {m: read.values(a, f"{where} args.{m}") for m, a in entry.get("args", {}).items()}
         classes.append(
             ClassHooks(
                 module=entry["module"],
                 cls=entry["class"],
                 kind=entry["kind"],
-                methods=dict(entry.get("methods", {})),
-                args={k: dict(v) for k, v in entry.get("args", {}).items()},
+                methods=read.values(entry.get("methods", {}), where, key="role"),
+                args={m: a for m, a in args.items() if a},
                 options=options,
             )
         )
-    functions = [FunctionHook(f["module"], f["function"], f["role"]) for f in raw.get("functions", [])]
+    functions = [
+        FunctionHook(f["module"], f["function"], f["role"])
+        for f in raw.get("functions", [])
+        if read.holds(f, f"{f.get('module')}.{f.get('function')}")
+    ]
+    top = read.values({k: raw[k] for k in ("dist_names", "speculative_rows_unhooked", "prefill_rows_unhooked") if k in raw}, "")
     return ProbeMap(
         raw["engine"],
-        VersionRange(raw["versions"] if isinstance(raw["versions"], str) else [str(v) for v in raw["versions"]]),
+        versions,
         classes,
         functions,
-        os.path.basename(path),
-        dist_names=list(raw.get("dist_names", [raw["engine"]])),
-        speculative_rows_unhooked=[str(name) for name in raw.get("speculative_rows_unhooked", [])],
-        prefill_rows_unhooked=str(raw.get("prefill_rows_unhooked", "")),
+        name,
+        dist_names=[str(n) for n in top.get("dist_names", [raw["engine"]])],
+        speculative_rows_unhooked=[str(n) for n in top.get("speculative_rows_unhooked", [])],
+        prefill_rows_unhooked=str(top.get("prefill_rows_unhooked", "")),
     )
+
+
+def load_maps(path: str) -> list[ProbeMap]:
+    """The maps of one engine file (`probes/sglang.toml`): one per range its `[maps]` table names,
+    each holding the file's hooks whose `since`/`until` cover the range."""
+    raw = _parsed(path)
+    ranges = {str(name): VersionRange(spec if isinstance(spec, str) else [str(v) for v in spec]) for name, spec in raw["maps"].items()}
+    starts = {range_start(v) for v in ranges.values()}
+    return [_one_map(path, raw, name, versions, starts) for name, versions in ranges.items()]
 
 
 def available_maps(engine: str | None = None) -> list[ProbeMap]:
@@ -120,8 +207,8 @@ def available_maps(engine: str | None = None) -> list[ProbeMap]:
     directory = maps_dir()
     out = []
     for name in sorted(os.listdir(directory)):
-        if name.endswith(".toml") and name != "releases.toml" and (engine is None or name.startswith(engine + "-")):
-            out.append(load_map(os.path.join(directory, name)))
+        if name.endswith(".toml") and name != "releases.toml" and (engine is None or name == f"{engine}.toml"):
+            out += load_maps(os.path.join(directory, name))
     return sorted(out, key=lambda m: version_key(m.versions.anchor()) or ((), 0, 0, 0, 0))
 
 

@@ -180,3 +180,48 @@ def test_every_sglang_map_hooks_the_prefill_row_writer_or_says_it_cannot():
         "sglang-0.5.2.toml",
         "sglang-0.5.3.toml",
     }
+
+
+def _engine_file(tmp_path, body):
+    path = tmp_path / "demo.toml"
+    path.write_text('engine = "demo"\n[maps]\n"demo-1.0.toml" = ">=1.0,<1.2"\n"demo-1.2.toml" = ">=1.2,<=1.3"\n' + body)
+    return str(path)
+
+
+def test_one_engine_file_gives_a_map_per_range_with_the_hooks_that_hold_there(tmp_path):
+    from kvdoctor.probe.maps import load_maps
+
+    body = """
+[[classes]]
+module = "m"
+class = "Pool"
+kind = "requests"
+index_attr = [{ value = "idx", until = "1.2" }, { value = "kv.idx", since = "1.2" }]
+[classes.methods]
+alloc = [{ role = "req_alloc_count", until = "1.2" }, { role = "req_alloc", since = "1.2" }]
+free_rows = { role = "req_free_rows", since = "1.2" }
+[classes.args]
+alloc.n = { value = 2, until = "1.2" }
+
+[[functions]]
+module = "m"
+function = "old_home"
+role = "last_loc_source"
+until = "1.2"
+"""
+    old, new = load_maps(_engine_file(tmp_path, body))
+    assert (old.source, str(old.versions), new.source, str(new.versions)) == ("demo-1.0.toml", ">=1.0,<1.2", "demo-1.2.toml", ">=1.2,<=1.3")
+    assert old.classes[0].methods == {"alloc": "req_alloc_count"} and old.classes[0].args == {"alloc": {"n": 2}}
+    assert new.classes[0].methods == {"alloc": "req_alloc", "free_rows": "req_free_rows"} and new.classes[0].args == {}
+    assert (old.classes[0].options, new.classes[0].options) == ({"index_attr": "idx"}, {"index_attr": "kv.idx"})
+    assert [f.function for f in old.functions] == ["old_home"] and new.functions == []
+
+
+def test_a_bound_inside_a_range_is_refused_with_the_hook_named(tmp_path):
+    """A since/until must be where a map's range starts: one inside a range would give the map a
+    hook for part of its releases only."""
+    from kvdoctor.probe.maps import load_maps
+
+    body = '[[classes]]\nmodule = "m"\nclass = "Pool"\nkind = "tree"\nsince = "1.1"\n[classes.methods]\ninsert = "tree_insert"\n'
+    with pytest.raises(ValueError, match=r"demo.toml: Pool \(m\): '1.1' is not where one of its \[maps\] ranges starts"):
+        load_maps(_engine_file(tmp_path, body))
