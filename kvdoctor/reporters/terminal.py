@@ -48,6 +48,11 @@ def render_text(analysis: Analysis) -> str:
             lines.append(
                 "no findings, but no census ran: no slot was counted (the engine was never idle and was killed before its exit census)"
             )
+        elif engines := sorted({str(info["engine"]) for info in analysis.processes.values() if info.get("engine")}):
+            # the sampler named an engine's process, and no probe reported from it: a clean verdict would be false
+            lines.append(
+                f"no findings, but no probe reported from the {', '.join(map(one_line, engines))} process(es): nothing was checked"
+            )
         else:
             lines.append("no findings")
     shown, left = shown_findings(analysis.findings)
