@@ -335,7 +335,7 @@ def gate(
     return gate_command(list(ctx.args), budgets, junit=junit, baseline=baseline, html=html, trace=trace, force=force)
 
 
-@_command("kvdoctor attach 4242", "kvdoctor attach 4242 --metrics 127.0.0.1:9400")
+@_command("kvdoctor attach 4242", "kvdoctor attach 4242 --metrics 127.0.0.1:9400", "kvdoctor attach 4242 --gdb /usr/local/cuda/bin/cuda-gdb")
 @_guarded
 def attach(
     pid: int = typer.Argument(..., metavar="PID", help="a running Python server process (needs ptrace permission and gdb)"),
@@ -346,6 +346,7 @@ def attach(
     metrics: str | None = METRICS_OPTION,
     metrics_public: bool = METRICS_PUBLIC_OPTION,
     force: bool = FORCE_OPTION,
+    gdb: str | None = typer.Option(None, "--gdb", metavar="PATH", help="the gdb to use (default: gdb on PATH), e.g. a cuda-gdb"),
 ) -> int:
     """Put the probe into a running Python server without restarting it.
 
@@ -356,7 +357,14 @@ def attach(
     from kvdoctor.commands.attach import attach_command
 
     return attach_command(
-        pid, trace, list(fix), attribution=(attribution, attribution_engine), force=force, metrics=metrics, metrics_public=metrics_public
+        pid,
+        trace,
+        list(fix),
+        attribution=(attribution, attribution_engine),
+        force=force,
+        metrics=metrics,
+        metrics_public=metrics_public,
+        gdb=gdb,
     )
 
 

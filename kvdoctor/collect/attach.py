@@ -156,6 +156,7 @@ def attach(
     gdb_timeout_s: float = GDB_TIMEOUT_S,
     status_timeout_s: float = STATUS_TIMEOUT_S,
     force: bool = False,
+    gdb_path: str | None = None,
 ) -> dict[str, Any]:
     """Starts the probe inside the running Python process `pid`, writing to `trace_path`, which
     is claimed as `run` claims its trace (`force` replaces a file there) and created first.
@@ -163,7 +164,7 @@ def attach(
     `attribution` names the engine of the host growth windows (`auto`, `memray`, `tracemalloc`;
     True is `auto`). Returns what the probe reported from inside (`trace_path` it writes to, `already_active`
     when the process already ran under `kvdoctor run`). Raises KvdoctorError with one sentence
-    when it cannot, and then the target is left as it was.
+    when it cannot, and then the target is left as it was. `gdb_path`: the gdb to use (`--gdb`).
     """
     if not isinstance(pid, int) or pid <= 0 or not os.path.exists(f"/proc/{pid}"):
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
@@ -196,7 +197,7 @@ def attach(
     except OSError:
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`") from None
     trace_path = create_probe_trace(trace_path, force=force, owner_uid=target_uid if os.geteuid() == 0 else os.geteuid())
-    gdb = gdb_command(pid) if version < (3, 14) else None
+    gdb = gdb_command(pid, gdb_path) if version < (3, 14) else None
     with CancelSignals() as cancel:
         injection = Injection(pid, gdb, cancel, trace_path)  # the guard drops the trace if nothing went in
         try:

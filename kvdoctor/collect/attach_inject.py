@@ -184,12 +184,22 @@ class Injection:
             pass  # it goes on alone, and finishes its work
 
 
-def gdb_command(pid: int) -> list[str]:
-    gdb = shutil.which("gdb")
+def gdb_command(pid: int, gdb_path: str | None = None) -> list[str]:
+    """The gdb command line for `pid`: the gdb on PATH, or the one the user named (`--gdb`: a
+    cuda-gdb where a GPU machine has no plain gdb, a newer gdb than the system's)."""
+    if gdb_path:
+        gdb = shutil.which(gdb_path)
+        if gdb is None:
+            raise KvdoctorError(
+                f"cannot attach to pid {pid}: --gdb {gdb_path} is not an executable program",
+                "name a gdb (or cuda-gdb) by its path, e.g. --gdb /usr/local/cuda/bin/cuda-gdb",
+            )
+    else:
+        gdb = shutil.which("gdb")
     if gdb is None:
         raise KvdoctorError(
             f"cannot attach to pid {pid}: gdb is not installed (Python {sys.version_info[0]}.{sys.version_info[1]} has no sys.remote_exec)",
-            "install gdb (`apt-get install gdb`), or " + RUN_INSTEAD,
+            "install gdb (`apt-get install gdb`), name one with --gdb PATH (a cuda-gdb does), or " + RUN_INSTEAD,
         )
     # the guard runs gdb in the attach's directory: the script is named relative to it
     return [

@@ -28,12 +28,13 @@ def attach_command(
     force: bool = False,
     metrics: str | None = None,
     metrics_public: bool = False,
+    gdb: str | None = None,
 ) -> int:
     fix_names = check_fixes(list(fixes))
     engine = check_attribution(attribution)
     path = os.path.abspath(trace_path or default_trace_path("attach", pid))
     exporter = FleetExporter(metrics, path, public=metrics_public) if metrics is not None else None  # a bad address stops us here
-    status = attach(pid, path, fix_names, attribution=engine, force=force)
+    status = attach(pid, path, fix_names, attribution=engine, force=force, gdb_path=gdb)
     written = status.get("trace_path") or path
     if status.get("already_active"):
         print(f"kvdoctor: the probe was already on in pid {pid}; it keeps writing {written}", file=sys.stderr)

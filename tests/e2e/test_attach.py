@@ -231,3 +231,35 @@ def test_the_injected_code_starts_the_probe_and_reports_back(tmp_path, monkeypat
     finally:
         child.kill()
         child.wait()
+
+
+def test_attach_uses_the_gdb_the_user_names(spawn, tmp_path):
+    """`--gdb PATH` (a cuda-gdb where the GPU machine has no gdb): that program is what runs, with
+    gdb's arguments; a path that is no program is one line before anything is started."""
+    if sys.version_info >= (3, 14):
+        pytest.skip("Python 3.14 attaches with sys.remote_exec")
+    child = spawn(BUSY)
+    record = tmp_path / "argv.json"
+    named = tmp_path / "my-gdb"
+    named.write_text(
+        f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n"
+        "print('ptrace: Operation not permitted.')\nsys.exit(1)\n"
+    )
+    named.chmod(0o755)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdoctor", "attach", str(child.pid), "--gdb", str(named), "--trace", str(tmp_path / "t.kvtrace.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "cannot attach to pid" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    argv = json.loads(record.read_text())
+    assert argv[argv.index("-p") + 1] == str(child.pid) and "attach.gdb" in argv, argv
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvdoctor", "attach", str(child.pid), "--gdb", str(tmp_path / "nothing-here")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "--gdb" in missing.stderr and "is not an executable program" in missing.stderr, missing.stderr
