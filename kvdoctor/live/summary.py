@@ -8,6 +8,7 @@ import json
 from typing import Any, TextIO
 
 from kvdoctor.analysis.findings import Finding
+from kvdoctor.analysis.gate_growth import not_judged_sentence
 from kvdoctor.live.view import display_title
 from kvdoctor.outputs import one_line, strict
 from kvdoctor.trace.schema import MEMORY_GROWTH
@@ -67,9 +68,7 @@ def growth_line(result: WatchResult) -> str:
     held = growth.get("held") or {}
     budget = growth.get("budget") or "the growth floor"
     if unjudged:
-        shown = "; ".join(f"{name}: {why}" for name, why in list(unjudged.items())[:4])
-        more = f"; and {len(unjudged) - 4} more" if len(unjudged) > 4 else ""
-        return f"memory growth not judged ({shown}{more})"
+        return not_judged_sentence(unjudged)
     if grew:
         return ""
     if held:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
+from kvdoctor.analysis.gate_growth import growth_not_judged
 from kvdoctor.outputs import one_line, printable
 from kvdoctor.reporters.bounded import PROCESSES_SHOWN, first_processes, shown_findings
 from kvdoctor.trace.schema import STATUS_KINDS
@@ -70,6 +71,9 @@ def render_text(analysis: Analysis) -> str:
                 value = ", ".join(str(v) for v in value[:16]) + (" ..." if len(value) > 16 else "")
             lines.append(f"        {key}: {one_line(value)}")
     lines += [rest.sentence() for rest in left]
+    unjudged = growth_not_judged(analysis)
+    if unjudged:
+        lines.append(one_line(unjudged))
     errors = len(analysis.errors)
     lines.append(f"{errors} error finding(s), {len(analysis.findings) - errors} other")
     return printable("\n".join(lines))

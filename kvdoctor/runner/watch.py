@@ -309,5 +309,5 @@ def growth_verdicts(analysis: Analysis) -> dict[str, Any]:
     budget = analysis.growth_budget_bytes_per_s
     if budget is None:
         return {}
-    held, unjudged, gone = growth_by_process(analysis, budget)
+    held, unjudged, gone = growth_by_process(analysis, budget, broken_apart=True)
     return {"budget": format_rate(budget, digits=1), "held": held, "not_judged": unjudged, "gone": gone}

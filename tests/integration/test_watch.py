@@ -235,6 +235,7 @@ def test_a_short_watch_of_a_growing_process_says_its_growth_was_not_judged_and_w
     page = render(analyze_trace(trace), "html")
     assert "No error findings.</div>" not in page and "memory growth was not judged" in page
     assert html.escape(why.split(" (", 1)[0], quote=True) in page, why
+    assert render(analyze_trace(trace), "text").splitlines()[-2] == last  # a replay's text says it alike
 
 
 def test_watch_through_a_pipe_writes_a_line_each_interval_while_the_process_runs(spawn, tmp_path):

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
-from kvdoctor.analysis.gate_growth import growth_by_process
+from kvdoctor.analysis.gate_growth import growth_not_judged
 from kvdoctor.reporters.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
 from kvdoctor.reporters.html.svg import memory_plot, slots_plot
 from kvdoctor.reporters.html.text import escape as _e
@@ -177,20 +177,6 @@ def _leaked(findings: list[Finding], censuses: dict[int, dict[str, Any]], pid: i
     return (since, orphans) if since is not None and orphans > 0 else None
 
 
-def _growth_not_judged(analysis: Analysis) -> str:
-    """The processes whose memory growth the data could not judge, and why, as watch's last line
-    and the gate say it; "" where every one was judged (or no memory was sampled)."""
-    budget = analysis.growth_budget_bytes_per_s
-    if budget is None or not analysis.growth_evidence:
-        return ""
-    _held, unjudged, gone = growth_by_process(analysis, budget)
-    named = {**unjudged, **gone}
-    if not named:
-        return ""
-    shown = "; ".join(f"{name}: {why}" for name, why in list(named.items())[:4])
-    return f"memory growth not judged ({shown}{f'; and {len(named) - 4} more' if len(named) > 4 else ''})"
-
-
 def render_html(analysis: Analysis) -> str:
     findings = list(analysis.findings)
     errors = sum(1 for f in findings if f.severity == ERROR)
@@ -216,7 +202,7 @@ def render_html(analysis: Analysis) -> str:
     out.append(f'<div class="stat"><div class="n">{infos}</div><div class="l">info</div></div>')
     out.append(f'<div class="stat"><div class="n">{len(processes)}</div><div class="l">processes</div></div>')
     out.append("</div>")
-    unjudged = _growth_not_judged(analysis)
+    unjudged = growth_not_judged(analysis)
     if errors:
         out.append(f'<div class="verdict bad">{errors} error finding(s): the traced processes broke KV or memory safety rules.</div>')
     elif unjudged:
