@@ -186,3 +186,32 @@ def test_growth_turned_off_is_said_off_and_judges_the_rest(tmp_path, capsys):
     assert "kvdoctor gate: PASS (" in out and "1 turned off: max-growth" in out, out
     code, growth, _, out = _gate(tmp_path, "short", lambda t: 300 * MIB + CLIMB * t, 20, capsys)
     assert code == 2 and "--max-growth off" in growth, growth  # the unjudged line says how to judge the rest alone
+
+
+@pytest.mark.parametrize(
+    "name,rss_at,seconds,verdict",
+    [
+        ("climb70", lambda t: 300 * MIB + CLIMB * t, 70, "not judged"),
+        ("climb180", lambda t: 300 * MIB + CLIMB * t, 180, "broken"),
+        ("flat", lambda t: 300 * MIB + (1.5e9 if t >= 2 else 0) + (int(t) % 3) * MIB, 72, "held"),
+        ("spike", lambda t: 300 * MIB + min(t, 8.0) * 200 * MIB + (int(t) % 5) * MIB, 120, "held"),
+    ],
+)
+def test_watch_says_of_each_case_what_the_gate_says(tmp_path, capsys, name, rss_at, seconds, verdict):
+    """watch's last line is made from the same verdicts (kvdoctor.runner.watch.growth_verdicts) as
+    the gate's max-growth line: of each case above it says the same thing."""
+    from kvdoctor.live.summary import WatchResult, growth_line
+    from kvdoctor.runner import analyze_recorded
+    from kvdoctor.runner.watch import growth_verdicts
+
+    code, growth, _, _ = _gate(tmp_path, name, rss_at, seconds, capsys)
+    analysis = analyze_recorded(str(tmp_path / f"{name}.kvtrace.json"))
+    result = WatchResult(7, "", analysis.findings, [], seconds, float(seconds), True, growth=growth_verdicts(analysis))
+    last = growth_line(result)
+    grew = [f for f in analysis.findings if f.kind == schema.MEMORY_GROWTH]
+    if verdict == "not judged":
+        assert code == 2 and "N/A   max-growth" in growth and last.startswith("memory growth not judged (pid 7 "), (growth, last)
+    elif verdict == "broken":
+        assert code == 1 and "FAIL  max-growth" in growth and grew and last == "", (growth, last)  # the finding names it
+    else:
+        assert code == 0 and "PASS  max-growth" in growth and not grew and last.startswith("no memory growth over "), (growth, last)
