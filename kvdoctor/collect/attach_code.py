@@ -54,8 +54,8 @@ def _kvdoctor_attach(params):
                 "already_active": already, "python": sys.version.split()[0],
             })
             try:
-                from kvdoctor.probe import attribution
-                attribution.start_if_enabled(probe, force=bool(params["attribution"]))
+                from kvdoctor.probe import attribution_start
+                attribution_start.start_if_enabled(probe, force=bool(params["attribution"]))
             except Exception as exc:
                 probe.emitter.emit("probe_status", {"component": "attribution", "state": "off", "reason": f"{type(exc).__name__}: {exc}"})
             probe.emitter.flush()

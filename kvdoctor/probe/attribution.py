@@ -64,39 +64,6 @@ NOT_SEEN = (
     "pinned host buffers and other native allocations are not in these numbers"
 )
 
-_STARTED: dict[int, Attribution] = {}
-_LOCK = threading.Lock()
-
-
-def start_if_enabled(probe: Any, *, force: bool = False) -> bool:
-    """Starts attribution for `probe` when KVDOCTOR_ATTRIBUTION=1 (or `force`). Idempotent; never raises.
-
-    The probe's activation calls this once; it also starts the memory-class readings
-    (kvdoctor/probe/memory_classes.py), which are on unless KVDOCTOR_MEMORY_CLASSES=0."""
-    try:
-        from kvdoctor.probe import memory_classes
-
-        memory_classes.start_if_enabled(probe)
-    except Exception:
-        pass
-    try:
-        # KVDOCTOR_ATTRIBUTION=memray|auto|tracemalloc (1: tracemalloc); the engines: attribution_memray.py
-        from kvdoctor.probe import attribution_memray
-
-        engine = attribution_memray.engine_asked(os.environ.get(ENV_ATTRIBUTION, ""), force=force)
-        if engine is None:
-            return False
-        with _LOCK:
-            if id(probe) in _STARTED:
-                return True
-            worker = attribution_memray.worker_for(probe, engine)
-            _STARTED[id(probe)] = worker
-        worker.start()
-        return True
-    except Exception as exc:
-        _status(probe, "off", f"{type(exc).__name__}: {exc}")
-        return False
-
 
 def _status(probe: Any, state: str, reason: str) -> None:
     try:
@@ -260,8 +227,6 @@ class Attribution:
         base = getattr(self.probe, "trace_path", None)
         if not base:
             return ""
-        from kvdoctor.probe.attribution_memray import place_beside
-
         stem = f"{base}.tracemalloc.{os.getpid()}"  # the pid: the processes of one trace never share a name
         partial = f"{stem}.partial-{self.snapshot_index}"
         try:  # what Snapshot.dump writes, but 0600 like the trace, and never through a link
@@ -339,3 +304,30 @@ def torch_tensors_known_to(probe: Any) -> dict[str, Any]:
         "bytes": sum(n for n, _ in storages.values()),
         "pinned_bytes": sum(n for n, pinned in storages.values() if pinned),
     }
+
+
+def place_beside(path: str, stem: str, index: int) -> tuple[str | None, int]:
+    """Moves the finished file at `path` to `<stem>.<n>` for the first free n from `index` (the
+    stem names the process, so the processes of one trace never share a name), and returns the
+    name and the next n. It is linked there, so nothing already at a name (another process's
+    capture, a file or a link someone put there) is ever replaced or followed; None when no name
+    could be taken, the file removed."""
+    for n in range(index, index + 16):
+        name = f"{stem}.{n}"
+        try:
+            os.link(path, name)
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+        _remove(path)
+        return name, n + 1
+    _remove(path)
+    return None, index + 1
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

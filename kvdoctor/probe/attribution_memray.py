@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvdoctor.probe.attribution import DEFAULT_TOP, Attribution, _status
+from kvdoctor.probe.attribution import DEFAULT_TOP, Attribution, _remove, _status, place_beside
 from kvdoctor.probe.callsites import short_path
 from kvdoctor.probe.settings import env_switch
 from kvdoctor.trace.writer import redact_args
@@ -355,30 +355,3 @@ def _name_running_threads() -> None:
 
 def _is_ours(filename: str) -> bool:
     return filename.startswith(_OWN_DIR) or f"{os.sep}memray{os.sep}" in filename
-
-
-def place_beside(path: str, stem: str, index: int) -> tuple[str | None, int]:
-    """Moves the finished file at `path` to `<stem>.<n>` for the first free n from `index` (the
-    stem names the process, so the processes of one trace never share a name), and returns the
-    name and the next n. It is linked there, so nothing already at a name (another process's
-    capture, a file or a link someone put there) is ever replaced or followed; None when no name
-    could be taken, the file removed."""
-    for n in range(index, index + 16):
-        name = f"{stem}.{n}"
-        try:
-            os.link(path, name)
-        except FileExistsError:
-            continue
-        except OSError:
-            break
-        _remove(path)
-        return name, n + 1
-    _remove(path)
-    return None, index + 1
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass

@@ -35,7 +35,7 @@ from kvdoctor.probe.settings import env_positive, env_switch
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 ENV_CONTAINERS = "KVDOCTOR_CONTAINERS"
 ENV_PERIOD_S = "KVDOCTOR_CONTAINERS_PERIOD_S"
@@ -135,7 +135,7 @@ class ContainerSizes:
     """Per process: the roots to walk and the walk's schedule (an EngineState: `periodic` runs on
     the writer thread)."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: ProbeContext) -> None:
         self.roots: dict[int, tuple[str, str, Any, Callable[[], dict[str, int]]]] = {}
         self.enabled = env_switch(ENV_CONTAINERS, True)
         self.period_s = max(0.05, env_positive(ENV_PERIOD_S, DEFAULT_PERIOD_S))
@@ -147,7 +147,7 @@ class ContainerSizes:
         if self.enabled and id(root) not in self.roots and len(self.roots) < MAX_ROOTS:
             self.roots[id(root)] = (label, package, root, context)
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if not self.enabled or not self.roots or probe.emitter.closing:
             return
         now = time.monotonic()
@@ -156,7 +156,7 @@ class ContainerSizes:
         self.last_walk = now
         self.walk(probe)
 
-    def walk(self, probe: Probe) -> None:
+    def walk(self, probe: ProbeContext) -> None:
         try:
             for label, package, root, context in list(self.roots.values()):
                 sizes = walk_sizes(root, package)
@@ -172,10 +172,10 @@ class ContainerSizes:
                 },
             )
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if self.enabled and self.roots:
             self.walk(probe)  # the last sizes, at exit
 
 
-def sizes_state(probe: Probe) -> ContainerSizes:
+def sizes_state(probe: ProbeContext) -> ContainerSizes:
     return probe.state(STATE_KEY, ContainerSizes)

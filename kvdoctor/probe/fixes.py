@@ -92,7 +92,7 @@ def drop_already_free(ledger: Any, index: Any, *, as_pages: bool) -> tuple[Any, 
         return index, 0
     import numpy as np
 
-    from kvdoctor.probe.ledger.states import FREE
+    from kvdoctor.probe.ledger_vocabulary import FREE
 
     idx = ledger.xp.index(index)
     pages = idx if as_pages else idx // ledger.page_size

@@ -2,10 +2,11 @@
 
 A versioned map (`probes/*.toml`) says which method plays which *role* ("alloc", "tree_insert",
 "vllm_free", ...). Each engine package (`kvdoctor.probe.sglang`, `kvdoctor.probe.vllm`) exports
-`ROLES`, a table of `Role` objects; the registry loads that table when the engine's map is
-selected. A wrapper calls the host's original method exactly once, with the host's own
-arguments (or the ones an optional fix rewrote), and returns its result untouched; the role's
-code runs around it in `try` blocks, so a failure turns the probe off and never reaches the host.
+`ROLES`, a table of `Role` objects (`Role` and `Hook` are in `context.py`, beside what a role
+may use of the probe); the registry loads that table when the engine's map is selected. A
+wrapper calls the host's original method exactly once, with the host's own arguments (or the
+ones an optional fix rewrote), and returns its result untouched; the role's code runs around it
+in `try` blocks, so a failure turns the probe off and never reaches the host.
 
 Where the compiled hot path is importable (`kvdoctor.probe.hotpath`), the wrapper is its `Hooked`
 object: the same steps in C, and the healthy case of the slot roles that declare a `fast_kind`
@@ -14,7 +15,6 @@ done there too. `wrap_method` below is the pure-Python wrapper it replaces, kept
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.abc
@@ -23,116 +23,13 @@ import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe import hotpath
-from kvdoctor.probe.maps import ClassHooks
+from kvdoctor.probe.context import Hook, Role
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
-
-Args = tuple[Any, ...]
-Kwargs = dict[str, Any]
-
-
-def argument(args: Args, kwargs: Kwargs, name: str, position: int) -> Any:
-    """A host call's argument by name, else by position; None when it was not passed."""
-    if name in kwargs:
-        return kwargs[name]
-    return args[position] if len(args) > position else None
-
-
-def positive_ints(obj: Any, *names: str) -> tuple[int, ...]:
-    """`obj`'s integer attributes `names`, all > 0, or a TypeError naming what is there instead:
-    an engine object without them is one we do not understand."""
-    values = tuple(getattr(obj, name, None) for name in names)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-        shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, values, strict=True))
-        raise TypeError(f"{type(obj).__name__} has no usable {'/'.join(names)} ({shown})")
-    return values  # type: ignore[return-value]
-
-
-def resolve(obj: Any, dotted: str) -> Any:
-    """`obj.a.b` for "a.b"; None where any step is missing."""
-    for part in dotted.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    """What the map says about one wrapped method: its role, the ledger it feeds, its class's
-    options, and where each argument the role reads is (`positions`: the role's defaults, with the
-    map's `args` table where a release moved one)."""
-
-    role: str
-    method: str
-    ledger: str = ""
-    spec: ClassHooks | None = None
-    positions: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return self.spec.options if self.spec is not None else {}
-
-    def arg(self, args: Args, kwargs: Kwargs, name: str) -> Any:
-        """The host call's argument `name` (by keyword, else at its position); None if not passed."""
-        if name in kwargs:
-            return kwargs[name]
-        position = self.positions.get(name)
-        return args[position] if position is not None and len(args) > position else None
-
-
-class Role:
-    """What one kind of hooked call means to a ledger.
-
-    `before` runs ahead of the host's call and returns a context for the others; `after` runs
-    once the call returned. `rewrite` and `rewrite_result` run only with an optional fix on.
-    `composite` roles compose inside one allocator (free_segment -> free_page_ids -> free): only
-    the outermost call on an object is recorded. `wants_site` roles get the call site's id.
-    `fast_kind` names the compiled fast path that does this role's healthy case (see hotpath.py).
-    """
-
-    fast_kind: ClassVar[str] = ""
-    runs_first: ClassVar[bool] = False  # a function role whose work is `before` the call (rare calls: never compiled)
-    composite: ClassVar[bool] = False
-    wants_site: ClassVar[bool] = False
-    ledger: ClassVar[str] = ""  # the ledger it feeds: off unless all its hooks resolve
-    reads: ClassVar[dict[str, int]] = {}  # arguments read by name -> default position (self not counted)
-
-    def positions(self, moved: dict[str, int] | None) -> dict[str, int]:
-        """Where this role finds its arguments, given a map's `args` entry for the method."""
-        return {**self.reads, **(moved or {})}
-
-    def prepare_args(self, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
-        """Turns one-shot arguments (iterators) into lists that yield the same items, so that the
-        role and the host both see them. Only roles that override it pay for the call."""
-        return args, kwargs
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        return site
-
-    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
-        """Only with an optional fix on: the arguments the host's method is called with."""
-        return args, kwargs
-
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        return None
-
-    def finally_(self, probe: Probe, ctx: Any) -> None:
-        """Runs even when the host's call raised (undo what `before` set up)."""
-        return None
-
-    def rewrite_result(self, probe: Probe, obj: Any, result: Any) -> Any:
-        """Only with an optional fix on: what the host's caller receives."""
-        return result
-
-
-class NoteRole(Role):
-    """A call that changes no slot's state (a lock, a free group's begin, a merge of staged pages);
-    hooked so that a release which renames it is noticed."""
+    from kvdoctor.probe.context import ProbeContext
 
 
 class RoleRegistry:
@@ -171,7 +68,7 @@ class _Current:
     """The probe every wrapper reports to (None: pass through). One attribute read per call, and
     a probe activated again after `deactivate` is reached by the wrappers already in place."""
 
-    probe: Probe | None = None
+    probe: ProbeContext | None = None
 
 
 CURRENT = _Current()

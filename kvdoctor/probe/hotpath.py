@@ -24,11 +24,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvdoctor.probe.context import Role
 from kvdoctor.probe.hotpath_loader import HotPathChoice, load
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.hooks import Hook, Role
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import Hook, ProbeContext
 
 ENV_DLPACK = "KVDOCTOR_HOTPATH_DLPACK"  # 0: index tensors read through torch's Python getters only
 ENV_DIRECT = "KVDOCTOR_HOTPATH_DIRECT"  # 0: never read torch's tensor fields in place (DLPack only)
@@ -98,8 +98,6 @@ ROLE_BITS = _Bits(MAX_ROLE_BITS)
 
 def _overridden(role: Role, name: str) -> Callable[..., Any] | None:
     """The role's bound method, or None where it is the base class's no-op (not worth a call)."""
-    from kvdoctor.probe.hooks import Role
-
     if getattr(type(role), name) is getattr(Role, name):
         return None
     method: Callable[..., Any] = getattr(role, name)
@@ -212,7 +210,7 @@ def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Calla
     return wrapper  # type: ignore[no-any-return]
 
 
-def sync(probe: Probe | None) -> None:
+def sync(probe: ProbeContext | None) -> None:
     """Tells the extension the probe's switches; called whenever one of them changes."""
     if NATIVE is None:
         return

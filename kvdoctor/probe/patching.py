@@ -14,8 +14,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from kvdoctor.probe.context import Hook
 from kvdoctor.probe.emitter import Emitter
-from kvdoctor.probe.hooks import REGISTRY, Hook, rebind_imported, wrap_function, wrap_method
+from kvdoctor.probe.hooks import REGISTRY, rebind_imported, wrap_function, wrap_method
 from kvdoctor.probe.maps import ClassHooks, ProbeMap, installed_version, known_versions, map_for
 from kvdoctor.probe.releases import ci_sentence
 from kvdoctor.probe.verify import check_signature, describe_choice, nearest_resolving_map

@@ -14,10 +14,11 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, cast
 
 from kvdoctor.probe import hotpath
 from kvdoctor.probe.callsites import CallSites, short_path
+from kvdoctor.probe.context import EngineState, ProbeContext, StateT
 from kvdoctor.probe.emitter import Emitter
 from kvdoctor.probe.hooks import CURRENT, ImportHook
 from kvdoctor.probe.maps import ProbeMap, available_maps
@@ -33,19 +34,6 @@ ENV_DISABLE = "KVDOCTOR_DISABLE"
 ENV_IDLE_CENSUS_INTERVAL_S = "KVDOCTOR_IDLE_CENSUS_INTERVAL_S"
 ENV_WRITER_INTERVAL_S = "KVDOCTOR_WRITER_INTERVAL_S"  # the writer thread's rounds (0.5 s); benchmarks stretch it
 FIXES_DESCRIBED = 16  # fix_applied events with evidence per fix; then counts only
-
-
-class EngineState(Protocol):
-    """Per-process bookkeeping of one engine (ledgers, live requests): `periodic` runs on the
-    writer thread every flush interval, `close` once at exit. A state whose process the engine
-    kills outright also has `census_at_shutdown(probe, waited_s)` (see `shutdown.py`)."""
-
-    def periodic(self, probe: Probe) -> None: ...
-
-    def close(self, probe: Probe, reason: str) -> None: ...
-
-
-StateT = TypeVar("StateT", bound=EngineState)
 
 
 class Probe(Patching):
@@ -128,7 +116,7 @@ class Probe(Patching):
         """Hooked calls recorded in this process, through either wrapper."""
         return self.py_calls + hotpath.calls() - self._native_calls_base
 
-    def state(self, key: str, factory: Callable[[Probe], StateT]) -> StateT:
+    def state(self, key: str, factory: Callable[[ProbeContext], StateT]) -> StateT:
         """The engine state under `key`, made on first use."""
         found = self.states.get(key)
         if found is None:
@@ -244,14 +232,15 @@ _IMPORT_HOOK: ImportHook | None = None
 
 
 def current() -> Probe | None:
-    return CURRENT.probe
+    # CURRENT holds the probe as the wrappers see it (a ProbeContext); only `activate` sets it, to a Probe
+    return cast("Probe | None", CURRENT.probe)
 
 
 def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -> Probe | None:
     """Turns the probe on in this process (idempotent). Never raises."""
     global _IMPORT_HOOK
     if CURRENT.probe is not None:
-        return CURRENT.probe
+        return current()
     try:
         if env_switch(ENV_DISABLE, False):
             return None
@@ -273,9 +262,9 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
             if module is not None and not still_importing(module):
                 probe.on_module_loaded(module)
         try:
-            from kvdoctor.probe import attribution
+            from kvdoctor.probe import attribution_start
 
-            attribution.start_if_enabled(probe)
+            attribution_start.start_if_enabled(probe)
         except Exception:
             pass
         atexit.register(probe.shutdown)
@@ -293,7 +282,7 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
 def deactivate() -> None:
     """Ends the probe in this process (tests; `kvdoctor demo`). Patched methods become pass-throughs."""
     global _IMPORT_HOOK
-    probe = CURRENT.probe
+    probe = current()
     if probe is None:
         return
     probe.shutdown()

@@ -7,7 +7,7 @@ run` (and `gate`) every probed process shares a private directory (`KVDOCTOR_REN
 and removed by `run`):
 
 - a process that keeps a slot ledger registers there (`ledger.<pid>`);
-- the launcher's probe, in front of the engine's kill (`ShutdownRole`: SGLang's `kill_process_tree`,
+- the launcher's probe, in front of the engine's kill (`shutdown_role.ShutdownRole`: SGLang's `kill_process_tree`,
   vLLM's `shutdown(procs)`, which sends SIGTERM and SIGKILLs what is left 5 s later), asks for a census (`census.request`) and
   waits until each registered process that is still alive has answered (`census.<pid>`), at most
   `KVDOCTOR_SHUTDOWN_CENSUS_WAIT_S` (5 s) in all, then lets the kill go on;
@@ -29,14 +29,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
 from kvdoctor.probe.settings import env_number
-from kvdoctor.trace import schema
-
-if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
 
 ENV_RENDEZVOUS = "KVDOCTOR_RENDEZVOUS"
 ENV_WAIT_S = "KVDOCTOR_SHUTDOWN_CENSUS_WAIT_S"
@@ -206,39 +201,3 @@ class Rendezvous:
             "waited_s": round(time.monotonic() - started, 3),
             "unanswered": [pid for pid in asked if pid not in answers and pid != os.getpid() and _alive(pid)],
         }
-
-
-class ShutdownRole(Role):
-    """The engine's launcher is about to end its engine processes (SGLang's `kill_process_tree`
-    sends SIGKILL; vLLM's `shutdown(procs)` sends SIGTERM and SIGKILL soon after), where no exit
-    census may run. Their probes are asked for a census first, and the kill waits for their
-    answers (bounded: see the module's docstring)."""
-
-    runs_first = True
-
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        rendezvous = probe.rendezvous
-        if rendezvous is None or rendezvous.asked_others:
-            return None
-        outcome = rendezvous.ask_and_wait()
-        if not outcome["asked"]:
-            return None
-        answered = outcome["answered"]
-        censuses = ", ".join(f"pid {pid}: {a.get('census')}" for pid, a in sorted(answered.items()))
-        reason = f"census asked of {len(outcome['asked'])} probed process(es) before the engine's kill, waited {outcome['waited_s']} s"
-        if censuses:
-            reason += f" ({censuses})"
-        if outcome["unanswered"]:
-            reason += f"; no answer from pid(s) {', '.join(map(str, outcome['unanswered']))}: their last census stands"
-        probe.emitter.emit(
-            schema.PROBE_STATUS,
-            {
-                "component": "shutdown",
-                "state": "on",
-                "reason": reason,
-                "waited_s": outcome["waited_s"],
-                "unanswered": outcome["unanswered"],
-            },
-        )
-        probe.emitter.flush()  # the kill may take this process too (include_parent=True ends in SIGKILL)
-        return None

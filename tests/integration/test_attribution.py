@@ -19,7 +19,7 @@ GROWER = textwrap.dedent(
     """
     import threading, time
     from kvdoctor.probe import runtime
-    from kvdoctor.probe import attribution
+    from kvdoctor.probe import attribution_start
     held = []
     def back_up():
         while True:
@@ -31,7 +31,7 @@ GROWER = textwrap.dedent(
     threading.Thread(target=back_up, name="storage-backup", daemon=True).start()
     threading.Thread(target=idle, name="idle-worker", daemon=True).start()
     probe = runtime.activate()
-    attribution.start_if_enabled(probe)
+    attribution_start.start_if_enabled(probe)
     print("ready", flush=True)
     time.sleep(60)
     """
@@ -83,14 +83,14 @@ def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
 
 
 def test_attribution_is_off_unless_asked(monkeypatch):
-    from kvdoctor.probe import attribution
+    from kvdoctor.probe import attribution_start
 
     monkeypatch.delenv("KVDOCTOR_ATTRIBUTION", raising=False)
 
     class FakeProbe:
         trace_path = None
 
-    assert attribution.start_if_enabled(FakeProbe()) is False
+    assert attribution_start.start_if_enabled(FakeProbe()) is False
 
 
 def test_a_failure_becomes_a_probe_status_event_not_an_exception():

@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore")
 import torch
 from kvdoctor.probe import runtime
 from kvdoctor.probe.sglang.state import sglang_state
-from kvdoctor.probe.ledger.states import FREE, OWNED
+from kvdoctor.probe.ledger_vocabulary import FREE, OWNED
 path = tempfile.mktemp(suffix=".json")
 probe = runtime.activate(path)
 try:

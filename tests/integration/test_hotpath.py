@@ -140,7 +140,7 @@ def test_the_in_place_reader_is_compared_with_dlpack_and_turns_off_on_a_differen
     from kvdoctor.demo.engine import Engine
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
     from kvdoctor.probe import runtime
-    from kvdoctor.probe.ledger.states import OWNED
+    from kvdoctor.probe.ledger_vocabulary import OWNED
     from kvdoctor.probe.sglang.state import sglang_state
 
     native = hotpath.NATIVE
@@ -336,7 +336,7 @@ def test_a_fast_path_waits_for_a_ledger_lock_another_thread_holds(tmp_path):
     waits for it, and is recorded once it is released."""
     from kvdoctor.demo.engine import Engine
     from kvdoctor.probe import runtime
-    from kvdoctor.probe.ledger.states import FREE, OWNED
+    from kvdoctor.probe.ledger_vocabulary import FREE, OWNED
     from kvdoctor.probe.sglang.state import sglang_state
 
     runtime.activate(str(tmp_path / "held.json"))

@@ -9,7 +9,7 @@ import torch
 
 from kvdoctor.probe.ledger import arrays
 from kvdoctor.probe.ledger import slots as L
-from kvdoctor.probe.ledger.states import FREE, OWNED, RESERVED
+from kvdoctor.probe.ledger_vocabulary import FREE, OWNED, RESERVED
 
 
 def ledger(events, xp):

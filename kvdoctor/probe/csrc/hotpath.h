@@ -44,7 +44,7 @@
 #define COLD
 #endif
 
-/* The ledger's vocabulary (kvdoctor/probe/ledger/states.py; hotpath_loader.py checks they agree). */
+/* The ledger's vocabulary (kvdoctor/probe/ledger_vocabulary.py; hotpath_loader.py checks they agree). */
 #define ST_FREE 1
 #define ST_OWNED 2
 #define ST_TREE 4

@@ -454,7 +454,7 @@ static struct PyModuleDef module_def = {
     .m_methods = module_methods,
 };
 
-/* The vocabulary Python reads back: the ledger's states (checked against ledger/states.py) and the
+/* The vocabulary Python reads back: the ledger's states (checked against ledger_vocabulary.py) and the
  * fast-path kinds (hotpath.KINDS). */
 static const struct {
     const char *name;

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvdoctor.probe.ledger.requests import IN_FLIGHT, RELEASED, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
-from kvdoctor.probe.ledger.states import OWNED
+from kvdoctor.probe.ledger_vocabulary import OWNED
 from kvdoctor.trace import schema
 
 ROLLING_CENSUS_INTERVAL_S = 5.0

@@ -19,17 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdoctor.probe import ledger_vocabulary as vocabulary
 from kvdoctor.probe.ledger import launch as plan_slots
-from kvdoctor.probe.ledger import states
 from kvdoctor.probe.ledger.launch import CompiledLaunch, aligned, device_plan, fits_i32
-from kvdoctor.probe.ledger.states import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
+from kvdoctor.probe.ledger_vocabulary import KIND_BITS, KIND_SLOT, OP_ALLOC, OP_FREE, OP_LAST_LOC, OP_TREE_INSERT
 from kvdoctor.trace import schema
 
 # The kernels read the shared state bits and op codes as compile-time constants.
-FREE: tl.constexpr = tl.constexpr(states.FREE)
-OWNED: tl.constexpr = tl.constexpr(states.OWNED)
-TREE: tl.constexpr = tl.constexpr(states.TREE)
-HELD: tl.constexpr = tl.constexpr(states.OWNED | states.TREE)
+FREE: tl.constexpr = tl.constexpr(vocabulary.FREE)
+OWNED: tl.constexpr = tl.constexpr(vocabulary.OWNED)
+TREE: tl.constexpr = tl.constexpr(vocabulary.TREE)
+HELD: tl.constexpr = tl.constexpr(vocabulary.OWNED | vocabulary.TREE)
 ALLOC: tl.constexpr = tl.constexpr(OP_ALLOC)
 FREEING: tl.constexpr = tl.constexpr(OP_FREE)
 LAST_LOC: tl.constexpr = tl.constexpr(OP_LAST_LOC)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvdoctor.probe.ledger.states import OP_ALLOC
+from kvdoctor.probe.ledger_vocabulary import OP_ALLOC
 
 I32_MAX = 2**31 - 1
 # The Triton releases whose launcher this calls as their own `JITFunction.run` does, checked on a GPU

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvdoctor.probe.callsites import CallSites
 from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, ORPHANED_OWNERS, UNPROVEN, RequestTable
-from kvdoctor.probe.ledger.states import FREE, KIND_BITS, KIND_SLOT, MAX_IDS_IN_EVIDENCE, MAX_NAMED_PAGES, OWNED, TREE
+from kvdoctor.probe.ledger_vocabulary import FREE, KIND_BITS, KIND_SLOT, MAX_IDS_IN_EVIDENCE, MAX_NAMED_PAGES, OWNED, TREE
 from kvdoctor.trace import schema
 
 Emit = Callable[[str, dict[str, Any]], None]

@@ -19,7 +19,7 @@ from kvdoctor.probe.callsites import CallSites
 from kvdoctor.probe.ledger.arrays import arrays_for
 from kvdoctor.probe.ledger.requests import RequestTable
 from kvdoctor.probe.ledger.slot_census import Emit, SlotReadback
-from kvdoctor.probe.ledger.states import FREE, KIND_BITS, KIND_SLOT, OWNED, RESERVED, TREE
+from kvdoctor.probe.ledger_vocabulary import FREE, KIND_BITS, KIND_SLOT, OWNED, RESERVED, TREE
 from kvdoctor.probe.settings import env_switch
 from kvdoctor.trace import schema
 

@@ -4,7 +4,7 @@ LoRA memory pool's (`lora_pool`), to the Mamba state slots' (`mamba_pool`), to t
 (`swa_pool`), to PD decode's transfers (`pd_decode`, `pd_decode_roles`), and the per-process
 bookkeeping they share (`state`)."""
 
-from kvdoctor.probe.hooks import Role
+from kvdoctor.probe.context import Role
 from kvdoctor.probe.sglang import hicache, lora_pool, mamba_pool, mooncake_ledger, pd_decode_roles, roles, swa_pool
 
 ROLES: dict[str, Role] = {

@@ -36,15 +36,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvdoctor.probe import objects
-from kvdoctor.probe.hooks import resolve
+from kvdoctor.probe.context import resolve
 from kvdoctor.probe.ledger.requests import BEFORE_ATTACH, UNPROVEN
 from kvdoctor.probe.ledger.slots import SlotLedger
-from kvdoctor.probe.ledger.states import FREE, OWNED, RESERVED, TREE
+from kvdoctor.probe.ledger_vocabulary import FREE, OWNED, RESERVED, TREE
 from kvdoctor.probe.sglang import coverage
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.sglang.state import SglangState
+    from kvdoctor.probe.callsites import CallSites
+    from kvdoctor.probe.ledger.requests import RequestTable
 
 REQUEST_CLASS_SUFFIXES = ("Req", "Request")
 ALLOCATOR_ATTR = "token_to_kv_pool_allocator"
@@ -73,10 +74,11 @@ def needs_adoption(ledger: SlotLedger, free_pages: Any) -> bool:
 
 
 def adopt(
-    state: SglangState, ledger: SlotLedger, allocator: Any, free_pages: Any, tree_classes: set[str], index_attr: str
+    requests: RequestTable, sites: CallSites, ledger: SlotLedger, allocator: Any, free_pages: Any, tree_classes: set[str], index_attr: str
 ) -> dict[str, Any]:
     """Builds `ledger` from the allocator, trees and request pools as they are; returns what it
-    found, the books and whether they add up (`verified`)."""
+    found, the books and whether they add up (`verified`). The live requests found are entered in
+    `requests` (the state's table), the adopted pages' site interned in `sites` (the probe's)."""
     found = find_holders(allocator, tree_classes, index_attr)
     ps = ledger.page_size
     st = np.full(ledger.num_pages + 2, OWNED, dtype=np.int8)
@@ -107,7 +109,7 @@ def adopt(
             pages = _pages(table[row, :length], ps, ledger)
             pages = pages[(st[pages] == OWNED) & (owner[pages] != UNPROVEN)]
             owner[pages] = row
-            state.requests.allocated(row, rid)
+            requests.allocated(row, rid)
     st[0] = RESERVED
     st[ledger.sink] = RESERVED
     owner[0] = owner[ledger.sink] = -1
@@ -116,10 +118,10 @@ def adopt(
     books = check_books(allocator, ledger, found, free=int(free.size), tree_tokens=tree_tokens, free_in_tree=free_in_tree)
     verified = not books["unproven_because"]
     if verified:
-        site = state.probe.sites.intern(("before-attach",), lambda: schema.SITE_BEFORE_ATTACH)
+        site = sites.intern(("before-attach",), lambda: schema.SITE_BEFORE_ATTACH)
     else:
         owner[unheld] = UNPROVEN
-        site = state.probe.sites.intern(("held-at-attach",), lambda: schema.SITE_HELD_AT_ATTACH)
+        site = sites.intern(("held-at-attach",), lambda: schema.SITE_HELD_AT_ATTACH)
     with ledger.lock:
         ledger.state[:] = ledger.xp.cast(st, ledger.state)
         ledger.owner[:] = ledger.xp.cast(owner, ledger.owner)

@@ -14,12 +14,12 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.sglang.state import sglang_state
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 MAX_TRACKED_VIEWS = 100_000
 LONG_LIVED_S = 5.0
@@ -31,7 +31,7 @@ MAX_NAMED = 16  # request ids and loaded tree nodes named in one graph-replay vi
 class HiCacheState:
     """Per-process HiCache bookkeeping: host pools, controller queues, storage traffic, views."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.hosts: dict[int, Any] = {}
         self.controllers: dict[int, Any] = {}
         # id(view) -> (weak reference, storage bytes, own bytes, allocating site, monotonic birth time)
@@ -54,7 +54,7 @@ class HiCacheState:
         self.last_scan = 0.0
         self.last_report: tuple[int, int] = (0, 0)
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if not probe.ledger_is_on("hicache"):
             return
         args: dict[str, Any] = dict(self.counts)
@@ -98,7 +98,7 @@ class HiCacheState:
 
             self.views[key] = (weakref.ref(tensor, forget), storage_bytes, own_bytes, site, time.monotonic())
 
-    def scan_views(self, probe: Probe, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
+    def scan_views(self, probe: ProbeContext, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
         now = time.monotonic() if now is None else now
         live = 0
         own = 0
@@ -135,7 +135,7 @@ class HiCacheState:
             probe.emitter.emit(schema.RETAINED_VIEWS, summary)
         return summary
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         """The last count of retained views, however recent the previous one: a periodic scan taken
         mid-run, before the views had piled up, must not be the trace's last word on them."""
         if probe.ledger_is_on("hicache") and self.views:
@@ -148,25 +148,25 @@ class HiCacheRole(Role):
     ledger = "hicache"
 
 
-def state(probe: Probe) -> HiCacheState:
+def state(probe: ProbeContext) -> HiCacheState:
     return probe.state("hicache", HiCacheState)
 
 
 class HostAllocRole(HiCacheRole):
     wants_site = True
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.hosts[id(obj)] = obj
         return site
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         st.counts["host_allocs"] += 1
         if result is not None and "clone-host-indices" not in probe.fixes:
             st.track_view(result, probe.sites.name(ctx))
 
-    def rewrite_result(self, probe: Probe, obj: Any, result: Any) -> Any:
+    def rewrite_result(self, probe: ProbeContext, obj: Any, result: Any) -> Any:
         if result is not None and "clone-host-indices" in probe.fixes and getattr(result, "_base", None) is not None:
             probe.fixed("clone-host-indices", 1)
             return result.clone()
@@ -174,7 +174,7 @@ class HostAllocRole(HiCacheRole):
 
 
 class HostFreeRole(HiCacheRole):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         st.hosts[id(obj)] = obj
         st.counts["host_frees"] += 1
@@ -183,7 +183,7 @@ class HostFreeRole(HiCacheRole):
 class ControllerRole(HiCacheRole):
     counter = ""
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.controllers[id(obj)] = obj
         host = getattr(obj, "mem_pool_host", None)
@@ -207,7 +207,7 @@ class TreeBackupRole(HiCacheRole):
 
     reads = {"node": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         node = hook.arg(args, kwargs, "node")
         value = getattr(node, "host_value", None)
         if value is not None and getattr(value, "_base", None) is not None:
@@ -224,7 +224,7 @@ class TreeLoadRole(HiCacheRole):
     ledger = "slots"
     wants_site = True
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if result is None or not hasattr(result, "numel") or result.numel() == 0:
             return
         ledger = sglang_state(probe).tree_ledger(obj)
@@ -237,7 +237,7 @@ class StorageRole(HiCacheRole):
     kind = ""
     reads = {"keys": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         keys = hook.arg(args, kwargs, "keys")
         st.counts[f"storage_{self.kind}s"] += 1
@@ -297,7 +297,7 @@ class GraphReplayRole(HiCacheRole):
         """What the call says of the batch being replayed ({} where the role reads no argument)."""
         return {}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = probe.states.get("hicache")
         if not isinstance(st, HiCacheState):
             return None
@@ -320,7 +320,7 @@ class GraphReplayRole(HiCacheRole):
             )
         return in_flight.events
 
-    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+    def rewrite(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         if "graph-guard" in probe.fixes and ctx:
             import torch
 

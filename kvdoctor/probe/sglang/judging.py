@@ -15,8 +15,8 @@ from kvdoctor.probe.sglang import coverage
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
+    from kvdoctor.probe.context import ProbeContext
     from kvdoctor.probe.ledger.slots import SlotLedger
-    from kvdoctor.probe.runtime import Probe
 
 MAX_LEDGERS_LISTED = 16  # in a coverage line (a bench builds a pool a loop)
 MAX_ENGINE_POOLS = 16  # allocators learned from the engine's objects (one per scheduler; a few engines in a test)
@@ -25,7 +25,7 @@ MAX_ENGINE_POOLS = 16  # allocators learned from the engine's objects (one per s
 class CoverageJudging:
     """The judging half of `SglangState`; the attributes below are the state's."""
 
-    probe: Probe
+    probe: ProbeContext
     ledgers: dict[int, SlotLedger]
     hosts: dict[int, Any]
     speculative: coverage.SpeculativeRows

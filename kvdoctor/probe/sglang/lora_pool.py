@@ -23,12 +23,12 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.rank import ledger_name
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 LEDGER = "lora"
 MAX_POOLS = 16  # managers counted one by one in a process (one per model runner)
@@ -44,7 +44,7 @@ class LoraPoolState:
     """Per-process: the managers seen (weakly), each pool's name, the last count said, and the
     names of unloaded adapters (bounded) so that a ghost found later is named."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.lock = threading.Lock()
         self.managers: dict[int, tuple[weakref.ref[Any], str]] = {}
         self.said: dict[str, tuple[Any, ...]] = {}
@@ -69,7 +69,7 @@ class LoraPoolState:
             while len(self.unloaded) > MAX_NAMES:
                 self.unloaded.pop(next(iter(self.unloaded)))
 
-    def count(self, probe: Probe, manager: Any, *, when: str, force: bool = False) -> tuple[list[dict[str, Any]], int]:
+    def count(self, probe: ProbeContext, manager: Any, *, when: str, force: bool = False) -> tuple[list[dict[str, Any]], int]:
         """Reads the pool once: its ghosts (slot, uid, adapter) and its number of slots; the count
         goes to the trace when it changed."""
         name = self.pool_name(manager)
@@ -101,10 +101,10 @@ class LoraPoolState:
             )
         return ghosts, len(slots)
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         return None  # counted on the scheduler's thread at each load and unload, not from here
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if not probe.ledger_is_on(LEDGER):
             return
         for ref, _ in list(self.managers.values()):
@@ -135,11 +135,11 @@ def read_pool(manager: Any) -> tuple[list[Any], set[str]] | None:
     return list(slots), {uid for uid in list(loaded) if isinstance(uid, str)}
 
 
-def turn_off(probe: Probe, exc: Exception) -> None:
+def turn_off(probe: ProbeContext, exc: Exception) -> None:
     probe.turn_off_ledger(LEDGER, "the LoRA pool ledger", exc)
 
 
-def state(probe: Probe) -> LoraPoolState:
+def state(probe: ProbeContext) -> LoraPoolState:
     return probe.state(LEDGER, LoraPoolState)
 
 
@@ -148,7 +148,7 @@ class LoraLoadRole(Role):
 
     ledger = LEDGER
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         try:
             state(probe).count(probe, obj, when="load")
         except NotUnderstood as exc:
@@ -163,12 +163,12 @@ class LoraUnloadRole(Role):
     wants_site = True
     reads = {"lora_ref": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         ref = hook.arg(args, kwargs, "lora_ref")
         uid, name = getattr(ref, "lora_id", None), getattr(ref, "lora_name", None)
         return (site, uid, str(name)) if isinstance(uid, str) else None
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None:
             return
         site, uid, name = ctx

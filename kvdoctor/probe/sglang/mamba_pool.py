@@ -28,14 +28,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.patching import say
 from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.probe.sglang.state import sglang_state
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 LEDGER = "mamba"
 MAX_SLOTS = 1 << 16  # a larger pool is not read at every prefill pick
@@ -71,7 +71,7 @@ class MambaSlotState:
     """Per process: who took each slot and how (bounded by the pool's size), the censuses each
     unaccounted slot has been seen in, the slots already named, and the last count said."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.taken: dict[int, tuple[str, str, int]] = {}  # slot -> (rid, path, site)
         self.unaccounted: dict[int, int] = {}
         self.named: set[int] = set()
@@ -87,17 +87,17 @@ class MambaSlotState:
         self.last_census = now
         return True
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         return None  # counted on the scheduler's thread after each prefill pick, not from here
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         return None  # the census needs the scheduler, met only in its own calls
 
     def note_taken(self, slot: int, rid: str, path: str, site: int) -> None:
         if slot in self.taken or len(self.taken) < MAX_SLOTS:
             self.taken[slot] = (rid, path, site)
 
-    def census(self, probe: Probe, scheduler: Any, picked: Any = None) -> None:
+    def census(self, probe: ProbeContext, scheduler: Any, picked: Any = None) -> None:
         pool, tree = scheduler.req_to_token_pool, scheduler.tree_cache
         mamba = getattr(pool, "mamba_pool", None)
         size = getattr(mamba, "size", None)
@@ -153,7 +153,7 @@ class MambaSlotState:
         if due:
             self.name_orphans(probe, due, size)
 
-    def name_orphans(self, probe: Probe, slots: list[int], size: int) -> None:
+    def name_orphans(self, probe: ProbeContext, slots: list[int], size: int) -> None:
         by_path: dict[tuple[str, int], list[int]] = {}
         for slot in slots:
             self.named.add(slot)
@@ -226,7 +226,7 @@ def request_slots(req: Any) -> list[int]:
     return [*host_slots(getattr(req, "mamba_pool_idx", None)), *host_slots(getattr(req, "mamba_ping_pong_track_buffer", None))]
 
 
-def tell_kv_ledger(probe: Probe, tree: Any) -> None:
+def tell_kv_ledger(probe: ProbeContext, tree: Any) -> None:
     """The KV slot ledger of the tree's allocator cannot see the KV slots a `MambaRadixCache` holds
     (it is not a `RadixCache`): it names no orphan from then on, and says why. Tried at each hooked
     call until that ledger exists (its first allocation), then never again."""
@@ -252,11 +252,11 @@ def match_request(hook: Hook, args: Args, kwargs: Kwargs) -> Any:
     return req if req is not None else kwargs.get("req")
 
 
-def turn_off(probe: Probe, exc: Exception) -> None:
+def turn_off(probe: ProbeContext, exc: Exception) -> None:
     probe.turn_off_ledger(LEDGER, "the Mamba slot ledger", f"Mamba slots not judged: {exc}")
 
 
-def state(probe: Probe) -> MambaSlotState:
+def state(probe: ProbeContext) -> MambaSlotState:
     return probe.state(LEDGER, MambaSlotState)
 
 
@@ -266,12 +266,12 @@ class MambaMatchRole(Role):
     ledger = LEDGER
     wants_site = True
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         tell_kv_ledger(probe, obj)
         req = match_request(hook, args, kwargs)
         return None if req is None or getattr(req, "mamba_pool_idx", None) is not None else (req, site)
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None:
             return
         req, site = ctx
@@ -289,7 +289,7 @@ class MambaAdmitRole(Role):
     ledger = LEDGER
     reads = {"req": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         req = hook.arg(args, kwargs, "req")
         can_run = getattr(obj, "can_run_list", None)
         if req is None or not isinstance(can_run, list) or any(r is req for r in can_run):
@@ -312,7 +312,7 @@ class MambaCensusRole(Role):
 
     ledger = LEDGER
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if not hasattr(getattr(obj, "req_to_token_pool", None), "mamba_pool"):
             return  # not a Mamba model: nothing to count
         if type(getattr(obj, "tree_cache", None)).__name__ == "MambaRadixCache":

@@ -35,7 +35,7 @@ from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 LEDGER = "mm_inputs"
 MAX_TRACKED = 4096  # finished requests whose features are watched; past it, counted as untracked
@@ -88,7 +88,7 @@ class MmInputsState:
     """Per-process: the finished requests' holds still watched, the results processed, and what
     the last event said. Fed on the scheduler's thread; counted there and on the writer thread."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.lock = threading.Lock()
         self.holds: dict[str, Hold] = {}
         self.results = 0
@@ -103,7 +103,7 @@ class MmInputsState:
         self.held_age_s = held_age_from_env()
         self.seen_inputs = False  # a batch has listed a request's multimodal inputs
 
-    def after_result(self, probe: Probe, scheduler: Any, batch: Any) -> None:
+    def after_result(self, probe: ProbeContext, scheduler: Any, batch: Any) -> None:
         """A forward result was processed: note its finished requests that still hold features,
         then count the holds noted at earlier results. Until a batch has carried multimodal inputs
         (an extend batch lists each request's, `prepare_for_extend`), no request is read: a text
@@ -139,7 +139,7 @@ class MmInputsState:
                 return
             self.holds[rid] = Hold(rid, tensors, req, self.results)
 
-    def count(self, probe: Probe, when: str, due: Any, *, force: bool = False) -> None:
+    def count(self, probe: ProbeContext, when: str, due: Any, *, force: bool = False) -> None:
         """The noted holds still alive and `due`, and those said before that are gone since: said
         when that changed, at most once every MIN_EVENT_INTERVAL_S (or `force`)."""
         now = time.monotonic()
@@ -196,11 +196,11 @@ class MmInputsState:
             },
         )
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if probe.ledger_is_on(LEDGER) and self.holds:
             self.count(probe, "periodic", lambda h: time.monotonic() - h.finished_at >= self.held_age_s)
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if probe.ledger_is_on(LEDGER) and self.results:  # said once at exit, held or not
             self.count(probe, reason, lambda h: True, force=True)
 
@@ -236,11 +236,11 @@ def array_types() -> tuple[type, ...]:
     return tuple(out)
 
 
-def state(probe: Probe) -> MmInputsState:
+def state(probe: ProbeContext) -> MmInputsState:
     return probe.state(LEDGER, MmInputsState)
 
 
-def after_result(probe: Probe, scheduler: Any, batch: Any) -> None:
+def after_result(probe: ProbeContext, scheduler: Any, batch: Any) -> None:
     """The slot ledger's `batch_result` hook hands each processed result here; a layout this does
     not read turns this ledger off (said once), never the others."""
     if not probe.ledger_is_on(LEDGER):

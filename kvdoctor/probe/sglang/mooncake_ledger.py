@@ -18,11 +18,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 MAX_KEYS = 1 << 17  # 131072 pages; about 10 MiB of dict at most
 SAMPLE_KEYS = 4
@@ -36,7 +36,7 @@ READ_MISS = 4  # a batch_get_v1 of it failed
 class L3State:
     """Per-process ledger of one or more L3 stores (keys by hash, counts, bytes)."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.lock = threading.Lock()
         self.keys: dict[int, int] = {}
         self.page_bytes: dict[int, int] = {}  # id(store) -> bytes of one page (0: unknown)
@@ -168,7 +168,7 @@ class L3State:
             out["sample_unwritten_keys"] = list(self.samples_unwritten)
         return out
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if not probe.ledger_is_on("l3"):
             return
         with self.lock:
@@ -179,7 +179,7 @@ class L3State:
         if now - self.last_report >= REPORT_INTERVAL_S:
             self.report(probe, now)
 
-    def report(self, probe: Probe, now: float | None = None, *, force: bool = False) -> None:
+    def report(self, probe: ProbeContext, now: float | None = None, *, force: bool = False) -> None:
         """The ledger's summary with sample keys, when it changed (`force`: at exit)."""
         self.last_report = time.monotonic() if now is None else now
         key = tuple(self.counts.values())
@@ -189,7 +189,7 @@ class L3State:
         if self.counts["set_calls"] or self.counts["get_calls"] or self.counts["exists_calls"]:
             probe.emitter.emit(schema.L3_KEYS, self.summary())
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if probe.ledger_is_on("l3"):
             self.report(probe, force=True)
 
@@ -201,7 +201,7 @@ def _per_key(results: Any, n: int) -> list[bool]:
     return [bool(results)] * n
 
 
-def state(probe: Probe) -> L3State:
+def state(probe: ProbeContext) -> L3State:
     return probe.state("l3", L3State)
 
 
@@ -215,21 +215,21 @@ class L3Role(Role):
 
 
 class L3SetRole(L3Role):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         keys = self.keys(hook, args, kwargs)
         if keys is not None:
             state(probe).on_set(obj, keys, result)
 
 
 class L3GetRole(L3Role):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         keys = self.keys(hook, args, kwargs)
         if keys is not None:
             state(probe).on_get(obj, keys, result)
 
 
 class L3ExistsRole(L3Role):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         keys = self.keys(hook, args, kwargs)
         if keys is not None:
             state(probe).on_exists(keys, result)

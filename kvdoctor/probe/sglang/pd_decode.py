@@ -36,7 +36,7 @@ from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 LEDGER = "pd_decode"
 QUEUE = "DecodeTransferQueue"
@@ -94,7 +94,7 @@ class Transfer:
 class PdDecodeState:
     """Per process: the transfers followed (by row and by receiver), the drain answers, the counts."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.lock = threading.Lock()
         self.by_row: dict[int, Transfer] = {}
         self.by_receiver: dict[int, Transfer] = {}
@@ -107,21 +107,21 @@ class PdDecodeState:
         self.pages_read = ""
         self.deadline_s = _deadline()
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         return None  # counted on the scheduler's thread, in its own calls
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         with self.lock:
             self.summary(probe, force=True)
 
     # ----- what the hooks report -----
 
-    def enter_all(self, probe: Probe, queue: Any, decode_reqs: list[Any]) -> None:
+    def enter_all(self, probe: ProbeContext, queue: Any, decode_reqs: list[Any]) -> None:
         for decode_req in decode_reqs:
             self.enter(probe, queue, decode_req)
         self.summary(probe)
 
-    def enter(self, probe: Probe, queue: Any, decode_req: Any) -> None:
+    def enter(self, probe: ProbeContext, queue: Any, decode_req: Any) -> None:
         req, receiver = getattr(decode_req, "req", None), getattr(decode_req, "kv_receiver", None)
         row = request_row(req)
         if req is None or receiver is None or row is None:
@@ -136,7 +136,7 @@ class PdDecodeState:
         self.by_row[row] = transfer
         self.by_receiver[transfer.receiver] = transfer
 
-    def read_pages(self, probe: Probe, queue: Any, req: Any, row: int) -> tuple[list[int] | None, int]:
+    def read_pages(self, probe: ProbeContext, queue: Any, req: Any, row: int) -> tuple[list[int] | None, int]:
         """The pages the prefill was sent: the request's own slots of its row, as pages."""
         pool = getattr(getattr(queue, "tree_cache", None), "req_to_token_pool", None)
         if pool is None:
@@ -160,7 +160,7 @@ class PdDecodeState:
         pages = (table[row, start:end] // page_size).unique()[:MAX_PAGES_KEPT]  # sorted, in torch: a long prompt stays cheap
         return [int(p) for p in pages.tolist()], count
 
-    def say_pages(self, probe: Probe, how: str) -> None:
+    def say_pages(self, probe: ProbeContext, how: str) -> None:
         if how != self.pages_read:
             self.pages_read = how
             probe.emitter.emit(
@@ -168,7 +168,7 @@ class PdDecodeState:
                 {"component": "ledger", "state": "on", "ledger": LEDGER, "reason": f"PD decode transfer ledger on {QUEUE}: {how}"},
             )
 
-    def polled(self, probe: Probe, pollers: Any, polls: Any) -> None:
+    def polled(self, probe: ProbeContext, pollers: Any, polls: Any) -> None:
         self.polls += 1
         for poller, value in zip(pollers, polls, strict=False):
             decode_req = getattr(poller, "decode_req", None)  # HiCache's gated poller wraps the request
@@ -187,7 +187,7 @@ class PdDecodeState:
             self.name_stuck(probe, now)
         self.summary(probe)
 
-    def aborted(self, probe: Probe, queue: Any) -> None:
+    def aborted(self, probe: ProbeContext, queue: Any) -> None:
         now = time.monotonic()
         for decode_req in list(getattr(queue, "queue", None) or ()):
             receiver = getattr(decode_req, "kv_receiver", None)
@@ -199,14 +199,14 @@ class PdDecodeState:
                 transfer.aborted_s, transfer.at_abort = now, transfer.state
                 probe.emitter.emit(schema.PD_TRANSFER, {**transfer.brief(now), "event": "aborted by the decode (abort_request)"})
 
-    def drain_answer(self, probe: Probe, room: Any, drained: bool) -> None:
+    def drain_answer(self, probe: ProbeContext, room: Any, drained: bool) -> None:
         """SGLang asked whether every prefill rank acked its drain for `room` (the last answer counts)."""
         self.drained.pop(room, None)
         self.drained[room] = drained
         while len(self.drained) > MAX_ROOMS:
             self.drained.pop(next(iter(self.drained)))
 
-    def released(self, probe: Probe, row: int, site: str) -> None:
+    def released(self, probe: ProbeContext, row: int, site: str) -> None:
         transfer = self.by_row.get(row)
         if transfer is None:
             return
@@ -238,7 +238,7 @@ class PdDecodeState:
 
     # ----- findings -----
 
-    def name_freed(self, probe: Probe, transfer: Transfer, now: float, site: str, drained: bool | None) -> None:
+    def name_freed(self, probe: ProbeContext, transfer: Transfer, now: float, site: str, drained: bool | None) -> None:
         probe.emitter.emit(
             schema.VIOLATION,
             {
@@ -258,7 +258,7 @@ class PdDecodeState:
             },
         )
 
-    def name_stuck(self, probe: Probe, now: float) -> None:
+    def name_stuck(self, probe: ProbeContext, now: float) -> None:
         for transfer in list(self.by_row.values()):
             if transfer.stuck or transfer.seen != self.polls or transfer.state not in IN_FLIGHT:
                 continue
@@ -284,7 +284,7 @@ class PdDecodeState:
                 },
             )
 
-    def summary(self, probe: Probe, force: bool = False) -> None:
+    def summary(self, probe: ProbeContext, force: bool = False) -> None:
         """The queue's counts by state and its oldest requests, when they changed (at most once a second)."""
         now = time.monotonic()
         if not force and now - self.last_summary < SUMMARY_PERIOD_S:

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.sglang.pd_decode import LEDGER, PdDecodeState, request_row
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 
-def state(probe: Probe) -> PdDecodeState:
+def state(probe: ProbeContext) -> PdDecodeState:
     return probe.state(LEDGER, PdDecodeState)
 
 
-def guarded(probe: Probe, work: Any, *args: Any) -> None:
+def guarded(probe: ProbeContext, work: Any, *args: Any) -> None:
     """Runs one hook's work under the state's lock; what it does not understand turns this ledger off."""
     pd = state(probe)
     try:
@@ -38,7 +38,7 @@ class TransferEnterRole(Role):
     ledger = LEDGER
     reads = {"decode_reqs": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         value = hook.arg(args, kwargs, next(iter(self.reads)))
         decode_reqs = list(value) if isinstance(value, (list, tuple)) else [value]
         guarded(probe, PdDecodeState.enter_all, obj, decode_reqs)
@@ -56,7 +56,7 @@ class TransferPollsRole(Role):
     ledger = LEDGER
     reads = {"pollers": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if not state(probe).by_receiver or not isinstance(result, list):
             return
         pollers = hook.arg(args, kwargs, "pollers")
@@ -68,7 +68,7 @@ class TransferAbortRole(Role):
 
     ledger = LEDGER
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         queue = getattr(obj, "disagg_decode_transfer_queue", None)
         if queue is None or not state(probe).by_row:
             return
@@ -81,7 +81,7 @@ class TransferDrainRole(Role):
     ledger = LEDGER
     reads = {"bootstrap_room": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         guarded(probe, PdDecodeState.drain_answer, hook.arg(args, kwargs, "bootstrap_room"), bool(result))
 
 
@@ -92,7 +92,7 @@ class RowFreeRole(Role):
     wants_site = True
     reads = {"req": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         if not state(probe).by_row:
             return None
         arg = hook.arg(args, kwargs, "req")

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe import objects
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.sglang.speculative import ledger_of_rows, note_row_ends, written_spans
 from kvdoctor.probe.sglang.state import sglang_state
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 
 class ReqWriteExtendRole(Role):
@@ -52,7 +52,7 @@ class ReqWriteExtendRole(Role):
         "req_to_token_pool": 10,
     }
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         table = objects.own(hook.arg(args, kwargs, "req_to_token_pool"), "req_to_token")
         ledger = ledger_of_rows(state, table) if table is not None else None

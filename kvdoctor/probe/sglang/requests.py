@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role, resolve
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role, resolve
 from kvdoctor.probe.ledger.requests import RID_NOT_PASSED
 from kvdoctor.probe.sglang.state import sglang_state
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 
 class RequestPoolRole(Role):
@@ -26,7 +26,7 @@ class ReqAllocRole(RequestPoolRole):
     fast_kind = "req_alloc"
     reads = {"reqs": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if not result:
             return
         reqs = hook.arg(args, kwargs, "reqs")
@@ -42,7 +42,7 @@ class ReqAllocCountRole(RequestPoolRole):
 
     reads = {"need_size": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         requests = sglang_state(probe).requests
         for index in result or []:
             requests.allocated(int(index), RID_NOT_PASSED)
@@ -57,14 +57,14 @@ class ReqFreeIndexRole(RequestPoolRole):
         index = hook.arg(args, kwargs, "free_index")
         return [int(i) for i in (index if isinstance(index, (list, tuple)) else [index]) if isinstance(i, int)]
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         state = sglang_state(probe)
         rows = self.rows(hook, args, kwargs)
         for index in rows:
             state.check_release(obj, index)
         return rows
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         for index in ctx or []:
             state.requests.freed(index)
@@ -78,7 +78,7 @@ class ReqFreeRole(RequestPoolRole):
     composite = True
     reads = {"req": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         req = hook.arg(args, kwargs, "req")
         index = resolve(req, hook.options.get("req_index_attr", "req_pool_idx"))
         if index is None and isinstance(req, int):
@@ -87,7 +87,7 @@ class ReqFreeRole(RequestPoolRole):
             sglang_state(probe).check_release(obj, index)
         return index
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         if isinstance(ctx, int):
             state.requests.freed(ctx)
@@ -99,13 +99,13 @@ class ReqFreeRowsRole(RequestPoolRole):
     composite = True  # inside `free(req)` it is the same release (see ReqFreeRole)
     reads = {"indices": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         state = sglang_state(probe)
         for index in hook.arg(args, kwargs, "indices") or []:
             state.check_release(obj, int(index))
         return None
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         for index in hook.arg(args, kwargs, "indices") or []:
             state.requests.freed(int(index))
@@ -116,7 +116,7 @@ class ReqWriteRole(RequestPoolRole):
     fast_kind = "req_write"
     reads = {"indices": 0, "values": 1}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = sglang_state(probe).primary
         if ledger is None:
             return
@@ -137,7 +137,7 @@ class ReqWriteRole(RequestPoolRole):
 
 
 class ReqClearRole(RequestPoolRole):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         state.requests.cleared()
         state.census_pending = True

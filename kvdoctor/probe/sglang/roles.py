@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe import fixes, hotpath
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, NoteRole, Role, argument
+from kvdoctor.probe.context import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.objects import own
 from kvdoctor.probe.sglang import coverage, mm_inputs
@@ -37,11 +37,11 @@ from kvdoctor.probe.sglang.requests import (
 )
 from kvdoctor.probe.sglang.speculative import ReqWriteSpansRole, RestoreStateRole
 from kvdoctor.probe.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
-from kvdoctor.probe.shutdown import ShutdownRole
+from kvdoctor.probe.shutdown_role import ShutdownRole
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 
 class SlotRole(Role):
@@ -63,7 +63,7 @@ class AllocRole(SlotRole):
     def prefix_lens(self, args: Args, kwargs: Kwargs) -> Any:
         return None
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         state = sglang_state(probe)
         ledger = state.ledger_for(obj)
         state.census_if_due()
@@ -76,7 +76,7 @@ class AllocRole(SlotRole):
                 ledger.check_last_loc(last_loc, site, source[1] if source else None)
         return (ledger, site, source)
 
-    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+    def rewrite(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         pos = hook.positions.get("last_loc")
         if pos is None or ctx is None:
             return args, kwargs
@@ -101,7 +101,7 @@ class AllocRole(SlotRole):
             return args, {**kwargs, "last_loc": fixed}
         return args[:pos] + (fixed,) + args[pos + 1 :], kwargs
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if result is None or ctx is None:
             return
         ledger, site = ctx[0], ctx[1]
@@ -109,7 +109,7 @@ class AllocRole(SlotRole):
             ledger.on_alloc(result, site, only_page_starts=self.only_page_starts)
 
 
-def _report_fix(probe: Probe, ledger: SlotLedger, name: str, before: Any, after: Any, site: int, **evidence: Any) -> None:
+def _report_fix(probe: ProbeContext, ledger: SlotLedger, name: str, before: Any, after: Any, site: int, **evidence: Any) -> None:
     """Counts what a last_loc fix changed. On the host the changed values are counted; on a GPU
     that would be a read-back, so the calls it applied to are counted instead, and said so."""
     if ledger.xp.sync_free_branching:
@@ -146,12 +146,12 @@ class FreeRole(SlotRole):
     wants_site = True
     as_pages = False
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         if group_open(obj, hook.options):
             return None  # staged in the group; recorded when the group ends
         return (sglang_state(probe).ledger_for(obj), site)
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None:
             return
         ledger, site = ctx
@@ -161,7 +161,7 @@ class FreeRole(SlotRole):
         with ledger.lock:
             ledger.on_free(index, site, evicting=hotpath.evicting(), as_pages=self.as_pages)
 
-    def rewrite(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+    def rewrite(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         if "dedup-free" not in probe.fixes or ctx is None or not args:
             return args, kwargs
         ledger, site = ctx
@@ -179,12 +179,12 @@ class FreePagesRole(FreeRole):
 class GroupEndRole(SlotRole):
     wants_site = True
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         attr = hook.options.get("group_pages_attr")
         staged = list(getattr(obj, attr, None) or []) if attr else []
         return (sglang_state(probe).ledger_for(obj), site, staged)
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger, site, staged = ctx
         with ledger.lock:
             for pages in staged:
@@ -196,7 +196,7 @@ class GroupEndRole(SlotRole):
 class ClearRole(SlotRole):
     composite = True
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         if id(obj) not in state.ledgers and coverage.constructing(obj):
             # a pool clearing itself as it is built: its ledger, made at its first use, starts all
@@ -216,13 +216,13 @@ class TreeInsertRole(SlotRole):
     wants_site = True
     reads = {"params": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         ledger = sglang_state(probe).tree_ledger(obj)
         if ledger is None:
             return None
         return (ledger, site, _tree_size(obj))
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None:
             return
         ledger, site, size_before = ctx
@@ -252,12 +252,12 @@ class TreeInsertKeyValueRole(TreeInsertRole):
 class TreeEvictRole(SlotRole):
     fast_kind = "tree_evict"
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         sglang_state(probe).tree_ledger(obj)
         hotpath.evict_add(1)
         return True
 
-    def finally_(self, probe: Probe, ctx: Any) -> None:
+    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx:
             hotpath.evict_add(-1)
 
@@ -267,7 +267,7 @@ class TreeUnlockRole(SlotRole):
     wants_site = True
     reads = {"node": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         node = hook.arg(args, kwargs, "node")
         lock_ref = getattr(node, "lock_ref", None)
         if isinstance(lock_ref, int) and lock_ref <= 0 and node is not getattr(obj, "root_node", None):
@@ -284,7 +284,7 @@ class TreeUnlockRole(SlotRole):
 
 
 class TreeResetRole(SlotRole):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = sglang_state(probe).tree_ledger(obj)
         if ledger is not None:
             with ledger.lock:
@@ -298,7 +298,7 @@ class LastLocSourceRole(SlotRole):
     sources_max = MAX_LAST_LOC_SOURCES
     reads = {"req_to_token": 0, "req_pool_indices_tensor": 1, "prefix_lens_tensor": 2}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         sglang_state(probe).remember_last_loc_source(
             result,
             hook.arg(args, kwargs, "req_pool_indices_tensor"),
@@ -310,11 +310,11 @@ class LastLocSourceRole(SlotRole):
 class RetractPathRole(SlotRole):
     """`ScheduleBatch.retract_decode`: the rows it gives back are the retract path's (release_paths.py)."""
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         overlap = own(obj, "enable_overlap")
         return sglang_state(probe).paths.enter(RETRACT, obj, overlap if isinstance(overlap, bool) else None)
 
-    def finally_(self, probe: Probe, ctx: Any) -> None:
+    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx is not None:
             sglang_state(probe).paths.leave(ctx)
 
@@ -323,10 +323,10 @@ class PreemptPathRole(SlotRole):
     """`PrefillAdder.preempt_to_schedule`: the rows its `release_req` gives back, and what the
     ledger flags meanwhile, are the preemption path's (release_paths.py, sglang#17797)."""
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         return sglang_state(probe).paths.enter(PREEMPT, own(obj, "running_batch"), None)
 
-    def finally_(self, probe: Probe, ctx: Any) -> None:
+    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx is not None:
             sglang_state(probe).paths.leave(ctx)
 
@@ -338,15 +338,15 @@ class BatchResultRole(SlotRole):
 
     reads = {"batch": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         return sglang_state(probe).paths.result_started(obj, hook.arg(args, kwargs, "batch"))
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         state.emit_violations(state.paths.judge_in_flight(ctx[0]))
         mm_inputs.after_result(probe, obj, hook.arg(args, kwargs, "batch"))
 
-    def finally_(self, probe: Probe, ctx: Any) -> None:
+    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx is not None:
             sglang_state(probe).paths.leave(ctx[1])
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvdoctor.probe import hotpath, objects
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.ledger.slots import SlotLedger
 from kvdoctor.probe.sglang.state import SglangState, sglang_state
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 
 class ReqWriteSpansRole(Role):
@@ -37,7 +37,7 @@ class ReqWriteSpansRole(Role):
     ledger = "slots"
     reads = {"req_pool_indices": 0, "req_to_token": 1, "start_offset": 2, "end_offset": 3, "out_cache_loc": 4, "batch_size": 5}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = sglang_state(probe)
         table = hook.arg(args, kwargs, "req_to_token")
         ledger = ledger_of_rows(state, table)
@@ -66,13 +66,13 @@ class RestoreStateRole(Role):
     wants_site = True
     reads = {"state": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         current = (objects.own(obj, "free_pages"), objects.own(obj, "release_pages"))
         if not all(hasattr(t, "numel") for t in current):
             return None
         return (sglang_state(probe).ledger_for(obj), site, current)
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None:
             return
         ledger, site, current = ctx

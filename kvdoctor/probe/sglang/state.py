@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvdoctor.probe import hotpath
-from kvdoctor.probe.hooks import positive_ints
+from kvdoctor.probe.context import positive_ints
 from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus
 from kvdoctor.probe.ledger.launch import register_device_ledger
 from kvdoctor.probe.ledger.requests import RequestTable
@@ -32,7 +32,7 @@ from kvdoctor.probe.sglang.release_paths import ReleasePaths
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the rows they read): few, because
 # each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
@@ -45,7 +45,7 @@ SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait th
 class SglangState(CoverageJudging):
     """See the module's docstring; which of its ledgers may judge orphans: `CoverageJudging`."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: ProbeContext) -> None:
         self.probe = probe
         self.requests = RequestTable()
         self.ledgers: dict[int, SlotLedger] = {}
@@ -115,7 +115,9 @@ class SglangState(CoverageJudging):
         free_pages = host_free_pages(allocator)
         found: dict[str, Any] | None = None
         if needs_adoption(ledger, free_pages):
-            found = adopt(self, ledger, allocator, free_pages, self._map_classes("tree"), self._request_index_attr())
+            found = adopt(
+                self.requests, self.probe.sites, ledger, allocator, free_pages, self._map_classes("tree"), self._request_index_attr()
+            )
             status.update(found)
             read = f"{found['free_slots']} slots free, {found['tree_slots']} in the tree, {found['live_requests']} live request(s)"
             if found["verified"]:
@@ -316,7 +318,7 @@ class SglangState(CoverageJudging):
 
     # ----- EngineState -----
 
-    def census_at_shutdown(self, probe: Probe, waited_s: float) -> dict[str, Any] | None:
+    def census_at_shutdown(self, probe: ProbeContext, waited_s: float) -> dict[str, Any] | None:
         """From the writer thread, the launcher waiting: a census once the engine is quiet (no live
         request, no hooked call for a whole round), so it never races the scheduler; None while
         it is not, for up to SHUTDOWN_BUSY_WAIT_S; then the last rolling census, with its age."""
@@ -343,7 +345,7 @@ class SglangState(CoverageJudging):
             return {"census": "none", "reason": f"busy at shutdown ({live} live request(s)) and no rolling census yet"}
         return {"census": "rolling", "age_s": max(ages), "live_requests": live}
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if self.ledgers and probe.ledger_is_on("slots"):
             self.judge_ledgers()
         calls = probe.calls
@@ -372,7 +374,7 @@ class SglangState(CoverageJudging):
             except Exception as exc:
                 probe.fail("poll", exc)
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if self.ledgers and probe.ledger_is_on("slots"):
             self.census_all(reason)
             for ledger in self.ledgers.values():
@@ -390,5 +392,5 @@ def group_open(allocator: Any, options: dict[str, Any]) -> bool:
     return value is not None
 
 
-def sglang_state(probe: Probe) -> SglangState:
+def sglang_state(probe: ProbeContext) -> SglangState:
     return probe.state("sglang", SglangState)

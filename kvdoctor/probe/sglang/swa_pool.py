@@ -30,13 +30,13 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.rank import ledger_name
 from kvdoctor.probe.sglang.state import group_open
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 LEDGER = "swa"
 POOL_CLASS = "SWATokenToKVPoolAllocator"
@@ -65,14 +65,14 @@ class Pending:
 
 
 class SwaPoolState:
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.pools: dict[int, Pending] = {}
         self.names: dict[int, str] = {}
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         return None  # judged on the scheduler's thread, at the calls
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         return None
 
     def name(self, pool: Any) -> str:
@@ -82,11 +82,11 @@ class SwaPoolState:
         return self.names.get(key, POOL_CLASS)
 
 
-def state(probe: Probe) -> SwaPoolState:
+def state(probe: ProbeContext) -> SwaPoolState:
     return probe.state(LEDGER, SwaPoolState)
 
 
-def turn_off(probe: Probe, exc: Exception) -> None:
+def turn_off(probe: ProbeContext, exc: Exception) -> None:
     probe.turn_off_ledger(LEDGER, "the SWA pool ledger", f"SWA slots not judged: {exc}")
 
 
@@ -137,7 +137,7 @@ class SwaFreeRole(Role):
     wants_site = True
     reads = {"free_index": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         # free -> free_swa on one pool: the wrappers run a role once per object, the outer call
         try:
             return self.plan(probe, state(probe), hook, obj, hook.arg(args, kwargs, "free_index"), site)
@@ -145,7 +145,7 @@ class SwaFreeRole(Role):
             turn_off(probe, exc)
             return None
 
-    def plan(self, probe: Probe, swa: SwaPoolState, hook: Hook, obj: Any, index: Any, site: int) -> Any:
+    def plan(self, probe: ProbeContext, swa: SwaPoolState, hook: Hook, obj: Any, index: Any, site: int) -> Any:
         if index is None or not hasattr(index, "numel") or index.numel() == 0:
             return None
         if group_open(obj, hook.options):
@@ -191,7 +191,7 @@ class SwaFreeRole(Role):
         sites = [entries[i][2] for i in at[live].tolist()]
         return ("flush", full[live], asked[live], now[live], units[live], sites, site, pending.remaps)
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None or not probe.ledger_is_on(LEDGER):
             return
         try:
@@ -202,7 +202,7 @@ class SwaFreeRole(Role):
         except (NotJudged, AttributeError, TypeError, ValueError, IndexError, RuntimeError) as exc:
             turn_off(probe, exc)
 
-    def keep(self, probe: Probe, hook: Hook, obj: Any, work: Any) -> None:
+    def keep(self, probe: ProbeContext, hook: Hook, obj: Any, work: Any) -> None:
         """A free the allocator deferred unresolved (its full slots appended to one of its deferred
         lists, the mapping left to be read at the group's end) is kept; one it resolved is not."""
         import torch
@@ -227,7 +227,7 @@ class SwaFreeRole(Role):
         pending.slots += full.numel()
         pending.frees.setdefault(where, []).append((full, asked, site))
 
-    def judge(self, probe: Probe, hook: Hook, obj: Any, work: Any) -> None:
+    def judge(self, probe: ProbeContext, hook: Hook, obj: Any, work: Any) -> None:
         """The live SWA slots this call freed although no deferred free asked for them."""
         _, full, asked, now, units, sites, flush_site, remaps = work
         freed = free_units(obj, units)
@@ -283,7 +283,7 @@ class SwaRemapRole(Role):
     wants_site = True
     reads = {"full_indices": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         pending = state(probe).pools.get(id(obj))
         full = hook.arg(args, kwargs, "full_indices")
         if pending is None or full is None or not hasattr(full, "numel") or len(pending.remaps) >= MAX_REMAPS:

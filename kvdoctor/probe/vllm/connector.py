@@ -35,12 +35,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.settings import DAY_S, env_number
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 ENV_DEADLINE_S = "KVDOCTOR_CONNECTOR_DEADLINE_S"
 DEFAULT_DEADLINE_S = 480.0  # vLLM's own: NIXL's decoder_kv_blocks_ttl, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
@@ -107,7 +107,7 @@ class _CurrentFinish(threading.local):
 class ConnectorHolds:
     """Per process: the holds in progress, oldest first, and those already past the deadline."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: ProbeContext) -> None:
         self.probe = probe
         self.deadline_s = deadline_from_env()
         self.pending: collections.OrderedDict[str, Hold] = collections.OrderedDict()  # within the deadline
@@ -196,18 +196,18 @@ class ConnectorHolds:
             out["connector_oldest_hold"] = oldest.evidence(now, self.deadline_s)
         return out
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if probe.ledger_is_on("connector"):
             self.check()
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if self.closed or not probe.ledger_is_on("connector"):
             return
         self.closed = True
         self.check(final=True)
 
 
-def holds(probe: Probe) -> ConnectorHolds:
+def holds(probe: ProbeContext) -> ConnectorHolds:
     return probe.state("vllm_connector", ConnectorHolds)
 
 
@@ -246,7 +246,7 @@ class RequestFinishRole(ConnectorRole):
 
     reads = {"request": 0, "delay_free_blocks": 1}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         if getattr(obj, "connector", None) is None and getattr(obj, "ec_connector", None) is None:
             return None  # no connector: nothing can keep the blocks, and the ledger is never made
         state = holds(probe)
@@ -256,11 +256,11 @@ class RequestFinishRole(ConnectorRole):
         state.current.finishing = finishing
         return (state, finishing, previous)
 
-    def finally_(self, probe: Probe, ctx: Any) -> None:
+    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx is not None:
             ctx[0].current.finishing = ctx[2]
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if ctx is None:
             return
         state, finishing, _ = ctx
@@ -276,7 +276,7 @@ class ConnectorVetoRole(ConnectorRole):
 
     reads = {"request": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = probe.states.get("vllm_connector")
         finishing = state.current.finishing if isinstance(state, ConnectorHolds) else None
         if finishing is not None and isinstance(result, tuple) and result and result[0]:
@@ -289,7 +289,7 @@ class BlocksReleaseRole(ConnectorRole):
 
     reads = {"request": 0}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         state = probe.states.get("vllm_connector")
         rid = _request_id(args, kwargs)
         if rid is None or not isinstance(state, ConnectorHolds):

@@ -27,13 +27,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.ledger.arrays import ReadyRead, arrays_for
 from kvdoctor.probe.objects import own
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 LEDGER = "vllm_mamba_index"
 WHAT = "the vLLM Mamba state column check"
@@ -59,7 +59,7 @@ def _int(value: Any, what: str) -> int:
 class MambaIndexState:
     """Per process: the seeded columns whose device copy is still in flight, and the counts."""
 
-    def __init__(self, probe: Probe | None = None) -> None:
+    def __init__(self, probe: ProbeContext | None = None) -> None:
         self.lock = threading.Lock()
         self.pending: list[tuple[Any, dict[str, Any]]] = []  # (read in flight, evidence)
         self.judged = 0
@@ -67,7 +67,7 @@ class MambaIndexState:
         self.not_judged = 0  # in flight past MAX_PENDING
         self.said_on = False
 
-    def after_add(self, probe: Probe, model_state: Any, req_index: Any, new_req_data: Any, site: int) -> None:
+    def after_add(self, probe: ProbeContext, model_state: Any, req_index: Any, new_req_data: Any, site: int) -> None:
         cache_config = own(model_state, "cache_config")
         if cache_config is None:
             raise NotUnderstood(f"{type(model_state).__name__} has no cache_config")
@@ -113,7 +113,7 @@ class MambaIndexState:
             self.pending.append((read, evidence))
         self.drain(probe)
 
-    def drain(self, probe: Probe, *, wait: bool = False) -> None:
+    def drain(self, probe: ProbeContext, *, wait: bool = False) -> None:
         """Judges the seeded columns whose copy is done (all of them with `wait`: at exit only)."""
         with self.lock:
             done: list[tuple[Any, dict[str, Any]]] = []
@@ -129,7 +129,7 @@ class MambaIndexState:
         for read, evidence in done:
             self.judge(probe, int(read.get()[0].reshape(-1)[0]), evidence)
 
-    def judge(self, probe: Probe, column: int, evidence: dict[str, Any]) -> None:
+    def judge(self, probe: ProbeContext, column: int, evidence: dict[str, Any]) -> None:
         n = evidence["num_computed_tokens"]
         mamba_block_size = evidence["mamba_block_size"]
         blocks = -(-n // mamba_block_size) if n > 0 else 0  # the mamba blocks n computed tokens fill
@@ -151,14 +151,14 @@ class MambaIndexState:
             },
         )
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if self.pending and probe.ledger_is_on(LEDGER):
             try:
                 self.drain(probe)
             except Exception as exc:
                 turn_off(probe, exc)
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         if not probe.ledger_is_on(LEDGER):
             return
         try:
@@ -178,11 +178,11 @@ class MambaIndexState:
             )
 
 
-def state(probe: Probe) -> MambaIndexState:
+def state(probe: ProbeContext) -> MambaIndexState:
     return probe.state(LEDGER, MambaIndexState)
 
 
-def turn_off(probe: Probe, exc: BaseException) -> None:
+def turn_off(probe: ProbeContext, exc: BaseException) -> None:
     probe.turn_off_ledger(LEDGER, WHAT, f"Mamba state columns not judged: {type(exc).__name__}: {exc}")
 
 
@@ -193,7 +193,7 @@ class SeedRole(Role):
     wants_site = True
     reads = {"req_index": 0, "new_req_data": 1}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         try:
             state(probe).after_add(probe, obj, hook.arg(args, kwargs, "req_index"), hook.arg(args, kwargs, "new_req_data"), ctx)
         except Exception as exc:

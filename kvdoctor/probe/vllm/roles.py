@@ -28,13 +28,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.hooks import Args, Hook, Kwargs, Role
+from kvdoctor.probe.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.ledger.blocks import BlockLedger
-from kvdoctor.probe.shutdown import ShutdownRole
+from kvdoctor.probe.shutdown_role import ShutdownRole
 from kvdoctor.probe.vllm.state import VllmState, state
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 
 def _request_id(args: Args, kwargs: Kwargs) -> str | None:
@@ -63,7 +63,7 @@ class _PoolRole(VllmRole):
 
     frees = False  # the call gives back the blocks of its first argument
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         if id(obj) in st.ledgers:
@@ -75,7 +75,7 @@ class _PoolRole(VllmRole):
 class AllocRole(_PoolRole):
     wants_site = True
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger, site = ctx
         if result:
             with ledger.lock:
@@ -95,7 +95,7 @@ class _BlocksRole(_PoolRole):
                     kwargs[key] = _listify(kwargs[key])
         return args, kwargs
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger, site = ctx
         blocks = args[0] if args else kwargs.get("ordered_blocks", kwargs.get("blocks"))
         if blocks:
@@ -124,10 +124,10 @@ class FreeRole(_BlocksRole):
     wants_site = True
     frees = True
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         return (*super().before(probe, hook, obj, args, kwargs, site), _queued(obj))
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, ledger, site, queued_before = ctx
         blocks = args[0] if args else kwargs.get("ordered_blocks", kwargs.get("blocks"))
         if blocks:
@@ -141,7 +141,7 @@ class FreeRole(_BlocksRole):
 class CacheRole(VllmRole):
     reads = {"num_cached_blocks": 2, "num_full_blocks": 3}
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         try:
             cached = hook.arg(args, kwargs, "num_cached_blocks")
             full = hook.arg(args, kwargs, "num_full_blocks")
@@ -154,7 +154,7 @@ class CacheRole(VllmRole):
 
 
 class EvictRole(VllmRole):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         ledger = state(probe).ledgers.get(id(obj))
         if ledger is not None:
             ledger.on_evict(bool(result))
@@ -163,7 +163,7 @@ class EvictRole(VllmRole):
 class ReqAllocRole(VllmRole):
     reads = {"request": 0}
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         if st.census_due and not st.live and time.monotonic() - st.last_census >= probe.idle_census_interval_s:
@@ -173,11 +173,11 @@ class ReqAllocRole(VllmRole):
         st.current.request = rid
         return (st, rid, previous)
 
-    def finally_(self, probe: Probe, ctx: Any) -> None:
+    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx is not None:
             ctx[0].current.request = ctx[2]
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         st.set_block_size(obj)
         if result is not None:
@@ -189,7 +189,7 @@ class ReqAllocRole(VllmRole):
 
 
 class ReqFreeRole(ReqAllocRole):
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.last_call = time.monotonic()
         rid = _request_id(args, kwargs)
@@ -197,7 +197,7 @@ class ReqFreeRole(ReqAllocRole):
         st.current.request = rid
         return (st, rid, previous)
 
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         if rid is not None:
             st.live.discard(rid)
@@ -206,7 +206,7 @@ class ReqFreeRole(ReqAllocRole):
 
 
 class ReqPopRole(ReqFreeRole):
-    def after(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st, rid, _ = ctx
         if rid is not None:
             st.live.discard(rid)
@@ -215,7 +215,7 @@ class ReqPopRole(ReqFreeRole):
 class ExitRole(VllmRole):
     """`EngineCore.shutdown`: the exit census, before the teardown that may end in SIGKILL."""
 
-    def before(self, probe: Probe, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = probe.states.get("vllm")
         if isinstance(st, VllmState):
             st.exit_census()

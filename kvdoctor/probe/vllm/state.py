@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe import containers
-from kvdoctor.probe.hooks import positive_ints
+from kvdoctor.probe.context import positive_ints
 from kvdoctor.probe.ledger.blocks import BlockLedger
 from kvdoctor.probe.rank import ledger_name
 from kvdoctor.probe.vllm.adopt import Holders, read_holders
@@ -25,7 +25,7 @@ from kvdoctor.probe.vllm.connector import ConnectorHolds
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.runtime import Probe
+    from kvdoctor.probe.context import ProbeContext
 
 QUIET_S = 1.0  # the writer thread takes a due idle census only after this long without a hooked call
 SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet (of the 5 s the API server is held)
@@ -39,7 +39,7 @@ class _Current(threading.local):
 class VllmState:
     """Per process: the block ledgers (one per pool), the live requests, the census schedule."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: ProbeContext) -> None:
         self.probe = probe
         self.ledgers: dict[int, BlockLedger] = {}
         self.pools: dict[int, Any] = {}
@@ -189,7 +189,7 @@ class VllmState:
         else:
             self.census_due = True
 
-    def periodic(self, probe: Probe) -> None:
+    def periodic(self, probe: ProbeContext) -> None:
         if not probe.ledger_is_on("blocks"):
             return
         try:
@@ -205,7 +205,7 @@ class VllmState:
         except Exception as exc:
             probe.fail("vllm_poll", exc)
 
-    def census_at_shutdown(self, probe: Probe, waited_s: float) -> dict[str, Any] | None:
+    def census_at_shutdown(self, probe: ProbeContext, waited_s: float) -> dict[str, Any] | None:
         """From the writer thread, the API server waiting to stop this engine core (it SIGKILLs
         what has not exited 5 s after its SIGTERM, before `EngineCore.shutdown` may have run): a
         census once the engine is quiet, so it never races the engine's thread; None while it is
@@ -243,9 +243,9 @@ class VllmState:
         except Exception as exc:
             self.probe.fail("vllm_exit", exc)
 
-    def close(self, probe: Probe, reason: str) -> None:
+    def close(self, probe: ProbeContext, reason: str) -> None:
         self.exit_census()
 
 
-def state(probe: Probe) -> VllmState:
+def state(probe: ProbeContext) -> VllmState:
     return probe.state("vllm", VllmState)
