@@ -335,7 +335,9 @@ def gate(
     return gate_command(list(ctx.args), budgets, junit=junit, baseline=baseline, html=html, trace=trace, force=force)
 
 
-@_command("kvdoctor attach 4242", "kvdoctor attach 4242 --metrics 127.0.0.1:9400", "kvdoctor attach 4242 --gdb /usr/local/cuda/bin/cuda-gdb")
+@_command(
+    "kvdoctor attach 4242", "kvdoctor attach 4242 --metrics 127.0.0.1:9400", "kvdoctor attach 4242 --gdb /usr/local/cuda/bin/cuda-gdb"
+)
 @_guarded
 def attach(
     pid: int = typer.Argument(..., metavar="PID", help="a running Python server process (needs ptrace permission and gdb)"),
