@@ -45,12 +45,13 @@ from array import array
 trace, page_size, rows_seen, fault = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 from kvdoctor.probe import maps, runtime
 if rows_seen == "unhooked":  # the map of a release with no hookable row writer (0.5.3.post2 - 0.5.4.post1 launch the kernel in place)
-    load_map = maps.load_map
+    load_maps = maps.load_maps
     def without_row_writer(path):
-        probe_map = load_map(path)
-        probe_map.functions = [f for f in probe_map.functions if f.role != "req_write_spans"]
-        return probe_map
-    maps.load_map = without_row_writer
+        loaded = load_maps(path)
+        for probe_map in loaded:
+            probe_map.functions = [f for f in probe_map.functions if f.role != "req_write_spans"]
+        return loaded
+    maps.load_maps = without_row_writer
 probe = runtime.activate(trace)
 import torch
 from sglang.srt.runtime_context import get_context
