@@ -44,7 +44,7 @@ def _kvdoctor_attach(params):
             already = runtime.current() is not None
             probe = runtime.activate(params["trace_path"], fixes=params["fixes"])
             if probe is None:
-                reason = "KVDOCTOR_DISABLE is set in it" if os.environ.get("KVDOCTOR_DISABLE") else "the probe failed to start"
+                reason = "KVDOCTOR_DISABLE is set in it" if os.environ.get("KVDOCTOR_DISABLE", "").strip().lower() in ("1", "true", "yes", "on") else "the probe failed to start"
                 report({"ok": False, "error": reason})
                 return
             probe.emitter.emit("probe_status", {

@@ -18,6 +18,7 @@ import sys
 ENV_AUTOPROBE = "KVDOCTOR_AUTOPROBE"  # set by `kvdoctor run`/`gate` for the command's processes
 ENGINE_PACKAGES = ("sglang", "vllm")  # as kvdoctor/_inject/sitecustomize.py's (a test holds them equal)
 _OFF = ("", "0", "false", "no", "off")  # KVDOCTOR_ATTRIBUTION: not asked for (as the sitecustomize reads it)
+_ON = ("1", "true", "yes", "on")  # KVDOCTOR_DISABLE: disabled (as settings.py and the sitecustomize read it)
 
 
 def _activate() -> None:
@@ -45,7 +46,7 @@ class EngineWatch:
 
 def start() -> None:
     try:
-        if not os.environ.get(ENV_AUTOPROBE) or os.environ.get("KVDOCTOR_DISABLE"):
+        if not os.environ.get(ENV_AUTOPROBE) or os.environ.get("KVDOCTOR_DISABLE", "").strip().lower() in _ON:
             return
         if os.environ.get("KVDOCTOR_ATTRIBUTION", "").strip().lower() not in _OFF:
             _activate()

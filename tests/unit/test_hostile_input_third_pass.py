@@ -187,6 +187,18 @@ def test_kvdoctor_disable_is_a_switch(monkeypatch, value, on):
     assert settings.env_switch(runtime.ENV_DISABLE, False) is on
 
 
+@pytest.mark.parametrize(("value", "watching"), [("0", True), ("off", True), ("", True), ("1", False), ("yes", False)])
+def test_the_start_up_hook_reads_kvdoctor_disable_as_the_probe_does(value, watching):
+    """The wheel's start-up hook (kvdoctor/probe/entry.py) is a way in of its own: KVDOCTOR_DISABLE=0
+    must not keep it from watching for the engine, as it does not disable the probe."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "import sys, kvdoctor.probe.entry as e; print(e.EngineWatch in sys.meta_path)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_")}
+    env.update(KVDOCTOR_AUTOPROBE="1", KVDOCTOR_DISABLE=value, PYTHONPATH=repo)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str(watching), out.stdout + out.stderr
+
+
 # ---------------------------------------------------------------- item 7: analysis memory whatever a census names
 
 NAMED = 40_000  # request ids in each census
