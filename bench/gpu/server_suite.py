@@ -49,20 +49,31 @@ CPU_FLAGS = ["--device", "cpu", "--host", "127.0.0.1", "--sleep-on-idle", "--log
 SAFETY = "double-free,stale-last-loc,index-out-of-range"
 HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
 HICACHE += ["--hicache-storage-backend", "file", "--hicache-write-policy", "write_through", "--hicache-ratio", "2"]
+# SGLang's own test knob: a torch.cuda._sleep of this many cycles before each layer's host-to-device copy
+DELAY = {"SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES": "20000000"}
+QUIET = {
+    "KVDOCTOR_WRITER_INTERVAL_S": "60",
+    "KVDOCTOR_MEMORY_CLASSES": "0",
+    "KVDOCTOR_CONTAINERS": "0",
+    "KVDOCTOR_ROLLING_CENSUS_S": "86400",
+}
+THREADS_DIR = os.path.join(HERE, "server_threads")
 
 
 @dataclass
 class Case:
     name: str
-    kind: str  # clean | leak | safety | cost
+    kind: str  # clean | leak | safety | hicache | cost
     flags: list[str] = field(default_factory=list)
     probe: bool = True
     fault: str = ""
-    fault_at: int = 0
+    fault_at: int | str = 0
     model: str = "model"
     max_total_tokens: int = 65536
     mem_fraction: str = ""  # the suite's --mem-fraction where empty
     alone: bool = False  # started only once every other case has stopped, one at a time (a big model)
+    env: dict[str, str] = field(default_factory=dict)  # the server's (SGLang's knobs, the probe's switches)
+    threads: bool = True  # server_threads/: CPU seconds per thread and the compiled path's counters
 
 
 def _cases() -> dict[str, Case]:
@@ -72,13 +83,35 @@ def _cases() -> dict[str, Case]:
         Case("clean-noradix", "clean", ["--page-size", "16", "--disable-radix-cache"]),
         Case("clean-chunked", "clean", ["--page-size", "16", "--chunked-prefill-size", "64", "--schedule-policy", "fcfs"]),
         Case("clean-p1-chunked", "clean", ["--chunked-prefill-size", "64"]),
-        Case("hicache", "clean", ["--page-size", "16", *HICACHE]),
+        Case("hicache", "hicache", ["--page-size", "16", *HICACHE], max_total_tokens=6144),
+        Case("hicache-delay", "hicache", ["--page-size", "16", *HICACHE], max_total_tokens=6144, env=DELAY),
+        Case(
+            "hicache-delay-guard",
+            "hicache",
+            ["--page-size", "16", *HICACHE],
+            max_total_tokens=6144,
+            env={**DELAY, "KVDOCTOR_FIXES": "graph-guard"},
+        ),
         Case("fault-leak", "leak", ["--disable-radix-cache"], fault="leak", fault_at=20),
+        # no probe at the start: `kvdoctor attach --gdb cuda-gdb` puts it in, one leak planted before and one after
+        Case(
+            "attach-leak",
+            "attach",
+            ["--page-size", "16", "--chunked-prefill-size", "64"],
+            probe=False,
+            fault="leak",
+            fault_at="10,+2",
+            max_total_tokens=4096,
+            env={"KVDOCTOR_TEST_FAULT_REWRAP_SIGNAL": "1"},
+        ),
         Case("fault-safety", "safety", ["--page-size", "16", "--disable-radix-cache"], fault=SAFETY, fault_at=20),
     ]
     for n in range(1, 7):
         cases.append(Case(f"cost-off-{n}", "cost", ["--sleep-on-idle"], probe=False))
         cases.append(Case(f"cost-on-{n}", "cost", ["--sleep-on-idle"]))
+        cases.append(Case(f"cost-quiet-{n}", "cost", ["--sleep-on-idle"], env=QUIET))  # the writer thread's rounds all but gone
+        cases.append(Case(f"cost-py-{n}", "cost", ["--sleep-on-idle"], env={"KVDOCTOR_HOTPATH": "0"}))  # every hooked call in Python
+        cases.append(Case(f"cost-prof-{n}", "cost", ["--sleep-on-idle"], env={"SUITE_STACKS": "1"}))  # stacks sampled: not a timing
         for probe in (False, True):  # decode graphs up to the benchmark's 32 at a time (a shorter capture)
             big = ["--sleep-on-idle", "--load-format", "dummy", "--cuda-graph-max-bs-decode", "32"]
             name = f"cost8b-{'on' if probe else 'off'}-{n}"
@@ -89,13 +122,13 @@ def _cases() -> dict[str, Case]:
 CASES = _cases()
 
 
-def server_env_for(cpu: bool, fault: bool):
+def server_env_for(cpu: bool, fault: bool, threads: bool = False):
     standins = os.path.join(CARRY, "standins")
 
     def env(extra: dict[str, str]) -> dict[str, str]:
         out = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_") or k in ("KVDOCTOR_SRC",)}
         path = [sglang_server.FAULT_DIR] if fault else []
-        path += [os.environ.get("SITE", ""), REPO, SUPPORT if cpu else standins]
+        path += [os.environ.get("SITE", ""), REPO, SUPPORT if cpu else standins, THREADS_DIR if threads else ""]
         out.update(
             {
                 "HF_HUB_OFFLINE": "1",
@@ -129,8 +162,9 @@ class GpuServer(sglang_server.Server):
             fault_at=case.fault_at,
             max_total_tokens=case.max_total_tokens,
             model=model,
+            env={**case.env, **({"SUITE_THREADS_OUT": workdir} if case.threads else {})},
         )
-        self._env = server_env_for(cpu, bool(case.fault))
+        self._env = server_env_for(cpu, bool(case.fault), case.threads)
         self.stop_timeout_s = 180.0
 
     def start(self, timeout_s: float = 300.0) -> GpuServer:
@@ -241,6 +275,75 @@ def drive(server: GpuServer, cpu: bool) -> dict:
     return {"chats": chats, "bench_ok": int(ok.group(1)) if ok else 0, "bench_rc": bench.returncode, "idle_census_after_load": idle}
 
 
+def drive_hicache(server: GpuServer, cpu: bool) -> dict:
+    """Load-backs while decode graphs replay: 40 distinct 256-token prompts once (the device pool
+    holds about a third of them: the rest are evicted, written through to the host and to L3), then
+    the same prompts again (host hits: loaded back on the load stream) beside 8 long decodes."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    vocab = sglang_server.vocab_size()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, vocab - 1) for _ in range(256)] for _ in range(40 if not cpu else 12)]
+    failed: list[str] = []
+
+    def send(job: tuple[list[int], int]) -> None:
+        try:
+            server.generate(job[0], job[1], timeout_s=300.0)
+        except Exception as exc:
+            failed.append(repr(exc)[:200])
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(send, [(p, 4) for p in prompts]))
+    longs = [([rng.randrange(5, vocab - 1) for _ in range(16)], 200 if not cpu else 24) for _ in range(8)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(send, longs + [(p, 4) for p in prompts]))
+    since_us = time.time() * 1e6
+    server.generate(list(range(5, 21)), 4)
+    idle = wait_idle_census(server.trace, since_us) if server.probe else None
+    return {"requests": 2 * len(prompts) + len(longs), "failed": failed[:5], "failed_count": len(failed), "idle_census_after_load": idle}
+
+
+def drive_attach(server: GpuServer, cpu: bool) -> dict:
+    """A server started without kvdoctor fills its tree (60 prompts of 120 tokens, more than the pool
+    holds), `kvdoctor attach --gdb` puts the probe in (cuda-gdb on the GPU machine, which has no gdb),
+    the planted fault is told (it wraps the probe's wrappers: what the host does, the probe sees), a
+    second load evicts what the tree held, and the idle census after it counts every request."""
+    import signal
+
+    before = server.bench_serving(prompts=60, concurrency=16)
+    pid = server.scheduler_pid()
+    gdb = os.environ.get("SUITE_GDB", "/usr/local/cuda/bin/cuda-gdb")
+    t0 = time.monotonic()
+    att = subprocess.run(
+        [sys.executable, "-m", "kvdoctor", "attach", str(pid), "--gdb", gdb, "--trace", server.trace],
+        env=server._env({}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=server.workdir,
+    )
+    attach = {"rc": att.returncode, "s": round(time.monotonic() - t0, 1), "stdout": att.stdout[-800:], "stderr": att.stderr[-1500:]}
+    if att.returncode != 0 or pid is None:
+        return {"bench_rc": before.returncode, "attach": attach}
+    os.kill(pid, signal.SIGUSR2)
+    time.sleep(1.0)
+    after = server.bench_serving(prompts=30, concurrency=16)
+    since_us = time.time() * 1e6
+    server.generate(list(range(5, 21)), 4)
+    idle = wait_idle_census(server.trace, since_us)
+    return {"bench_rc": before.returncode or after.returncode, "attach": attach, "idle_census_after_load": idle}
+
+
+def hicache_counts(trace: str) -> dict:
+    """The last HiCache counter of each probed process that has one (host pool, loads, backups)."""
+    last: dict[str, dict] = {}
+    for e in _events(trace):
+        if e["name"] == "hicache" and e.get("ph") == "C":
+            last[str(e["pid"])] = e["args"]
+    return last
+
+
 def judge(case: Case, result: dict, server: GpuServer) -> None:
     rc, report = servers.replay(server.trace)
     errors = _errors(report)
@@ -253,15 +356,38 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     result["planted"] = {k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size") if x in v} for k, v in planted.items()}
     why = []
     load = result.get("load", {})
-    if load.get("chats", {}).get("errors") or load.get("bench_rc") != 0:
+    if case.kind not in ("hicache", "attach") and (load.get("chats", {}).get("errors") or load.get("bench_rc") != 0):
         why.append(f"load failed: {load}")
     c = result["census"]
+    if case.kind == "attach":
+        judge_attach(result, report, errors, planted, server.trace)
+        c = result["census"]
+        plants = planted.get("leak", {}).get("plants", [])
+        totals = {sum(p["count"] for p in plants[:k]) for k in range(1, len(plants) + 1)}
+        as_planted = [b for b in c["unbalanced"] if all(re.fullmatch(r"idle: total - free - tree = (\d+)", x) for x in b["problems"])]
+        as_planted = [b for b in as_planted if all(int(x.rsplit("= ", 1)[1]) in totals for x in b["problems"])]
+        c["leak_as_planted"] = len(as_planted)
+        c["unbalanced_count"] -= len(as_planted)
     if case.kind == "leak" and planted.get("leak"):  # the leak itself: total - free - tree is what was dropped
         want = f"idle: total - free - tree = {planted['leak']['count']}"
         c["leak_as_planted"] = sum(1 for b in c["unbalanced"] if b["problems"] == [want])
         c["unbalanced_count"] -= c["leak_as_planted"]
     if not c["censuses"] or c["unbalanced_count"]:
         why.append(f"censuses: {c['censuses']}, unbalanced {c['unbalanced_count']}")
+    why.extend(result.get("attach_why", []))
+    if case.kind == "hicache":
+        counts = hicache_counts(server.trace)
+        result["hicache"] = counts
+        events = _events(server.trace)
+        replays = [e["args"] for e in events if e["name"] == "violation" and e["args"].get("kind") == "graph_replay_during_load"]
+        result["replays_during_load"] = {"count": len(replays), "first": replays[:4]}
+        result["fixes"] = [e["args"] for e in events if e["name"] == "fix_applied"][:8]
+        if load.get("failed_count"):
+            why.append(f"{load['failed_count']} requests failed: {load['failed']}")
+        if not any(int(c.get("loads", 0) or 0) for c in counts.values()):
+            why.append(f"no load back seen: the case did not test one ({counts})")
+        if case.name == "hicache" and (errors or rc != 0):
+            why.append(f"errors {errors} rc {rc}")
     if case.kind == "clean":
         if errors or rc != 0:
             why.append(f"errors {errors} rc {rc}")
@@ -301,6 +427,34 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
             why.append(f"out of range: bad index {oor['evidence'].get('bad_index')}, planted -5")
     result["verdict"] = "pass" if not why else "FAIL"
     result["why"] = why
+
+
+def judge_attach(result: dict, report: dict, errors: dict, planted: dict, trace: str) -> None:
+    """Injected, adopted (its books proven against the host's), and each leak named once: the one
+    before the attach as leaked before kvdoctor attached, the one after with its request and site."""
+    why = result.setdefault("attach_why", [])
+    load = result.get("load", {})
+    if load.get("attach", {}).get("rc") != 0:
+        why.append(f"attach failed: {load.get('attach')}")
+        return
+    plants = planted.get("leak", {}).get("plants", [])
+    result["plants"] = [{k: p.get(k) for k in ("count", "after_attach", "page_size")} for p in plants]
+    adopted = [e["args"] for e in _events(trace) if e["name"] == "probe_status" and e["args"].get("adopted")]
+    result["adopted"] = adopted[:1]
+    if [p["after_attach"] for p in plants] != [False, True]:
+        why.append(f"plants {result['plants']}")
+        return
+    early, late = plants
+    if not adopted or not adopted[0].get("verified") or adopted[0].get("held_by_no_one_slots") != early["count"]:
+        why.append(f"adoption {adopted[:1]}, planted before {early['count']}")
+    named = [f for f in report.get("findings", []) if f["severity"] == "error"]
+    result["named"] = [_named(f) for f in named]
+    pre = [f for f in named if "before kvdoctor attached" in f["message"]]
+    post = [f for f in named if f["kind"] == "orphan_slots" and "before kvdoctor attached" not in f["message"]]
+    if len(named) != 2 or len(pre) != 1 or len(post) != 1:
+        why.append(f"named {[(f['kind'], f['count']) for f in named]}")
+    elif pre[0]["count"] != early["count"] or post[0]["count"] != late["count"] or "rid " not in post[0]["message"]:
+        why.append(f"counts {pre[0]['count']}/{post[0]['count']}, planted {early['count']}/{late['count']}")
 
 
 def _listed_first(named: list[int], planted: list[int], page: int) -> bool:
@@ -391,11 +545,34 @@ def memory(server: GpuServer) -> dict:
     return out
 
 
+def threads_read(workdir: str) -> list[dict]:
+    """server_threads/'s last reading of each process that made one: its busiest threads' CPU
+    seconds, the compiled path's counters, and (SUITE_STACKS=1) the main thread's top samples."""
+    out = []
+    for name in sorted(os.listdir(workdir)):
+        if not (name.startswith("threads-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(workdir, name)) as fh:
+                t = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        cpu = sorted(t.get("cpu_s", {}).items(), key=lambda kv: -kv[1])
+        samples = sorted(t.get("stack_samples", {}).items(), key=lambda kv: -kv[1])
+        row = {"pid": t.get("pid"), "argv": t.get("argv"), "cpu_s": dict(cpu[:8]), "native": t.get("native")}
+        if samples:
+            row["stack_samples"] = dict(samples[:20])
+            row["stack_total"] = sum(v for _, v in samples)
+        out.append(row)
+    return out
+
+
 def cost_table(results: dict) -> dict:
     out = {}
     for prefix in ("cost", "cost8b"):
         arms = {}
-        for arm in ("off", "on"):
+        names = {m.group(1) for n in results for m in [re.fullmatch(rf"{prefix}-([a-z]+)-\d+", n)] if m}
+        for arm in sorted(names):
             rows = [
                 r["bench"]
                 for n, r in results.items()
@@ -409,11 +586,16 @@ def cost_table(results: dict) -> dict:
                 arms[arm]["gpu_mib"] = [r["memory"].get("gpu_mib") for r in rows]
         if "off" in arms and "on" in arms:
             med = {arm: {k: statistics.median(v) for k, v in arms[arm].items() if v and None not in v} for arm in arms}
-            ratios = {k: round(med["on"][k] / med["off"][k], 4) for k in med["off"] if k in med["on"] and med["off"][k]}
+            ratios = {
+                arm: {k: round(med[arm][k] / med["off"][k], 4) for k in med["off"] if k in med[arm] and med["off"][k]}
+                for arm in arms
+                if arm != "off"
+            }
             out[prefix] = {
                 "rounds": {a: len(arms[a]["output_throughput"]) for a in arms},
                 "median": med,
-                "on_over_off": ratios,
+                "on_over_off": ratios.get("on", {}),
+                "over_off": ratios,
                 "all": arms,
             }
     return out
@@ -461,6 +643,7 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
         finally:
             r["stop_rc"] = server.stop()
             r["log_tail"] = server.log_tail(1500) if r.get("verdict") == "FAIL" else ""
+            r["threads"] = threads_read(server.workdir)
         if r.get("verdict") != "FAIL":
             try:
                 if case.kind != "cost":
@@ -495,7 +678,10 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
         t.join()
 
     def correctness(server: GpuServer, r: dict) -> None:
-        r["load"] = drive(server, cpu)
+        kind = server.case.kind
+        r["load"] = (
+            drive_hicache(server, cpu) if kind == "hicache" else drive_attach(server, cpu) if kind == "attach" else drive(server, cpu)
+        )
 
     threads = [threading.Thread(target=finish, args=(c, correctness)) for c in cases if c.kind != "cost"]
     for t in threads:
@@ -543,7 +729,8 @@ def summary_md(results: dict, cost: dict) -> str:
     for prefix, t in cost.items():
         lines.append("")
         lines.append(
-            f"{prefix}: rounds {t['rounds']}, probe on / off (medians): " + ", ".join(f"{k} {v}x" for k, v in t["on_over_off"].items())
+            f"{prefix}: rounds {t['rounds']}, over off (medians): "
+            + "; ".join(f"{arm}: " + ", ".join(f"{k} {v}x" for k, v in r.items()) for arm, r in t.get("over_off", {}).items())
         )
     return "\n".join(lines) + "\n"
 

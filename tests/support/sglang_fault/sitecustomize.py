@@ -282,5 +282,17 @@ def _after_attach(status_path):
 if _FAULTS and _AT > 0:
     wanted = {name for name, faults in _MODULES.items() if _FAULTS & set(faults)}
     sys.meta_path.insert(0, _Finder(wanted))
+
+
+def _rewrap(_signum, _frame):
+    """A probe put in from outside (`kvdoctor attach` through a debugger) wrapped the faulty methods:
+    wrap them again, as `_after_attach` does for the signal's own attach."""
+    for cls, patch in list(_patched):
+        patch(cls)
+    _attached.set()
+
+
 if _ATTACH_PARAMS:
     signal.signal(signal.SIGUSR2, _attach)
+elif os.environ.get("KVDOCTOR_TEST_FAULT_REWRAP_SIGNAL") == "1":
+    signal.signal(signal.SIGUSR2, _rewrap)
