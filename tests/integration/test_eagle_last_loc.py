@@ -1,7 +1,7 @@
 """Issue #31's EAGLE item on SGLang 0.5.23: the draft/verify path's `last_loc` and `kv_allocated_len`
 on paged allocation, checked before the kernel.
 
-`bench/gpu/eagle_last_loc.py --cpu` (its docstring says exactly what runs and what is stood in):
+`tests/gpu/harness/eagle_last_loc.py --cpu` (its docstring says exactly what runs and what is stood in):
 SGLang's own `ScheduleBatch.prepare_for_decode` -> `eagle_prepare_for_decode` ->
 `alloc_for_spec_decode` (`get_last_loc` at the requests' `kv_allocated_len`, the real
 `PagedTokenToKVPoolAllocator.alloc_extend`, page size 16, top-k 1) beside the real `RadixCache` and
@@ -16,7 +16,7 @@ probe, pools and trace:
   eagle_prepare_for_decode), for B, with C as the page's holder, before alloc_extend runs; SGLang's own rows
   show the harm (8 slots in both B's and C's rows, B's verify writing over 4 of C's).
 
-The GPU run, with the real Triton kernels under compute-sanitizer, is `bench/gpu/run_eagle_last_loc.sh`.
+The GPU run, with the real Triton kernels under compute-sanitizer, is tests/gpu/test_eagle_last_loc.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 
 from conftest import REPO, run_for_result, sglang_env
 
-SCRIPT = os.path.join(REPO, "bench", "gpu", "eagle_last_loc.py")
+SCRIPT = os.path.join(REPO, "tests", "gpu", "harness", "eagle_last_loc.py")
 EAGLE_SITE = "alloc_for_spec_decode (sglang/srt/mem_cache/allocation.py"
 
 
