@@ -25,11 +25,11 @@ SOURCES = [
 BUILD_ERROR_NOTE = "_hotpath.build-error"  # read by kvdoctor/probe/hotpath_loader.py
 # Installed beside the packages (site-packages), so every interpreter of that environment reads it
 # at start-up, as coverage.py's hook does: it costs one environment lookup, and only where
-# `kvdoctor run`/`gate` set KVDOCTOR_AUTOPROBE does it load kvdoctor/probe/entry.py, which turns
+# `kvdoctor run`/`gate` set KVDOCTOR_AUTOPROBE does it load kvdoctor/probe/core/entry.py, which turns
 # the probe on when an engine is imported (a server script that replaced PYTHONPATH keeps it).
 AUTOPROBE_PTH = "kvdoctor-autoprobe.pth"
 AUTOPROBE_LINE = (
-    "import os; os.environ.get('KVDOCTOR_AUTOPROBE') and exec('try:\\n import kvdoctor.probe.entry\\nexcept Exception:\\n pass')\n"
+    "import os; os.environ.get('KVDOCTOR_AUTOPROBE') and exec('try:\\n import kvdoctor.probe.core.entry\\nexcept Exception:\\n pass')\n"
 )
 
 

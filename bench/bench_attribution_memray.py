@@ -21,7 +21,7 @@ arm, trace, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
 probe = None
 if arm != "off":
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     probe = runtime.activate(trace)
 cfg = WorkloadConfig(page_size=1, conversations=32, turns=6, pool_tokens=4096)
 run_workload(cfg)  # warm-up (and every hooked module imported)
@@ -69,7 +69,7 @@ from arms import rounds_parser, run_arm  # noqa: E402
 
 def main() -> None:
     args = rounds_parser(rounds=3, repeats=8).parse_args()
-    from kvdoctor.probe.attribution import DEFAULT_PERIOD_S, DEFAULT_WINDOW_S
+    from kvdoctor.probe.readings.attribution import DEFAULT_PERIOD_S, DEFAULT_WINDOW_S
 
     tmp = tempfile.mkdtemp()
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}

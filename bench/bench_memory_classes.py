@@ -1,4 +1,4 @@
-"""What the memory-class readings cost the process they run in (kvdoctor/probe/memory_classes.py).
+"""What the memory-class readings cost the process they run in (kvdoctor/probe/readings/memory_classes.py).
 
 One reading is /proc/self/status (RssAnon), glibc's mallinfo2() and CPython's count of allocated
 blocks. The last two walk what they count: mallinfo2 every free chunk in malloc's bins (under
@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvdoctor.probe import memory_classes
+from kvdoctor.probe.readings import memory_classes
 
 DEFAULT_PERIOD_S = memory_classes.DEFAULT_PERIOD_S
 

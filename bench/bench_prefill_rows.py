@@ -1,6 +1,6 @@
 """What the prefill row writer's role (`req_write_extend`) costs on a CPU server, where SGLang's
 `write_cache_indices` takes its fallback branch and the hooked `ReqToTokenPool.write` already gave
-the ledger the same rows: the role applies them once more (probe/sglang/prefill.py says why).
+the ledger the same rows: the role applies them once more (probe/engines/sglang/prefill.py says why).
 
 SGLang 0.5.23's own `alloc_for_extend` -> `write_cache_indices` over its real request pool,
 allocator and radix tree (tests/support/prefill_batches.py: a batch of three requests prefilled
@@ -30,10 +30,10 @@ warnings.filterwarnings("ignore")
 arm, repeats, batches_per_loop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 probe = None
 if arm != "off":
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     if arm == "role-off":
-        from kvdoctor.probe.hooks import Role
-        from kvdoctor.probe.sglang import prefill
+        from kvdoctor.probe.core.hooks import Role
+        from kvdoctor.probe.engines.sglang import prefill
         prefill.ReqWriteExtendRole.after = Role.after  # the base role's: nothing
     probe = runtime.activate(None)
 from prefill_batches import PrefillBatches

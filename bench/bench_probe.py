@@ -26,7 +26,8 @@ warnings.filterwarnings("ignore")
 arm, page_size, trace, repeats, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 probe = None
 if arm != "off":
-    from kvdoctor.probe import hotpath, runtime
+    from kvdoctor.probe import hotpath
+    from kvdoctor.probe.core import runtime
     probe = runtime.activate(trace)
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
 cfg = WorkloadConfig(page_size=page_size, **shape)

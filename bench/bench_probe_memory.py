@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 
 
 def probe_bytes(probe) -> int:
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     sglang = sglang_state(probe)
     total = 0
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100_000)
     parser.add_argument("--out")
     args = parser.parse_args()
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     trace = tempfile.mktemp(suffix=".kvtrace.json")
     probe = runtime.activate(trace)

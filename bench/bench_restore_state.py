@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from kvdoctor.probe.ledger import slots as L
-from kvdoctor.probe.sglang.speculative import taken_since
+from kvdoctor.probe.engines.sglang.speculative import taken_since
+from kvdoctor.probe.ledgers import slots as L
 
 
 def per_call_ms(size: int, calls: int, fast: bool) -> float:

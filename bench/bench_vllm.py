@@ -87,7 +87,7 @@ import json, sys, time, tempfile, os
 with_probe = sys.argv[1] == "on"
 iterations = int(sys.argv[2])
 if with_probe:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     probe = runtime.activate(os.path.join(tempfile.mkdtemp(), "micro.kvtrace.json"))
 from vllm.v1.core.block_pool import BlockPool
 pool = BlockPool(num_gpu_blocks=8192, enable_caching=True, hash_block_size=128)

@@ -152,7 +152,7 @@ def run_mode(probe, torch, mode: str, device: str, shape: str) -> tuple[dict, ob
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from kvdoctor.probe import hotpath
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode  # read when the allocator's ledger is made
     if shape == "paged":
@@ -191,7 +191,7 @@ def run_mode(probe, torch, mode: str, device: str, shape: str) -> tuple[dict, ob
 
 def main() -> int:
     device = sys.argv[1] if len(sys.argv) > 1 else "cuda"  # "cpu": a dry run of this script (host ledgers)
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(None)
     import torch

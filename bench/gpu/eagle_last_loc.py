@@ -129,7 +129,7 @@ def cpu_kernels() -> types.SimpleNamespace:
 
 
 def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(trace, fixes=a.fix)
     import torch
@@ -144,7 +144,7 @@ def run_case(a: argparse.Namespace, case: str, trace: str) -> dict:
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     dev = "cpu" if a.cpu else "cuda"
     if a.cpu:

@@ -34,7 +34,7 @@ def main() -> int:
     a = ap.parse_args()
     probe = None
     if a.probe:
-        from kvdoctor.probe import runtime
+        from kvdoctor.probe.core import runtime
 
         probe = runtime.activate(a.trace or None)
     import torch
@@ -139,7 +139,7 @@ def main() -> int:
         result["gpu_ms_per_step"] = start.elapsed_time(end) / a.steps
         result["host_ms_per_step"] = t_host * 1000 / a.steps
     if probe is not None:
-        from kvdoctor.probe.sglang.state import sglang_state
+        from kvdoctor.probe.engines.sglang.state import sglang_state
 
         result["hooked_calls_per_step"] = (probe.calls - calls0) / a.steps
         result["ledger_on"] = probe.ledger_on
@@ -166,7 +166,7 @@ def main() -> int:
     result["sglang"] = getattr(sys.modules.get("sglang"), "__version__", "?")
     print("RESULT " + json.dumps(result), flush=True)
     if probe is not None:
-        from kvdoctor.probe import runtime
+        from kvdoctor.probe.core import runtime
 
         runtime.deactivate()
     if a.out:

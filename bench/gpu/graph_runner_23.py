@@ -137,7 +137,7 @@ def judge(results: dict, runner: str, batch: dict) -> dict[str, bool]:
 
 
 def run_case(a: argparse.Namespace, case: str, trace: str, layout: types.SimpleNamespace) -> dict:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     cycles = 0 if a.cpu or case == "after" else a.delay_cycles
     os.environ["SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES"] = str(cycles)  # 0.5.23's knob; read by nothing before it

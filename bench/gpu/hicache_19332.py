@@ -54,8 +54,8 @@ def main() -> int:
     storage_dir = tempfile.mkdtemp(prefix="hicache-l3-")
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = storage_dir
 
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.sglang import hicache
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang import hicache
 
     if a.long_lived_s is not None:
         hicache.LONG_LIVED_S = a.long_lived_s

@@ -89,7 +89,8 @@ def main() -> int:
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from kvdoctor.probe import hotpath, runtime
+    from kvdoctor.probe import hotpath
+    from kvdoctor.probe.core import runtime
 
     sglang = types.SimpleNamespace(ReqToTokenPool=ReqToTokenPool)
     from sglang.srt.mem_cache import common  # the hooked function is looked up on its module each call

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kvdoctor.probe.ledger import slots as L
+from kvdoctor.probe.ledgers import slots as L
 
 
 def make(kernels, size, ps, launch="compiled"):

@@ -31,8 +31,8 @@ def main() -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     probe = runtime.activate(a.trace, fixes=a.fix)
     import sglang.srt.mem_cache.common as common059

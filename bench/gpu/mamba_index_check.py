@@ -1,4 +1,4 @@
-"""On the GPU machine: the vLLM Mamba state column check's device read (kvdoctor/probe/vllm/
+"""On the GPU machine: the vLLM Mamba state column check's device read (kvdoctor/probe/engines/vllm/
 mamba_index.py) on a CUDA tensor, without vLLM. vLLM's V2 runner needs Triton and a GPU wheel, so
 the real `MambaHybridModelState` runs on CPU only (tests/integration/test_vllm_mamba_index.py);
 here the model state is a plain object carrying what `add_request` leaves: a CUDA int32
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from kvdoctor.probe.runtime import Probe
-from kvdoctor.probe.vllm import mamba_index
+from kvdoctor.probe.core.runtime import Probe
+from kvdoctor.probe.engines.vllm import mamba_index
 from kvdoctor.trace import schema
 
 

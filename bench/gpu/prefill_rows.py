@@ -106,20 +106,20 @@ def run_one(page_size: int, cpu: bool, trace: str) -> int:
         print("prefill_rows: no CUDA device here; run with --cpu for a dry run of the harness", file=sys.stderr)
         return 2
     device = "cpu" if cpu else "cuda"
-    from kvdoctor.probe.sglang.prefill import ReqWriteExtendRole
+    from kvdoctor.probe.engines.sglang.prefill import ReqWriteExtendRole
 
     role_syncs: list[str] = []
     ReqWriteExtendRole.after = sync_checked(ReqWriteExtendRole.after, cpu, role_syncs)  # before the probe binds it
     if cpu:  # the GPU ledger's torch path, on CPU tensors
-        from kvdoctor.probe.ledger import arrays, slots
+        from kvdoctor.probe.ledgers import arrays, slots
 
         slots.arrays_for = lambda _device: arrays.DeviceArrays("cpu")
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(trace)
     from prefill_batches import PrefillBatches, live_censuses, ownership
 
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     batches = PrefillBatches(page_size, device, "torch_native" if cpu else "triton")
     stand_in = batches.stand_in_for_the_kernel() if cpu else None

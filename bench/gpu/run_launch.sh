@@ -2,7 +2,7 @@
 # Issue #29 on the device machine: the GPU ledger's host time per hooked call, its kernels launched
 # through Triton's Python launcher (mode triton), compiled through Triton's launcher (compiled),
 # through the CUDA driver from the Python path (driver), and from the C fast path itself (c, the
-# default) (kvdoctor/probe/ledger/launch.py, csrc/launch.c).
+# default) (kvdoctor/probe/ledgers/launch.py, csrc/launch.c).
 # 1. kernels_check.py: the launch paths against the torch ledger, op for op, and host µs per call;
 #    device_path_check.py: the C fast path against the Python path through SGLang's real allocator.
 # 2. graph_decode.py at four step sizes, fresh processes alternating off and the modes, 2 rounds;

@@ -5,7 +5,7 @@ nothing of kvdoctor is imported here: a finder of a few lines waits for an engin
 package (`import sglang`, `import vllm`) and only then turns the probe on, before the engine's
 first module loads. With attribution asked for, the probe starts at once (it watches the whole
 process). Where kvdoctor is installed in the process's own environment, its start-up hook
-(kvdoctor-autoprobe.pth, kvdoctor/probe/entry.py) has done that already and this leaves it be.
+(kvdoctor-autoprobe.pth, kvdoctor/probe/core/entry.py) has done that already and this leaves it be.
 Then this hands over to any sitecustomize the environment already had. Nothing here may fail the
 host: every error is swallowed.
 """
@@ -24,7 +24,7 @@ def _activate() -> None:
         package_root = os.environ.get("KVDOCTOR_PACKAGE_ROOT")
         if package_root and package_root not in sys.path:
             sys.path.append(package_root)  # appended: never shadows the host's own modules
-        from kvdoctor.probe import runtime
+        from kvdoctor.probe.core import runtime
 
         runtime.activate()
     except Exception:
@@ -46,7 +46,7 @@ class _EngineWatch:
 
 
 try:
-    if "kvdoctor.probe.entry" in sys.modules:
+    if "kvdoctor.probe.core.entry" in sys.modules:
         pass  # kvdoctor is installed here: its start-up hook (kvdoctor-autoprobe.pth) watches already
     elif os.environ.get("KVDOCTOR_ATTRIBUTION", "").strip().lower() not in _OFF:
         _activate()

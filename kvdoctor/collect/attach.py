@@ -8,7 +8,7 @@ call and holds no allocator lock), lets it run, and at the first hit calls
 `PyGILState_Ensure`, `PyRun_SimpleString` and `PyGILState_Release`, then detaches. The Python
 it runs only starts a new thread, so the target is stopped for milliseconds; that thread puts
 kvdoctor's package root at the END of `sys.path` (it never shadows the host's modules), sets
-`KVDOCTOR_TRACE` and calls `kvdoctor.probe.runtime.activate`, and reports back through a small
+`KVDOCTOR_TRACE` and calls `kvdoctor.probe.core.runtime.activate`, and reports back through a small
 status file. SIGCONT is sent afterwards in case a debugger left the process stopped.
 
 An attach is all-or-nothing on every signal: gdb and the attach's private directory belong to a

@@ -40,7 +40,7 @@ def _kvdoctor_attach(params):
                 os.environ["KVDOCTOR_FIXES"] = ",".join(params["fixes"])
             if params["attribution"]:
                 os.environ["KVDOCTOR_ATTRIBUTION"] = params["attribution"] if isinstance(params["attribution"], str) else "1"
-            from kvdoctor.probe import runtime
+            from kvdoctor.probe.core import runtime
             already = runtime.current() is not None
             probe = runtime.activate(params["trace_path"], fixes=params["fixes"])
             if probe is None:
@@ -54,7 +54,7 @@ def _kvdoctor_attach(params):
                 "already_active": already, "python": sys.version.split()[0],
             })
             try:
-                from kvdoctor.probe import attribution_start
+                from kvdoctor.probe.readings import attribution_start
                 attribution_start.start_if_enabled(probe, force=bool(params["attribution"]))
             except Exception as exc:
                 probe.emitter.emit("probe_status", {"component": "attribution", "state": "off", "reason": f"{type(exc).__name__}: {exc}"})

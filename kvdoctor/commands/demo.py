@@ -19,7 +19,7 @@ def check_demo_needs() -> None:
     """A one-line refusal where this Python lacks what the demo runs on (SGLang's real classes, on
     torch), before anything imports them: kvdoctor installed on its own has neither."""
     # PathFinder, not importlib.util.find_spec: a look-up through sys.meta_path is what the probe's
-    # start-up hook (kvdoctor/probe/entry.py) waits for, and would turn on the probe of a `kvdoctor
+    # start-up hook (kvdoctor/probe/core/entry.py) waits for, and would turn on the probe of a `kvdoctor
     # run` around this demo before the demo's own, whose trace would then stay empty
     missing = [name for module, name in NEEDED.items() if importlib.machinery.PathFinder.find_spec(module) is None]
     if missing:

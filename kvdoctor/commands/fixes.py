@@ -7,7 +7,7 @@ from kvdoctor.outputs import to_stdout
 
 
 def list_fixes() -> int:
-    from kvdoctor.probe.fixes import FIXES
+    from kvdoctor.probe.base.fixes import FIXES
 
     to_stdout("\n".join(f"{fix.name}\n  fixes:   {fix.fixes}\n  changes: {fix.changes}\n  risk:    {fix.risk}\n" for fix in FIXES.values()))
     return EXIT_OK

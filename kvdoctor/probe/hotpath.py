@@ -24,11 +24,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe.context import Role
+from kvdoctor.probe.base.context import Role
 from kvdoctor.probe.hotpath_loader import HotPathChoice, load
 
 if TYPE_CHECKING:
-    from kvdoctor.probe.context import Hook, ProbeContext
+    from kvdoctor.probe.base.context import Hook, ProbeContext
 
 ENV_DLPACK = "KVDOCTOR_HOTPATH_DLPACK"  # 0: index tensors read through torch's Python getters only
 ENV_DIRECT = "KVDOCTOR_HOTPATH_DIRECT"  # 0: never read torch's tensor fields in place (DLPack only)

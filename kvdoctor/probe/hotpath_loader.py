@@ -20,7 +20,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from kvdoctor.probe.ledger_vocabulary import FREE, OWNED, RESERVED, TREE
+from kvdoctor.probe.base.vocabulary import FREE, OWNED, RESERVED, TREE
 
 ENV_HOTPATH = "KVDOCTOR_HOTPATH"
 MODULE = "kvdoctor.probe._hotpath"

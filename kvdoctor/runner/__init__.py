@@ -31,7 +31,7 @@ def analyze_recorded(path: str, *, progress: bool = False, growth_params: Growth
 def check_fixes(names: list[str]) -> list[str]:
     """`names` when every one is an optional fix kvdoctor has, else a one-line refusal: a fix
     that silently did nothing would leave the user believing the host was protected."""
-    from kvdoctor.probe.fixes import FIXES, unknown
+    from kvdoctor.probe.base.fixes import FIXES, unknown
 
     bad = unknown(list(names))
     if bad:
@@ -41,7 +41,7 @@ def check_fixes(names: list[str]) -> list[str]:
 
 def check_attribution(asked: tuple[bool, str | None]) -> str:
     """The attribution engine from `--attribution` and `--attribution-engine` ("" when off)."""
-    from kvdoctor.probe.attribution_memray import ATTRIBUTION_BACKENDS
+    from kvdoctor.probe.readings.attribution_memray import ATTRIBUTION_BACKENDS
 
     on, engine = asked
     if engine is None:

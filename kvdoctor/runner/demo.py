@@ -80,7 +80,7 @@ def demo_page_size(fault: str, page_size: int | None) -> int:
 def run_demo(fault: str, page_size: int | None = None, trace_path: str | None = None, *, force: bool = False) -> DemoRun:
     page_size = demo_page_size(fault, page_size)
     warnings.filterwarnings("ignore")
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     trace_path = os.path.abspath(trace_path or default_trace_path("demo"))
     start_trace(trace_path, ["kvdoctor", "demo", "--fault", fault], {"fault": fault, "page_size": page_size}, force=force)

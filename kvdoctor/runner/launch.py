@@ -16,7 +16,7 @@ what is left of its group is ended (SIGTERM, then SIGKILL after a grace period).
 is killed with SIGKILL, the command's first process gets SIGKILL from the kernel (PR_SET_PDEATHSIG);
 its own children are then its to end. The probes share a private directory for the run, where
 the one in the server's launcher asks the others for a census before it kills them (SGLang ends its
-schedulers with SIGKILL: `probe/shutdown.py`).
+schedulers with SIGKILL: `probe/base/shutdown.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kvdoctor.collect.procfs import read_title
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output, remove_claimed
-from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, writers_stopped
+from kvdoctor.probe.base.shutdown import ENV_RENDEZVOUS, writers_stopped
 from kvdoctor.runner import default_trace_path
 from kvdoctor.runner.rendezvous import new_rendezvous
 from kvdoctor.trace import schema
@@ -49,7 +49,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 SAMPLER_JOIN_TIMEOUT_S = 5.0
 GROUP_GRACE_S = 10.0  # what is left of the command's group gets this long after SIGTERM, then SIGKILL
 PR_SET_PDEATHSIG = 1
-ENV_AUTOPROBE = "KVDOCTOR_AUTOPROBE"  # read by kvdoctor/probe/entry.py (imported by the .pth only where it is set)
+ENV_AUTOPROBE = "KVDOCTOR_AUTOPROBE"  # read by kvdoctor/probe/core/entry.py (imported by the .pth only where it is set)
 MAX_PATH_LOST = 8  # Python processes named in the trace whose PYTHONPATH lost kvdoctor's directory
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvdoctor.probe.hooks import REGISTRY
+from kvdoctor.probe.core.hooks import REGISTRY
+from kvdoctor.probe.core.patching import ENGINE_LABELS
+from kvdoctor.probe.core.verify import MapCheck, check_map, nearest_resolving_map
+from kvdoctor.probe.engines.sglang.hicache import GraphReplayRole
 from kvdoctor.probe.hotpath import CHOICE as HOT_PATH
-from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, map_for
-from kvdoctor.probe.patching import ENGINE_LABELS
-from kvdoctor.probe.pools import pool_classes, summary
-from kvdoctor.probe.releases import Release, ci_sentence, release, releases
-from kvdoctor.probe.sglang.hicache import GraphReplayRole
-from kvdoctor.probe.verify import MapCheck, check_map, nearest_resolving_map
+from kvdoctor.probe.maps.loader import ProbeMap, available_maps, installed_version, map_for
+from kvdoctor.probe.maps.releases import Release, ci_sentence, release, releases
+from kvdoctor.runner.pools import pool_classes, summary
 
 
 @dataclasses.dataclass

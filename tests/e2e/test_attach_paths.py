@@ -151,7 +151,7 @@ def test_attach_with_force_replaces_a_file_and_the_trace_is_private(spawn, tmp_p
 PROBED = textwrap.dedent(
     """
     import sys
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     probe = runtime.activate(sys.argv[1])
     probe.emitter.emit("probe_status", {"component": "test", "state": "on", "reason": "x"})
     probe.emitter.flush()

@@ -10,7 +10,7 @@ from conftest import SUPPORT
 
 from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
 
@@ -49,9 +49,9 @@ def test_a_late_probe_names_exactly_what_leaked_before_it(tmp_path, fault, tree)
 
 
 def _ledger(size: int, page_size: int):
-    from kvdoctor.probe.callsites import CallSites
-    from kvdoctor.probe.ledger.requests import RequestTable
-    from kvdoctor.probe.ledger.slots import SlotLedger
+    from kvdoctor.probe.base.callsites import CallSites
+    from kvdoctor.probe.ledgers.requests import RequestTable
+    from kvdoctor.probe.ledgers.slots import SlotLedger
 
     return SlotLedger(
         name="check", size=size, page_size=page_size, device="cpu", emit=lambda *a, **k: None, requests=RequestTable(), sites=CallSites()
@@ -65,7 +65,7 @@ def test_the_fresh_pool_check_counts_distinct_pages_as_unique_does(page_size):
     and on lists no allocator makes (repeats, numbers past the pool, floats, empty)."""
     import numpy as np
 
-    from kvdoctor.probe.sglang.adopt import host_free_pages, needs_adoption
+    from kvdoctor.probe.engines.sglang.adopt import host_free_pages, needs_adoption
 
     def by_unique(ledger, pages):
         return pages is not None and len(np.unique(np.asarray(pages))) < ledger.num_pages

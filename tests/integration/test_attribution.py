@@ -18,8 +18,8 @@ from kvdoctor.trace import schema
 GROWER = textwrap.dedent(
     """
     import threading, time
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe import attribution_start
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.readings import attribution_start
     held = []
     def back_up():
         while True:
@@ -83,7 +83,7 @@ def test_growth_is_named_by_thread_and_line_in_a_real_child(tmp_path):
 
 
 def test_attribution_is_off_unless_asked(monkeypatch):
-    from kvdoctor.probe import attribution_start
+    from kvdoctor.probe.readings import attribution_start
 
     monkeypatch.delenv("KVDOCTOR_ATTRIBUTION", raising=False)
 
@@ -94,7 +94,7 @@ def test_attribution_is_off_unless_asked(monkeypatch):
 
 
 def test_a_failure_becomes_a_probe_status_event_not_an_exception():
-    from kvdoctor.probe import attribution
+    from kvdoctor.probe.readings import attribution
 
     emitted = []
 

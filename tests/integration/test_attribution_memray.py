@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     device_pool = MHATokenToKVPool(size=1024, page_size=64, dtype=torch.bfloat16, head_num=4, head_dim=128, layer_num=8,
                                    device="cpu", enable_memory_saver=False)
@@ -173,7 +173,7 @@ def test_memray_names_the_torch_growth_that_tracemalloc_cannot_see(tmp_path):
 
 
 def test_tracemalloc_stands_in_where_memray_cannot_run(monkeypatch):
-    from kvdoctor.probe import attribution_memray
+    from kvdoctor.probe.readings import attribution_memray
 
     emitted: list[tuple[str, dict]] = []
 
@@ -199,7 +199,7 @@ def test_tracemalloc_stands_in_where_memray_cannot_run(monkeypatch):
 
 
 def test_memray_steps_aside_for_another_profiler():
-    from kvdoctor.probe import attribution_memray
+    from kvdoctor.probe.readings import attribution_memray
 
     previous = sys.getprofile()
     sys.setprofile(lambda frame, event, arg: None)
@@ -212,7 +212,7 @@ def test_memray_steps_aside_for_another_profiler():
 
 
 def test_engine_names(monkeypatch):
-    from kvdoctor.probe import attribution_memray
+    from kvdoctor.probe.readings import attribution_memray
 
     assert attribution_memray.engine_asked("1") == "tracemalloc"  # the meaning it always had
     assert attribution_memray.engine_asked("memray") == "memray" and attribution_memray.engine_asked(" Auto ") == "auto"

@@ -17,7 +17,7 @@ from kvdoctor.trace.reader import iter_events
 LEAK_RUN = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 runtime.activate(sys.argv[1])
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
 config = WorkloadConfig(fault="leak", fault_at_request=int(sys.argv[2]))
@@ -56,7 +56,7 @@ def test_the_rolling_census_names_slots_dropped_while_requests_stay_live(tmp_pat
     import torch
 
     from kvdoctor.demo.workload import Engine, Request
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     monkeypatch.setenv("KVDOCTOR_ROLLING_CENSUS_S", "0.3")
     trace = tmp_path / "t.kvtrace.json"

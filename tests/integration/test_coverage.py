@@ -24,7 +24,7 @@ WORKLOAD = r"""
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(sys.argv[1])
 from kvdoctor.demo.engine import Engine, Request
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -100,7 +100,7 @@ def test_the_same_workload_on_the_hooked_pool_is_judged_and_names_the_real_drop(
 HYBRID = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(sys.argv[1])
 from kvdoctor.demo.engine import Engine
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape

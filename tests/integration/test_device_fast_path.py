@@ -18,7 +18,7 @@ import sys
 import pytest
 from conftest import REPO, SUPPORT, sglang_env
 
-from kvdoctor.probe.ledger.launch import LEDGER_WARPS
+from kvdoctor.probe.ledgers.launch import LEDGER_WARPS
 
 hotpath = pytest.importorskip("kvdoctor.probe.hotpath")
 pytest.importorskip("triton")

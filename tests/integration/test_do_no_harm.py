@@ -21,7 +21,7 @@ def test_threads_share_one_probe_and_every_ledger_stays_consistent(tmp_path):
     same probe (sites, emitter, request table, writer thread) at once; one of them leaks."""
     from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     from kvdoctor.trace.reader import iter_events
 
     configs = [WorkloadConfig(fault="leak" if i == 2 else "none", page_size=1 + 3 * (i % 2), seed=i, turns=3) for i in range(4)]
@@ -54,7 +54,7 @@ def test_threads_share_one_probe_and_every_ledger_stays_consistent(tmp_path):
 
 def test_buffers_are_bounded_and_drops_are_reported(tmp_path):
     from kvdoctor.analysis.analyzer import analyze
-    from kvdoctor.probe.emitter import Emitter
+    from kvdoctor.probe.base.emitter import Emitter
     from kvdoctor.trace.reader import iter_events
 
     path = str(tmp_path / "drops.json")
@@ -117,7 +117,7 @@ def _parent(pid):
 
 def test_traces_carry_no_token_ids(tmp_path):
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     path = str(tmp_path / "private.json")
     runtime.activate(path)
@@ -154,7 +154,7 @@ def test_traces_carry_no_token_ids(tmp_path):
 
 FORK_CHILD = r"""
 import json, os, sys
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(sys.argv[1])
 probe.status("on", "before fork")
 probe.emitter.flush()

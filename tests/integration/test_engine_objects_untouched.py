@@ -16,7 +16,8 @@ import pytest
 from conftest import SUPPORT
 
 from kvdoctor.demo.workload import Engine, WorkloadConfig, run_workload
-from kvdoctor.probe import objects, runtime
+from kvdoctor.probe.base import objects
+from kvdoctor.probe.core import runtime
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
 

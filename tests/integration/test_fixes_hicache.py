@@ -13,7 +13,7 @@ CASES = r"""
 import json, os, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 from kvdoctor.analysis.analyzer import analyze
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 from kvdoctor.trace.reader import iter_events
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
 out = []
@@ -89,8 +89,8 @@ def test_fixes_change_nothing_on_a_clean_run(fixed):
 HOST = r"""
 import sys, warnings
 warnings.filterwarnings("ignore")
-from kvdoctor.probe import runtime
-from kvdoctor.probe.sglang import hicache
+from kvdoctor.probe.core import runtime
+from kvdoctor.probe.engines.sglang import hicache
 hicache.LONG_LIVED_S = 0.0
 probe = runtime.activate(sys.argv[1], fixes=sys.argv[2:])
 import random, torch

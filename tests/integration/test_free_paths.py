@@ -16,9 +16,9 @@ SCRIPT = r"""
 import json, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
 import torch
-from kvdoctor.probe import runtime
-from kvdoctor.probe.sglang.state import sglang_state
-from kvdoctor.probe.ledger_vocabulary import FREE, OWNED
+from kvdoctor.probe.core import runtime
+from kvdoctor.probe.engines.sglang.state import sglang_state
+from kvdoctor.probe.base.vocabulary import FREE, OWNED
 path = tempfile.mktemp(suffix=".json")
 probe = runtime.activate(path)
 try:

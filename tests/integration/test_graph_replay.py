@@ -27,9 +27,9 @@ import sys
 import pytest
 from conftest import REPO, sglang_env
 
-from kvdoctor.probe.hooks import REGISTRY, Hook
-from kvdoctor.probe.maps import map_for
-from kvdoctor.probe.verify import check_signature
+from kvdoctor.probe.core.hooks import REGISTRY, Hook
+from kvdoctor.probe.core.verify import check_signature
+from kvdoctor.probe.maps.loader import map_for
 
 GRAPH_HOOKS = [
     (spec, method, role)

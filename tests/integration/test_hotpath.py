@@ -139,9 +139,9 @@ def test_the_in_place_reader_is_compared_with_dlpack_and_turns_off_on_a_differen
 
     from kvdoctor.demo.engine import Engine
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.ledger_vocabulary import OWNED
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.base.vocabulary import OWNED
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     native = hotpath.NATIVE
     hotpath._TORCH_SEEN = None  # learn afresh: the counters start at zero
@@ -201,7 +201,7 @@ def test_a_failure_inside_a_compiled_fast_path_turns_the_probe_off_and_spares_th
     """Each fast path that writes the ledger, made to raise after the host's call: the host's
     results are those of a run without the probe, the probe says it is off and why."""
     from kvdoctor.analysis.analyzer import analyze
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     from kvdoctor.trace.reader import iter_events
 
     baseline = _workload()
@@ -232,8 +232,8 @@ def test_free_rows_called_by_itself_is_recorded_and_its_failure_spares_the_host(
     """Beam search releases rows with `free_rows` directly (not through `free(req)`): the compiled
     path records that release, and a failure inside it leaves the host's pool as without the probe."""
     from kvdoctor.demo.engine import Engine, Request
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     def release_by_rows(fail: bool) -> tuple[list, set]:
         probe = runtime.activate(str(tmp_path / f"rows-{fail}.json"))
@@ -263,9 +263,9 @@ def test_the_compiled_path_keeps_the_request_table_as_its_methods_do(tmp_path, m
     then finished, a row taken again live once more, and only the newest `max_finished` finished
     rows remembered, oldest forgotten first, as `RequestTable.freed` keeps them."""
     from kvdoctor.demo.engine import Engine, Request
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.ledger.requests import RequestTable
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
+    from kvdoctor.probe.ledgers.requests import RequestTable
 
     monkeypatch.setattr(RequestTable, "max_finished", 3)
     probe = runtime.activate(str(tmp_path / "table.json"))
@@ -335,9 +335,9 @@ def test_a_fast_path_waits_for_a_ledger_lock_another_thread_holds(tmp_path):
     that let go of the GIL inside (a census in the writer thread), the allocation's ledger update
     waits for it, and is recorded once it is released."""
     from kvdoctor.demo.engine import Engine
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.ledger_vocabulary import FREE, OWNED
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.base.vocabulary import FREE, OWNED
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     runtime.activate(str(tmp_path / "held.json"))
     try:

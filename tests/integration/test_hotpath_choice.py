@@ -109,7 +109,7 @@ def test_run_says_the_path_first_and_the_trace_header_records_it(tmp_path):
 @pytest.mark.skipif(not hotpath.active(), reason="the compiled hot path is not built here")
 def test_a_probed_process_on_the_compiled_path_records_its_build(tmp_path):
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     trace = str(tmp_path / "compiled.kvtrace.json")
     runtime.activate(trace)

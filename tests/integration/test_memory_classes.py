@@ -32,7 +32,7 @@ from kvdoctor.analysis.analyzer import Analyzer
 from kvdoctor.analysis.detectors import memory_classes as detector_module
 from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.growth import GrowthParams
-from kvdoctor.probe import memory_classes
+from kvdoctor.probe.readings import memory_classes
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
 from kvdoctor.trace.writer import TraceWriter, finish_trace
@@ -379,7 +379,8 @@ void *realloc(void *p, size_t n) {
 
 READINGS_IN_A_PROBED_PROCESS = r"""
 import sys, time
-from kvdoctor.probe import memory_classes, runtime
+from kvdoctor.probe.readings import memory_classes
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(sys.argv[1])
 probe.status("on", "engine met")
 deadline = time.monotonic() + 60  # until the readings turned themselves off, however busy the machine
@@ -437,7 +438,8 @@ def test_a_reading_over_its_cpu_budget_is_the_last_one(tmp_path):
 
 READINGS_ACROSS_A_FORK = r"""
 import json, os, sys, time
-from kvdoctor.probe import memory_classes, runtime
+from kvdoctor.probe.readings import memory_classes
+from kvdoctor.probe.core import runtime
 
 def wait_for_a_reading(done):
     deadline = time.monotonic() + 60  # however busy the machine
@@ -475,7 +477,7 @@ def test_a_forked_child_reads_its_own_memory_under_its_own_pid(tmp_path):
 
 def test_the_readings_stop_when_the_probe_ends(tmp_path, monkeypatch):
     """A real probe in this process: readings while it records, and the thread gone after it ends."""
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     monkeypatch.setenv("KVDOCTOR_MEMORY_CLASSES", "1")
     monkeypatch.setenv("KVDOCTOR_MEMORY_CLASSES_PERIOD_S", "0.02")

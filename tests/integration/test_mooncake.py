@@ -124,7 +124,7 @@ def test_the_finding_says_the_store_is_bounded_when_nothing_else_grows(read_back
 
 def test_the_key_ledger_is_bounded(monkeypatch):
     """Past MAX_KEYS the ledger counts pages without keeping their keys."""
-    from kvdoctor.probe.sglang import mooncake_ledger
+    from kvdoctor.probe.engines.sglang import mooncake_ledger
 
     monkeypatch.setattr(mooncake_ledger, "MAX_KEYS", 100)
     ledger_state = mooncake_ledger.L3State()

@@ -40,12 +40,12 @@ warnings.filterwarnings("ignore")
 trace, page_size, branch, ledger_kind, support = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 sys.path.insert(0, support)
 if ledger_kind == "device":  # the GPU ledger's torch path, on CPU tensors
-    from kvdoctor.probe.ledger import arrays, slots
+    from kvdoctor.probe.ledgers import arrays, slots
     slots.arrays_for = lambda device: arrays.DeviceArrays("cpu")
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(trace)
 from prefill_batches import PrefillBatches, live_censuses, ownership
-from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.probe.engines.sglang.state import sglang_state
 
 batches = PrefillBatches(page_size, "cpu", "torch_native")
 stand_in = batches.stand_in_for_the_kernel() if branch == "triton" else None

@@ -31,7 +31,7 @@ import pytest
 from conftest import REPO, sglang_env
 
 from kvdoctor.analysis.analyzer import analyze
-from kvdoctor.probe.sglang import coverage
+from kvdoctor.probe.engines.sglang import coverage
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
 
@@ -40,10 +40,10 @@ import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
 trace, table_device = sys.argv[1], sys.argv[2]
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(trace)
 from kvdoctor.demo.engine import Engine, Request
-from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.probe.engines.sglang.state import sglang_state
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 engine = Engine(pool_tokens=512, page_size=1)

@@ -92,7 +92,7 @@ ROLES = [
 
 def test_a_failing_hook_never_changes_the_host(tmp_path):
     from kvdoctor.analysis.analyzer import analyze
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     from kvdoctor.trace.reader import iter_events
 
     baseline = {fault: _workload_once(fault) for fault in ("none", "leak")}
@@ -121,8 +121,9 @@ LEDGER_WRITE_FAILS = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
-from kvdoctor.probe import hotpath, runtime
-from kvdoctor.probe.ledger.slots import SlotLedger
+from kvdoctor.probe import hotpath
+from kvdoctor.probe.core import runtime
+from kvdoctor.probe.ledgers.slots import SlotLedger
 
 def once():
     return [list(map(str, (r.outputs_digest, r.sglang_check, r.planted))) for r in (run_workload(WorkloadConfig(fault="leak", page_size=p, turns=3)) for p in (1, 4))]
@@ -276,7 +277,7 @@ def test_a_process_without_an_engine_imports_nothing_of_kvdoctor(tmp_path):
 
 def test_importing_an_engine_turns_the_probe_on_before_its_first_module(tmp_path):
     code = (
-        "import sglang.srt.mem_cache.allocator.token as t; from kvdoctor.probe import runtime; "
+        "import sglang.srt.mem_cache.allocator.token as t; from kvdoctor.probe.core import runtime; "
         "print(runtime.current() is not None, hasattr(t.TokenToKVPoolAllocator.alloc, '__kvdoctor_role__'))"
     )
     proc = _under_run(code, tmp_path)
@@ -295,7 +296,7 @@ def test_the_environments_own_sitecustomize_still_runs_and_nothing_is_printed(tm
 
 
 def test_the_engines_watched_at_start_are_the_engines_with_maps():
-    from kvdoctor.probe.maps import available_maps
+    from kvdoctor.probe.maps.loader import available_maps
 
     source = open(os.path.join(INJECT_DIR, "sitecustomize.py")).read()
     watched = ast.literal_eval(source.split("ENGINE_PACKAGES = ", 1)[1].split("#", 1)[0].strip())

@@ -18,9 +18,9 @@ import pytest
 from conftest import RELEASES as RELEASE_FOLDERS
 from conftest import REPO, SUPPORT, run_cases, run_for_result
 
-from kvdoctor.probe.ledger.requests import RID_NOT_PASSED
-from kvdoctor.probe.maps import map_for
-from kvdoctor.probe.versions import version_key
+from kvdoctor.probe.ledgers.requests import RID_NOT_PASSED
+from kvdoctor.probe.maps.loader import map_for
+from kvdoctor.probe.maps.versions import version_key
 
 sys.path.insert(0, SUPPORT)
 from engine_releases import installed, matrix_releases
@@ -66,8 +66,8 @@ def test_release(release):
 # folder goes first on sys.path in turn (SGLang itself is never imported, only its files parsed).
 RESOLVE = r"""
 import importlib, json, sys
-from kvdoctor.probe.maps import map_for
-from kvdoctor.probe.verify import check_map
+from kvdoctor.probe.maps.loader import map_for
+from kvdoctor.probe.core.verify import check_map
 GRAPH_ROLES = {"graph_replay", "graph_execute"}
 base, out = list(sys.path), {}
 for release, folder in json.loads(sys.argv[1]).items():
@@ -111,7 +111,7 @@ def test_every_hook_of_its_map_resolves_in_the_release_graph_runners_included(re
 
 
 def test_every_listed_release_has_a_map_or_a_reason():
-    from kvdoctor.probe.releases import releases
+    from kvdoctor.probe.maps.releases import releases
 
     for entry in releases("sglang"):
         if entry.status == "not_run":

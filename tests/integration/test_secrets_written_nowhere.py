@@ -115,7 +115,7 @@ except ImportError:
 GROWER = textwrap.dedent(
     """
     import sys, threading, time
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     held = []
     def grow():
         while len(held) < 400:

@@ -21,15 +21,15 @@ import time
 
 from conftest import REPO, trace_events
 
-from kvdoctor.probe.sglang.state import SHUTDOWN_BUSY_WAIT_S
-from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, Rendezvous
+from kvdoctor.probe.base.shutdown import ENV_RENDEZVOUS, Rendezvous
+from kvdoctor.probe.engines.sglang.state import SHUTDOWN_BUSY_WAIT_S
 
 ENGINE = textwrap.dedent(
     """
     import json, sys, threading, time, warnings
     warnings.filterwarnings("ignore")
     import torch
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     probe = runtime.activate(sys.argv[1])
     from kvdoctor.demo.workload import Engine, Request
     mode = sys.argv[2]

@@ -43,7 +43,8 @@ import json, random, sys, time, warnings
 warnings.filterwarnings("ignore")
 from array import array
 trace, page_size, rows_seen, fault = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-from kvdoctor.probe import maps, runtime
+from kvdoctor.probe.maps.loader import loader as maps
+from kvdoctor.probe.core import runtime
 if rows_seen == "unhooked":  # the map of a release with no hookable row writer (0.5.3.post2 - 0.5.4.post1 launch the kernel in place)
     load_maps = maps.load_maps
     def without_row_writer(path):
@@ -70,7 +71,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.probe.engines.sglang.state import sglang_state
 
 import os
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "support"))  # run from the repository's root

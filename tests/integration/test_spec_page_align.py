@@ -38,7 +38,7 @@ import json, random, sys, time, warnings
 warnings.filterwarnings("ignore")
 from array import array
 trace, page_size = sys.argv[1], int(sys.argv[2])
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 probe = runtime.activate(trace)
 import torch
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -57,7 +57,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative import spec_utils
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.triton_ops import cache_locs
-from kvdoctor.probe.sglang.state import sglang_state
+from kvdoctor.probe.engines.sglang.state import sglang_state
 
 import os
 sys.path.insert(0, os.path.join(os.getcwd(), "tests", "support"))  # run from the repository's root

@@ -167,7 +167,7 @@ def test_an_abort_while_waiting_for_remote_kv_is_held_for_the_connector(tmp_path
 
 RENAMED_HOOK = """
 import json, os, sys
-from kvdoctor.probe import maps
+from kvdoctor.probe.maps.loader import loader as maps
 
 real = maps.available_maps
 
@@ -180,8 +180,8 @@ def renamed(engine=None):
     return out
 
 maps.available_maps = renamed
-from kvdoctor.probe import runtime
-from kvdoctor.probe.verify import check_map, describe_choice
+from kvdoctor.probe.core import runtime
+from kvdoctor.probe.core.verify import check_map, describe_choice
 
 check = check_map(maps.map_for("vllm", "0.32.0"))
 probe = runtime.activate(sys.argv[1])
@@ -232,8 +232,8 @@ def test_a_release_without_a_hooked_method_keeps_the_connector_ledger_off(tmp_pa
 
 CHECK_CONNECTOR_HOOKS = """
 import json, sys
-from kvdoctor.probe.maps import map_for
-from kvdoctor.probe.verify import check_map
+from kvdoctor.probe.maps.loader import map_for
+from kvdoctor.probe.core.verify import check_map
 
 check = check_map(map_for("vllm", sys.argv[1]))
 print("RESULT " + json.dumps({"connector_hooks": sorted(h.hook for h in check.hooks if h.ledger == "connector"), "off": check.ledgers_off()}))

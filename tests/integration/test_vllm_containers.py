@@ -22,7 +22,7 @@ import vllm_server
 
 from kvdoctor.analysis.detectors.container_growth import ContainerGrowthDetector
 from kvdoctor.analysis.replay import analyze_trace
-from kvdoctor.probe import containers
+from kvdoctor.probe.readings import containers
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
 

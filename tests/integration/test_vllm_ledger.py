@@ -20,7 +20,7 @@ sys.path.insert(0, SUPPORT)
 import vllm_server
 from engine_releases import INSTALLED, folder, installed, matrix_releases
 
-from kvdoctor.probe.maps import map_for
+from kvdoctor.probe.maps.loader import map_for
 
 RELEASES = list(matrix_releases("vllm"))
 ENGINE_RELEASES = [v for v, entry in matrix_releases("vllm").items() if entry.get("scope") != "block_pool"]

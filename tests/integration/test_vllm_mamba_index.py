@@ -101,8 +101,8 @@ def test_the_fixed_release_seeds_a_column_inside_the_mamba_blocks_and_is_silent(
 
 CHECK_SEED_HOOK = """
 import json, sys
-from kvdoctor.probe.maps import map_for
-from kvdoctor.probe.verify import check_map
+from kvdoctor.probe.maps.loader import map_for
+from kvdoctor.probe.core.verify import check_map
 
 check = check_map(map_for("vllm", sys.argv[1]))
 print("RESULT " + json.dumps({"hooks": sorted(h.hook for h in check.hooks if h.ledger == "vllm_mamba_index"), "off": check.ledgers_off()}))

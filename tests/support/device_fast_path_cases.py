@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvdoctor.probe.ledger import arrays, kernels, launch, slots  # noqa: E402
+from kvdoctor.probe.ledgers import arrays, kernels, launch, slots  # noqa: E402
 
 STREAM = 0x5000
 FIRST: list = []  # first calls per compiled kernel (through `kernel[grid]`, the Python path)
@@ -98,15 +98,16 @@ launch._raw_stream = lambda: lambda device: STREAM + device
 def gpu_table_writes() -> None:
     """The request pool's table is on the CPU here: its rows' extents, which the probe keeps for a
     host table only, are not kept, as for a GPU table."""
-    from kvdoctor.probe.sglang import state
+    from kvdoctor.probe.engines.sglang import state
 
     state.SglangState.note_row_write = lambda self, pool, rows, columns, values: None
 
 
 def main() -> int:
     trace = sys.argv[1]
-    from kvdoctor.probe import hotpath, runtime
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe import hotpath
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     probe = runtime.activate(trace)
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -199,7 +200,7 @@ def request_table_writes(probe, allocator, step, steps) -> None:
     path's owner launch for the same call."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     gpu_table_writes()
     pool = ReqToTokenPool(8, 1024, "cpu", False)
@@ -240,7 +241,7 @@ def paged_last_loc(probe, step, steps) -> None:
     from sglang.srt.mem_cache import allocation
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.engines.sglang.state import sglang_state
 
     paged = PagedTokenToKVPoolAllocator(4096, 4, torch.float16, "cpu", None, False)
     table = torch.zeros((4, 64), dtype=torch.int32)
@@ -285,7 +286,8 @@ def write_failure(probe, allocator) -> int:
     """A failure in the C path of a request-table write, after the host's own write."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from kvdoctor.probe import hotpath, runtime
+    from kvdoctor.probe import hotpath
+    from kvdoctor.probe.core import runtime
 
     gpu_table_writes()
     pool = ReqToTokenPool(8, 64, "cpu", False)

@@ -43,8 +43,9 @@ def ledger_digest(ledger, site_names):
 def main() -> None:
     cases = json.loads(sys.argv[1])
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
-    from kvdoctor.probe import hotpath, runtime
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe import hotpath
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
     from kvdoctor.trace.reader import iter_events
 
     out = []

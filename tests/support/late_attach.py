@@ -4,7 +4,7 @@ probe's first hooked call, which meets the allocator in use and adopts what it f
 import torch
 
 from kvdoctor.demo.workload import Engine, Request
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 from kvdoctor.trace.reader import iter_events
 
 

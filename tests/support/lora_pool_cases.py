@@ -58,7 +58,7 @@ def free_port() -> int:
 
 def main() -> None:
     trace = sys.argv[1]
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(trace)
     import sglang

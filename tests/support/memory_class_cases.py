@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvdoctor.probe import runtime
+from kvdoctor.probe.core import runtime
 
 MIB = 1 << 20
 PROT_READ, PROT_WRITE = 0x1, 0x2

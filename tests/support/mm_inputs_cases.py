@@ -90,7 +90,7 @@ def run() -> dict:
     from sglang.srt.managers.scheduler import GenerationBatchResult
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from kvdoctor.probe.sglang.mm_inputs import features
+    from kvdoctor.probe.engines.sglang.mm_inputs import features
 
     scheduler = build(False, DEVICE)
     cuda = DEVICE != "cpu"
@@ -298,7 +298,7 @@ class Syncs:
 def main() -> None:
     import contextlib
 
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     syncs = Syncs() if DEVICE != "cpu" else contextlib.nullcontext()
     with syncs:

@@ -255,8 +255,8 @@ def run_workload(master: str, trace: str, fixes: list[str], batches: int, host_r
 
     _cpu_stand_ins()
     _direct_page_first_io()
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.sglang import hicache
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang import hicache
 
     hicache.LONG_LIVED_S = 0.0
     probe = runtime.activate(trace, fixes=fixes)

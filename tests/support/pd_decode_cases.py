@@ -337,7 +337,7 @@ def stuck_case() -> dict:
 
 
 def main() -> None:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(sys.argv[1]) if len(sys.argv) > 1 else None
     import sglang

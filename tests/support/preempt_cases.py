@@ -93,7 +93,7 @@ def run() -> dict:
 
 
 def main() -> None:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(sys.argv[1])
     import sglang

@@ -166,7 +166,7 @@ class PrefillBatches:
 def ownership(ledger: Any, batches: PrefillBatches, live: list[Any]) -> dict[str, Any]:
     """The ledger's owners against what the live requests' rows hold: past its prefix a row's slots
     are owned by that row, and no other slot is owned; the prefix slots are the tree's."""
-    from kvdoctor.probe.ledger_vocabulary import OWNED, TREE
+    from kvdoctor.probe.base.vocabulary import OWNED, TREE
 
     with ledger.lock:
         state, owner = (np.asarray(ledger.xp.to_host(a)) for a in (ledger.state, ledger.owner))

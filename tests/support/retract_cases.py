@@ -213,7 +213,7 @@ def held(scheduler) -> dict:
 
 
 def main() -> None:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(sys.argv[1])
     import sglang

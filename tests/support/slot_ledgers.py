@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.probe.ledger import slots
+from kvdoctor.probe.ledgers import slots
 
 
 def quiet_ledger(size: int, page_size: int, *, device: str = "cpu", xp: Any = None, name: str = "t") -> slots.SlotLedger:

@@ -575,7 +575,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     traces = sys.argv[2:]
     stand_in_kernels()
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     out = []
     for i, (page_size, topk) in enumerate(spec):

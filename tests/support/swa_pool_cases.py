@@ -159,7 +159,7 @@ def device_case() -> dict:
 
 
 def main() -> None:
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(sys.argv[1])
     import sglang

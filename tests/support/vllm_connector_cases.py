@@ -29,7 +29,7 @@ WAIT_LIMIT_S = 120.0  # only a broken probe gets near it
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from kvdoctor.probe import runtime  # noqa: E402
+from kvdoctor.probe.core import runtime  # noqa: E402
 
 probe = runtime.activate(trace)
 
@@ -37,8 +37,8 @@ import kv_connectors  # noqa: E402  (the module vLLM loads by kv_connector_modul
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
-from kvdoctor.probe.vllm import connector as connector_ledger  # noqa: E402
-from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
+from kvdoctor.probe.engines.vllm import connector as connector_ledger  # noqa: E402
+from kvdoctor.probe.engines.vllm import roles as vllm_roles  # noqa: E402
 
 llm = LLM(
     model=model,

@@ -20,13 +20,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["KVDOCTOR_CONTAINERS_PERIOD_S"] = "1e9"  # walks only where this script asks for them
 
-    from kvdoctor.probe import containers, runtime
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.readings import containers
 
     probe = runtime.activate(trace)
 
     from vllm import LLM, SamplingParams
 
-    from kvdoctor.probe.vllm import roles as vllm_roles
+    from kvdoctor.probe.engines.vllm import roles as vllm_roles
 
     llm = LLM(
         model=model,

@@ -19,7 +19,7 @@ late = sys.argv[3:] == ["late"]  # the probe comes while the engine serves (as `
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from kvdoctor.probe import runtime  # noqa: E402
+from kvdoctor.probe.core import runtime  # noqa: E402
 
 probe = None if late else runtime.activate(trace)
 
@@ -82,7 +82,7 @@ if late:  # requests mid-decode, the prefix cache full of the chats above: then 
     serve(llm.llm_engine, "lost-after", [(13 * i + 5) % 500 for i in range(40)])
     out["lost"] = {rid: sorted(set(ids)) for rid, ids in lost.items()}
 
-from kvdoctor.probe.vllm import roles as vllm_roles  # noqa: E402
+from kvdoctor.probe.engines.vllm import roles as vllm_roles  # noqa: E402
 
 engine = llm.llm_engine
 engine.add_request("aborted", {"prompt_token_ids": system + [7, 8, 9]}, params)

@@ -28,7 +28,7 @@ MAX_TOKENS = 6
 
 def main() -> None:
     model, trace = sys.argv[1], sys.argv[2]
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(trace)
 
@@ -44,7 +44,7 @@ def main() -> None:
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvdoctor.probe.vllm import roles as vllm_roles
+    from kvdoctor.probe.engines.vllm import roles as vllm_roles
 
     full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16)
     window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=32)

@@ -26,13 +26,13 @@ def run(case: str, trace: str) -> dict:
         early.touch(held[:1])  # ... one block shared with another
         lost = early.get_new_blocks(3)  # blocks a path forgot before the probe came: never named
 
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(trace)
 
     from vllm.v1.core.block_pool import BlockPool  # imported after the probe: hooked
 
-    from kvdoctor.probe.vllm import roles as vllm_roles
+    from kvdoctor.probe.engines.vllm import roles as vllm_roles
 
     pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
     out = {"case": case}

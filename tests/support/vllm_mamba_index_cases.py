@@ -30,7 +30,7 @@ CACHED_TOKENS = 128
 
 def main() -> None:
     model, trace = sys.argv[1], sys.argv[2]
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
 
     probe = runtime.activate(trace)
 

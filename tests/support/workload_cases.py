@@ -17,7 +17,7 @@ def main() -> None:
     cases = json.loads(sys.argv[1])
     from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
-    from kvdoctor.probe import runtime
+    from kvdoctor.probe.core import runtime
     from kvdoctor.trace.reader import iter_events
 
     out = []

@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import torch
 
-from kvdoctor.probe.callsites import CallSites
-from kvdoctor.probe.ledger.arrays import HostArrays
+from kvdoctor.probe.base.callsites import CallSites
+from kvdoctor.probe.ledgers.arrays import HostArrays
 
 
 def _site(sites):

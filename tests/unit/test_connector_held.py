@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.analysis.detectors.connector_held import MAX_GROUPS, ConnectorHeldDetector
-from kvdoctor.probe.runtime import Probe
-from kvdoctor.probe.vllm.connector import AWAITING_REMOTE_KV, HELD_BY_CONNECTOR, MAX_HOLDS, ConnectorHolds, Finishing
+from kvdoctor.probe.core.runtime import Probe
+from kvdoctor.probe.engines.vllm.connector import AWAITING_REMOTE_KV, HELD_BY_CONNECTOR, MAX_HOLDS, ConnectorHolds, Finishing
 from kvdoctor.trace import schema
 
 

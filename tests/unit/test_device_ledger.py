@@ -5,8 +5,8 @@ as the host path, with its evidence read back asynchronously by poll()."""
 
 import torch
 
-from kvdoctor.probe.ledger import arrays
-from kvdoctor.probe.ledger import slots as L
+from kvdoctor.probe.ledgers import arrays
+from kvdoctor.probe.ledgers import slots as L
 
 
 def device_ledger(events, size=64, page_size=1):

@@ -30,7 +30,7 @@ def test_the_engine_comes_from_the_title_not_from_any_mention(title, engine):
 
 
 def test_a_ledger_is_named_with_the_rank_its_process_title_gives():
-    from kvdoctor.probe.rank import rank_of
+    from kvdoctor.probe.base.rank import rank_of
 
     assert rank_of("sglang::scheduler_TP1") == "tp1"
     assert rank_of("sglang::scheduler_DP0_TP1_PP0") == "dp0/tp1/pp0"

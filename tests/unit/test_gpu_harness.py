@@ -33,7 +33,7 @@ def test_summary_rates_per_backup_and_minute():
 
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_page_aware_clamp_keeps_part1_inside(page_size):
-    from kvdoctor.probe.fixes import clamp_last_loc
+    from kvdoctor.probe.base.fixes import clamp_last_loc
 
     size = 64 * page_size
     rows = size + page_size
@@ -50,7 +50,7 @@ def test_page_aware_clamp_keeps_part1_inside(page_size):
 
 
 def test_decode_handler_uses_the_prefix_before_the_new_token():
-    from kvdoctor.probe.sglang.roles import ROLES
+    from kvdoctor.probe.engines.sglang.roles import ROLES
 
     seq_lens = torch.tensor([21, 32])
     assert torch.equal(ROLES["alloc_decode"].prefix_lens((seq_lens, seq_lens, None), {}), seq_lens - 1)

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvdoctor.probe.attribution import Attribution
-from kvdoctor.probe.attribution_memray import MemrayAttribution
+from kvdoctor.probe.readings.attribution import Attribution
+from kvdoctor.probe.readings.attribution_memray import MemrayAttribution
 
 
 class _Probe:
@@ -87,7 +87,7 @@ def test_tracemalloc_snapshots_of_two_processes_never_share_a_name(tmp_path):
 def test_an_infinite_shutdown_census_wait_keeps_the_default(tmp_path, monkeypatch, capsys):
     from test_shutdown_rendezvous import _engine
 
-    from kvdoctor.probe import shutdown
+    from kvdoctor.probe.base import shutdown
 
     monkeypatch.setattr(shutdown, "DEFAULT_WAIT_S", 0.3)  # the default, made short for the test
     silent = _engine(str(tmp_path), "silent")  # registered, alive, never answers
@@ -112,8 +112,8 @@ def test_an_infinite_shutdown_census_wait_keeps_the_default(tmp_path, monkeypatc
 PROBE_WITH_BAD_SETTINGS = textwrap.dedent(
     """
     import sys, threading, time
-    from kvdoctor.probe import runtime
-    from kvdoctor.probe.sglang.state import sglang_state
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.engines.sglang.state import sglang_state
     probe = runtime.activate(sys.argv[1])
     print("probe", probe is not None, flush=True)
     probe.emitter.emit("probe_status", {"component": "test", "state": "on", "reason": "a first write starts the writer"})
@@ -126,7 +126,7 @@ PROBE_WITH_BAD_SETTINGS = textwrap.dedent(
 
 
 def test_bad_environment_values_keep_the_defaults_and_the_probe_runs(tmp_path):
-    from kvdoctor.probe.ledger.busy import ROLLING_CENSUS_INTERVAL_S
+    from kvdoctor.probe.ledgers.busy import ROLLING_CENSUS_INTERVAL_S
 
     env = {
         **os.environ,
@@ -156,10 +156,11 @@ def test_bad_environment_values_keep_the_defaults_and_the_probe_runs(tmp_path):
 
 @pytest.mark.parametrize("value", ["abc", "inf", "-inf", "nan", "-1", "1e300", "0x10", "   "])
 def test_every_numeric_reader_keeps_its_default_for_a_bad_value(monkeypatch, capsys, value):
-    from kvdoctor.probe import memory_classes, settings
-    from kvdoctor.probe.attribution import DEFAULT_TOP
-    from kvdoctor.probe.sglang import mamba_pool, mm_inputs, pd_decode
-    from kvdoctor.probe.vllm import connector
+    from kvdoctor.probe.base import settings
+    from kvdoctor.probe.engines.sglang import mamba_pool, mm_inputs, pd_decode
+    from kvdoctor.probe.engines.vllm import connector
+    from kvdoctor.probe.readings import memory_classes
+    from kvdoctor.probe.readings.attribution import DEFAULT_TOP
 
     for name in ("KVDOCTOR_MM_HELD_AGE_S", "KVDOCTOR_CONNECTOR_DEADLINE_S", "KVDOCTOR_MAMBA_CENSUS_PERIOD_S",
                  "KVDOCTOR_PD_TRANSFER_DEADLINE_S", "KVDOCTOR_MEMORY_CLASSES_PERIOD_S", "KVDOCTOR_MEMORY_CLASSES_BUDGET_MS",
@@ -180,7 +181,8 @@ def test_every_numeric_reader_keeps_its_default_for_a_bad_value(monkeypatch, cap
 
 @pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("", False), ("1", True), ("yes", True), ("maybe", False)])
 def test_kvdoctor_disable_is_a_switch(monkeypatch, value, on):
-    from kvdoctor.probe import runtime, settings
+    from kvdoctor.probe.base import settings
+    from kvdoctor.probe.core import runtime
 
     monkeypatch.setenv(runtime.ENV_DISABLE, value)
     monkeypatch.setattr(settings, "_SAID", set())
@@ -189,10 +191,10 @@ def test_kvdoctor_disable_is_a_switch(monkeypatch, value, on):
 
 @pytest.mark.parametrize(("value", "watching"), [("0", True), ("off", True), ("", True), ("1", False), ("yes", False)])
 def test_the_start_up_hook_reads_kvdoctor_disable_as_the_probe_does(value, watching):
-    """The wheel's start-up hook (kvdoctor/probe/entry.py) is a way in of its own: KVDOCTOR_DISABLE=0
+    """The wheel's start-up hook (kvdoctor/probe/core/entry.py) is a way in of its own: KVDOCTOR_DISABLE=0
     must not keep it from watching for the engine, as it does not disable the probe."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = "import sys, kvdoctor.probe.entry as e; print(e.EngineWatch in sys.meta_path)"
+    code = "import sys, kvdoctor.probe.core.entry as e; print(e.EngineWatch in sys.meta_path)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDOCTOR_")}
     env.update(KVDOCTOR_AUTOPROBE="1", KVDOCTOR_DISABLE=value, PYTHONPATH=repo)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
@@ -445,7 +447,9 @@ def test_pprof_windows_with_infinite_or_nan_times_are_written(tmp_path):
     ],
 )
 def test_values_that_would_spin_a_core_keep_the_default(monkeypatch, capsys, name, value):
-    from kvdoctor.probe import attribution, runtime, settings
+    from kvdoctor.probe.base import settings
+    from kvdoctor.probe.core import runtime
+    from kvdoctor.probe.readings import attribution
 
     monkeypatch.setenv(name, value)
     monkeypatch.setattr(settings, "_SAID", set())
@@ -457,7 +461,7 @@ def test_values_that_would_spin_a_core_keep_the_default(monkeypatch, capsys, nam
 
 
 def test_a_fifo_at_a_rendezvous_name_never_blocks_the_probe(tmp_path):
-    from kvdoctor.probe import shutdown
+    from kvdoctor.probe.base import shutdown
 
     os.mkfifo(tmp_path / f".census.1.{os.getpid()}")
     os.mkfifo(tmp_path / f"{shutdown.WRITER_STOPPED}{os.getpid()}")

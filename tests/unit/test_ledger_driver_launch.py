@@ -22,8 +22,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvdoctor.probe import hotpath  # noqa: E402
-from kvdoctor.probe.ledger import kernels  # noqa: E402
-from kvdoctor.probe.ledger.launch import driver_plan  # noqa: E402
+from kvdoctor.probe.ledgers import kernels  # noqa: E402
+from kvdoctor.probe.ledgers.launch import driver_plan  # noqa: E402
 
 # each kernel with constants of one real call (LedgerKernels._rule / .owner build them the same way)
 RULE = dict(OP=1, PAGE_STARTS=False, AS_PAGES=False, WEIGHT=1, KIND_SLOT=0, KIND_BIT=1, OOR_SLOT=2, OOR_BIT=4)

@@ -17,8 +17,8 @@ from conftest import REPO
 SCRIPT = r"""
 import json, os, random, sys
 import torch
-from kvdoctor.probe.ledger import arrays
-from kvdoctor.probe.ledger import slots as L
+from kvdoctor.probe.ledgers import arrays
+from kvdoctor.probe.ledgers import slots as L
 
 def make(kernels, size, ps):
     led = L.SlotLedger(name="t", size=size, page_size=ps, device="cpu", emit=lambda n, a: None,
@@ -95,7 +95,7 @@ def test_each_kernels_constants_come_in_its_own_order():
     """A compiled launch passes the constants by position after the runtime arguments, so each
     call's cached constants must list them exactly as the kernel's signature does."""
     pytest.importorskip("triton")
-    from kvdoctor.probe.ledger import kernels
+    from kvdoctor.probe.ledgers import kernels
     from kvdoctor.trace import schema
 
     bound = kernels.LedgerKernels.__new__(kernels.LedgerKernels)

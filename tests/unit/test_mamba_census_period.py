@@ -2,7 +2,7 @@
 scheduler calls at every step of its loop: it reads the whole pool, tree and rows, so it runs at
 most once a period, and the period can be set (tests run it at every pick)."""
 
-from kvdoctor.probe.sglang import mamba_pool
+from kvdoctor.probe.engines.sglang import mamba_pool
 
 
 def test_a_census_is_due_at_most_once_a_period(monkeypatch):

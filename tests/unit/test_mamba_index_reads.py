@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from kvdoctor.analysis.analyzer import analyze
-from kvdoctor.probe.runtime import Probe
-from kvdoctor.probe.vllm import mamba_index
+from kvdoctor.probe.core.runtime import Probe
+from kvdoctor.probe.engines.vllm import mamba_index
 from kvdoctor.trace import schema
 
 

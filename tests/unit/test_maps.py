@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kvdoctor.probe.maps import available_maps, map_for, maps_by_nearness
-from kvdoctor.probe.verify import argument_problem, check_map, module_source
-from kvdoctor.probe.versions import VersionRange, version_key
+from kvdoctor.probe.core.verify import argument_problem, check_map, module_source
+from kvdoctor.probe.maps.loader import available_maps, map_for, maps_by_nearness
+from kvdoctor.probe.maps.versions import VersionRange, version_key
 
 
 def test_version_order_follows_releases():
@@ -65,7 +65,7 @@ def test_range_maps_meet_at_the_releases_that_moved_code(release, source):
 
 
 def test_no_release_is_covered_by_two_maps():
-    from kvdoctor.probe.releases import releases
+    from kvdoctor.probe.maps.releases import releases
 
     for entry in releases("sglang"):
         covering = [m.source for m in available_maps("sglang") if m.covers(entry.version)]
@@ -74,7 +74,7 @@ def test_no_release_is_covered_by_two_maps():
 
 
 def test_what_ci_did_with_a_release_follows_same_mem_cache():
-    from kvdoctor.probe.releases import ci_sentence
+    from kvdoctor.probe.maps.releases import ci_sentence
 
     assert ci_sentence("sglang", "0.5.13.post1") == "tested in CI (as 0.5.13, the same mem_cache/)"
     assert ci_sentence("sglang", "0.5.1.post2").startswith("not tested in CI: its sglang/srt/utils.py calls torch._C._cpu")
@@ -189,7 +189,7 @@ def _engine_file(tmp_path, body):
 
 
 def test_one_engine_file_gives_a_map_per_range_with_the_hooks_that_hold_there(tmp_path):
-    from kvdoctor.probe.maps import load_maps
+    from kvdoctor.probe.maps.loader import load_maps
 
     body = """
 [[classes]]
@@ -220,7 +220,7 @@ until = "1.2"
 def test_a_bound_inside_a_range_is_refused_with_the_hook_named(tmp_path):
     """A since/until must be where a map's range starts: one inside a range would give the map a
     hook for part of its releases only."""
-    from kvdoctor.probe.maps import load_maps
+    from kvdoctor.probe.maps.loader import load_maps
 
     body = '[[classes]]\nmodule = "m"\nclass = "Pool"\nkind = "tree"\nsince = "1.1"\n[classes.methods]\ninsert = "tree_insert"\n'
     with pytest.raises(ValueError, match=r"demo.toml: Pool \(m\): '1.1' is not where one of its \[maps\] ranges starts"):

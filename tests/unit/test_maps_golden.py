@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from kvdoctor.probe.maps import ProbeMap, available_maps, installed_version, known_versions, map_for, maps_by_nearness
-from kvdoctor.probe.releases import ci_sentence, releases
-from kvdoctor.probe.versions import version_key
+from kvdoctor.probe.maps.loader import ProbeMap, available_maps, installed_version, known_versions, map_for, maps_by_nearness
+from kvdoctor.probe.maps.releases import ci_sentence, releases
+from kvdoctor.probe.maps.versions import version_key
 from kvdoctor.trace.schema import SERVING_ENGINES
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "maps_golden.json")
@@ -118,7 +118,7 @@ FORCED = ["", "0.5.18", "0.5.3.post2", "0.5.99"]
 
 def installed_view() -> dict[str, Any]:
     """What the installed SGLang (0.5.23) makes of each map, and `kvdoctor probes` as printed."""
-    from kvdoctor.probe.verify import check_map, nearest_resolving_map
+    from kvdoctor.probe.core.verify import check_map, nearest_resolving_map
 
     checks = {}
     for probe_map in available_maps("sglang"):

@@ -10,8 +10,8 @@ import torch
 
 from kvdoctor.analysis.analyzer import analyze
 from kvdoctor.analysis.detectors.mm_features_held import MmFeaturesHeldDetector
-from kvdoctor.probe.runtime import Probe
-from kvdoctor.probe.sglang import mm_inputs
+from kvdoctor.probe.core.runtime import Probe
+from kvdoctor.probe.engines.sglang import mm_inputs
 from kvdoctor.trace import schema
 
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kvdoctor.probe.runtime import Probe
-from kvdoctor.probe.sglang import pd_decode, pd_decode_roles
+from kvdoctor.probe.core.runtime import Probe
+from kvdoctor.probe.engines.sglang import pd_decode, pd_decode_roles
 from kvdoctor.trace import schema
 
 

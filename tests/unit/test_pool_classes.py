@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvdoctor.probe.maps import installed_version, map_for
-from kvdoctor.probe.pools import pool_classes
+from kvdoctor.probe.maps.loader import installed_version, map_for
+from kvdoctor.runner.pools import pool_classes
 
 pytestmark = pytest.mark.skipif(installed_version("sglang") != "0.5.23", reason="needs SGLang 0.5.23 installed (.ci/setup)")
 

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import SUPPORT  # noqa: E402
 
-from kvdoctor.probe.ledger import arrays  # noqa: E402
-from kvdoctor.probe.sglang.prefill import joined_prefixes  # noqa: E402
+from kvdoctor.probe.engines.sglang.prefill import joined_prefixes  # noqa: E402
+from kvdoctor.probe.ledgers import arrays  # noqa: E402
 
 sys.path.insert(0, SUPPORT)
 from slot_ledgers import quiet_ledger  # noqa: E402

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvdoctor.probe.ledger import arrays
-from kvdoctor.probe.ledger import slots as L
-from kvdoctor.probe.ledger_vocabulary import FREE, OWNED, RESERVED
+from kvdoctor.probe.base.vocabulary import FREE, OWNED, RESERVED
+from kvdoctor.probe.ledgers import arrays
+from kvdoctor.probe.ledgers import slots as L
 
 
 def ledger(events, xp):
@@ -55,7 +55,7 @@ def test_restore_frees_what_was_handed_out_since_the_backup_and_holds_what_was_f
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_restore_is_followed_without_a_synchronisation():
-    from kvdoctor.probe.sglang.speculative import taken_since
+    from kvdoctor.probe.engines.sglang.speculative import taken_since
 
     led = L.SlotLedger(
         name="gpu", size=4096, page_size=16, device="cuda", emit=lambda n, a: None, requests=L.RequestTable(), sites=L.CallSites()
@@ -83,7 +83,7 @@ def test_a_restore_after_allocations_only_is_followed_in_the_pages_taken_with_th
     """The draft's usual step: pages taken from the front of the free list (a view of the backed-up
     one) and nothing freed. The role then works in the pages taken, not in the pool; the ledger must
     end exactly as the whole-list comparison leaves it."""
-    from kvdoctor.probe.sglang.speculative import taken_since
+    from kvdoctor.probe.engines.sglang.speculative import taken_since
 
     fast, full = ledger([], xp), ledger([], xp)
     free_pages, release_pages = torch.arange(1, 9), torch.empty(0, dtype=torch.int64)
@@ -103,7 +103,7 @@ def test_a_restore_after_allocations_only_is_followed_in_the_pages_taken_with_th
 
 
 def test_a_free_or_a_new_free_list_since_the_backup_takes_the_whole_comparison():
-    from kvdoctor.probe.sglang.speculative import taken_since
+    from kvdoctor.probe.engines.sglang.speculative import taken_since
 
     free_pages, release_pages = torch.arange(1, 9), torch.empty(0, dtype=torch.int64)
     backup = (free_pages, release_pages)

@@ -1,4 +1,4 @@
-"""The census asked for at shutdown (`kvdoctor/probe/shutdown.py`), between real processes: the
+"""The census asked for at shutdown (`kvdoctor/probe/base/shutdown.py`), between real processes: the
 launcher's side waits for every registered live process and no longer than its deadline; a dead
 process, or one that answered at its own exit, is not waited for."""
 
@@ -10,12 +10,12 @@ import sys
 import textwrap
 import time
 
-from kvdoctor.probe.shutdown import ENV_RENDEZVOUS, Rendezvous
+from kvdoctor.probe.base.shutdown import ENV_RENDEZVOUS, Rendezvous
 
 ENGINE_PROCESS = textwrap.dedent(
     """
     import sys, time
-    from kvdoctor.probe.shutdown import Rendezvous
+    from kvdoctor.probe.base.shutdown import Rendezvous
     r = Rendezvous.from_env()
     r.register()
     print("ready", flush=True)

@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import SUPPORT  # noqa: E402
 
-from kvdoctor.probe.ledger import arrays  # noqa: E402
-from kvdoctor.probe.sglang.speculative import written_spans  # noqa: E402
+from kvdoctor.probe.engines.sglang.speculative import written_spans  # noqa: E402
+from kvdoctor.probe.ledgers import arrays  # noqa: E402
 
 sys.path.insert(0, SUPPORT)
 from slot_ledgers import quiet_ledger  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvdoctor.analysis.detectors.stale_last_loc import StaleLastLocDetector  # noqa: E402
-from kvdoctor.probe.ledger import arrays  # noqa: E402
-from kvdoctor.probe.ledger import slots as L  # noqa: E402
+from kvdoctor.probe.ledgers import arrays  # noqa: E402
+from kvdoctor.probe.ledgers import slots as L  # noqa: E402
 from kvdoctor.trace import schema  # noqa: E402
 
 

@@ -4,8 +4,8 @@ generates from the maps and the release list, so it cannot drift from what the m
 import copy
 import os
 
-from kvdoctor.probe.maps import map_for
-from kvdoctor.probe.verify import check_map
+from kvdoctor.probe.core.verify import check_map
+from kvdoctor.probe.maps.loader import map_for
 from kvdoctor.runner.support import graph_replays_line, installed_line, markdown_table
 from kvdoctor.trace.schema import SERVING_ENGINES
 

@@ -1,7 +1,7 @@
 """container_growth: an engine container that grows with the requests served while live requests
 do not (vllm#44490: `new_block_ids` appended at every allocation, drained only for Mamba models).
 
-The probe walks the engine's containers every few seconds (`container_sizes`, probe/containers.py).
+The probe walks the engine's containers every few seconds (`container_sizes`, probe/readings/containers.py).
 A container is named when, over at least `MIN_SAMPLES` walks, it grew by `MIN_GROWTH` items or
 more, never shrank, is at its largest at the last walk, and holds more than anything live could
 explain: more than the pool's blocks (a block-keyed cache cannot outgrow the pool), more than

@@ -1,7 +1,7 @@
 """host_growth_attribution: where in Python, and in which thread, host memory grew.
 
 Reads the probe's `host_growth_sites` events (tracemalloc or memray windows, see
-kvdoctor/probe/attribution.py and attribution_memray.py) and reports the latest window of each process: the thread and
+kvdoctor/probe/readings/attribution.py and attribution_memray.py) and reports the latest window of each process: the thread and
 the file:line that gained the most. Info below `warn_bytes` over a window, warning above.
 """
 

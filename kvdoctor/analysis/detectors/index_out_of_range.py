@@ -1,6 +1,6 @@
 """index_out_of_range: a slot index outside the KV buffer (an illegal memory access on a GPU), or a
 Mamba state column vLLM's V2 model runner seeded past the request's mamba blocks, before the
-kernel that reads it (vllm#55600; kvdoctor/probe/vllm/mamba_index.py)."""
+kernel that reads it (vllm#55600; kvdoctor/probe/engines/vllm/mamba_index.py)."""
 
 from typing import Any
 

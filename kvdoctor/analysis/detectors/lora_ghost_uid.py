@@ -1,7 +1,7 @@
 """lora_ghost_uid: a LoRA adapter was unloaded and its uid still holds a buffer slot of SGLang's
 LoRA memory pool (sglang#21380, SGLang up to 0.5.15).
 
-The probe's LoRA ledger (kvdoctor/probe/sglang/lora_pool.py) reads the pool's slots after each
+The probe's LoRA ledger (kvdoctor/probe/engines/sglang/lora_pool.py) reads the pool's slots after each
 `LoRAManager.unload_lora_adapter` and names the unloaded uid found there, with the adapter and the
 call site of the unload; its `lora_pool` counts (pool uids vs loaded adapters) say how many ghosts
 the pool still held at the last count, at exit included.

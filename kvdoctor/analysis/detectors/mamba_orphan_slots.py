@@ -2,7 +2,7 @@
 (sglang#15840: up to 0.5.9 a copy-on-write slot stays with a request `PrefillAdder.add_one_req`
 refused, and is lost when the waiting request is dropped without releasing it).
 
-The probe's Mamba ledger (kvdoctor/probe/sglang/mamba_pool.py) takes a census of the pool after each
+The probe's Mamba ledger (kvdoctor/probe/engines/sglang/mamba_pool.py) takes a census of the pool after each
 prefill pick: free, tree, rows, waiting and running holders. A slot unaccounted at two censuses in a
 row is named with the request that last held it and the path that took it; waiting-queue holders are
 counted (`mamba_pool` events), never named.

@@ -1,7 +1,7 @@
 """Which part of a process's anonymous memory grows: the Python heap, the malloc heap, torch's
 pinned host cache, or native memory nothing accounts for.
 
-Reads the probe's `memory_classes` counters (kvdoctor/probe/memory_classes.py) and runs the same
+Reads the probe's `memory_classes` counters (kvdoctor/probe/readings/memory_classes.py) and runs the same
 sustained-growth test as `memory_growth` (warm-up, every window growing, a minimum rate) on each
 class, because the fix differs: Python objects kept alive (tracemalloc attribution names the
 line), memory malloc'd and never freed (torch CPU tensors, a C/C++ extension), a pinned cache

@@ -2,7 +2,7 @@
 still alive after the result that finished them was processed (sglang#7340, #8429, #8902: VLM GPU
 memory grows until OOM; SGLang up to 0.5.7).
 
-The probe's multimodal inputs ledger (kvdoctor/probe/sglang/mm_inputs.py) notes, once
+The probe's multimodal inputs ledger (kvdoctor/probe/engines/sglang/mm_inputs.py) notes, once
 `Scheduler.process_batch_result` returned, each finished request that still holds a feature tensor,
 and says in `mm_inputs` events which of them are still alive at a later count (the next processed
 result, the writer thread's round, exit). One finding per process: an error while any is held at the

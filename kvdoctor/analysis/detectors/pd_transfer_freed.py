@@ -3,7 +3,7 @@ aborted its transfer and before the prefill acked that its writes drained, so th
 handed pages the prefill's writer may still write (sglang#24527; SGLang up to 0.5.18, and up to 0.5.20
 unless SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE is on; PR#35049 holds them until the drain ack).
 
-The probe's PD decode ledger (kvdoctor/probe/sglang/pd_decode.py) follows each request of the
+The probe's PD decode ledger (kvdoctor/probe/engines/sglang/pd_decode.py) follows each request of the
 `DecodeTransferQueue` from the pages sent to the prefill to its row's release; its `pd_transfers`
 events count the queue by `KVPoll` state.
 """

@@ -1,6 +1,6 @@
 """refcount_disagrees: vLLM's own per-block reference count differs from the probe's ledger.
 
-The block ledger (kvdoctor/probe/ledger/blocks.py) counts references itself from the hooked
+The block ledger (kvdoctor/probe/engines/vllm/blocks.py) counts references itself from the hooked
 calls; at each census it reads vLLM's `KVCacheBlock.ref_cnt` back. A difference means a path
 kvdoctor does not hook changed reference counts (the ledger's verdicts on those blocks cannot be
 trusted), or vLLM's count itself went wrong. A warning: it says where to look, not what leaked.

@@ -3,7 +3,7 @@ of full slots' SWA side, deferred in a free group, read the full-to-SWA mapping 
 end, after an insert had re-pointed the full slot at another request's SWA slot (sglang#36081:
 SGLang 0.5.18's `free_swa` and a tombstone recovery, `RecoverSWAWithLockedFull`, in one group).
 
-The probe's SWA ledger (kvdoctor/probe/sglang/swa_pool.py) keeps what each deferred free asked for
+The probe's SWA ledger (kvdoctor/probe/engines/sglang/swa_pool.py) keeps what each deferred free asked for
 and, when the group's end runs them, names the slots it freed that nobody asked to free, with the
 full slot that mapped to each, the slot the free had asked for, and who re-pointed the mapping.
 """

@@ -1,0 +1,200 @@
+"""Which map a process runs under, and the hooks it installs: the part of the `Probe` that meets
+the engine's code.
+
+The first of an engine's modules to load selects the map for the installed release (the one
+tested for it, else the nearest whose hooks resolve, with the ledgers whose hooks do not switched
+off and said); each mapped class or function is then checked against the live code and wrapped.
+A hook that is not what the map says switches its ledger off, never the server.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from kvdoctor.probe.base.context import Hook
+from kvdoctor.probe.base.emitter import Emitter, say
+from kvdoctor.probe.core.hooks import REGISTRY, rebind_imported, wrap_function, wrap_method
+from kvdoctor.probe.core.verify import check_signature, describe_choice, nearest_resolving_map
+from kvdoctor.probe.maps.loader import ClassHooks, ProbeMap, installed_version, known_versions, map_for
+from kvdoctor.probe.maps.releases import ci_sentence
+from kvdoctor.trace import schema
+
+ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
+class Patching:
+    """The map-and-hook half of `Probe` (its mixin); the attributes below are the probe's."""
+
+    emitter: Emitter
+    maps: dict[str, ProbeMap | None]
+    map_notes: dict[str, str]
+    versions: dict[str, str]
+    ledgers_off: frozenset[str]
+    patched_modules: set[str]
+    patched: list[str]
+    missing: list[str]
+    off_reason: str
+    ledger_on: bool
+
+    def status(self, state: str, reason: str, **extra: Any) -> None:
+        raise NotImplementedError  # the probe's: a probe_status event
+
+    def switch_off_ledgers(self, names: Any) -> None:
+        raise NotImplementedError  # the probe's: the switches every wrapper reads
+
+    def fail(self, role: str, exc: BaseException) -> None:
+        raise NotImplementedError  # the probe's: a failure said once, the probe off
+
+    def turn_off_ledger(self, ledger: str, what: str, reason: object) -> None:
+        """One ledger off, said once as the probe partial: `what` is off because of `reason`; the
+        server's calls and the other ledgers go on."""
+        if ledger in self.ledgers_off:
+            return
+        self.switch_off_ledgers({ledger})
+        self.emitter.emit(
+            schema.PROBE_STATUS,
+            {
+                "component": "ledger",
+                "state": "partial",
+                "ledger": ledger,
+                "reason": f"{what} is off: {reason}; the server's calls go on untouched, the KV ledgers are unaffected",
+            },
+        )
+
+    def version_of(self, engine: str) -> str:
+        return self.versions.get(engine, "")
+
+    def select_map(self, engine: str) -> ProbeMap | None:
+        """The map for the installed release of `engine`: the one tested for it, else the nearest
+        one whose hooks resolve in the installed sources. Ledgers whose hooks do not all resolve
+        stay off; with none left on (or no map at all) the probe stays out of this process."""
+        if engine in self.maps:
+            return self.maps[engine]
+        version = installed_version(engine)
+        self.versions[engine] = version
+        if not self.emitter.header_args.get("engine"):
+            self.emitter.header_args["engine"] = engine
+            self.emitter.header_args["engine_version"] = version
+        label = f"{ENGINE_LABELS.get(engine, engine)} {version or '(version unreadable)'}"
+        tested = map_for(engine, version)
+        if tested is not None:
+            # Tested on this release: each hook is still checked against the live code as it is wrapped.
+            REGISTRY.load(engine)
+            self.maps[engine] = tested
+            ci = ci_sentence(engine, version)
+            if ci.startswith("not tested"):
+                self.map_notes[engine] = f"{label}: map {tested.source}, {ci}"
+                self.status("on", self.map_notes[engine], map=tested.source)
+                say(self.map_notes[engine])
+            return tested
+        check = nearest_resolving_map(engine, version)
+        probe_map = check.probe_map if check is not None else None
+        self.maps[engine] = probe_map
+        if check is None or probe_map is None:
+            self._turn_off(
+                f"{label}: kvdoctor has no map for {ENGINE_LABELS.get(engine, engine)} (it knows {', '.join(known_versions(engine))})"
+            )
+            return None
+        off = check.ledgers_off()
+        self.switch_off_ledgers(off)
+        ci = ci_sentence(engine, version)
+        self.map_notes[engine] = describe_choice(label, check) + (f"; {ci}" if ci else "")
+        if off and set(off) >= set(check.ledgers()):
+            self._turn_off(self.map_notes[engine])
+            return None
+        self.status("partial" if off else "on", self.map_notes[engine], map=probe_map.source, ledgers_off=sorted(off))
+        say(self.map_notes[engine])
+        return probe_map
+
+    def _turn_off(self, reason: str) -> None:
+        self.ledger_on = False
+        self.off_reason = reason
+        self.status("off", reason + "; the probe stays out of this process and the server runs untouched")
+        say(reason + "; the probe stays out of this process")
+
+    def patch_module(self, module: ModuleType) -> None:
+        name = module.__name__
+        engine = name.split(".", 1)[0]
+        probe_map = self.select_map(engine)
+        if probe_map is None or name in self.patched_modules:
+            return
+        self.patched_modules.add(name)
+        for spec in probe_map.classes:
+            if spec.module != name:
+                continue
+            cls = getattr(module, spec.cls, None)
+            for method, role_name in spec.methods.items():
+                original = cls.__dict__.get(method) if cls is not None else None
+
+                def patch(wrapped: Callable[..., Any], cls: Any = cls, method: str = method) -> None:
+                    setattr(cls, method, wrapped)
+
+                self._hook(f"{spec.cls}.{method}", original, role_name, spec, method, patch)
+        for fn_spec in probe_map.functions:
+            if fn_spec.module != name:
+                continue
+            original = getattr(module, fn_spec.function, None)
+
+            def install(wrapped: Callable[..., Any], original: Any = original, fn: str = fn_spec.function) -> None:
+                setattr(module, fn, wrapped)
+                rebind_imported(original, wrapped, (engine,))
+
+            self._hook(f"{name}.{fn_spec.function}", original, fn_spec.role, None, fn_spec.function, install)
+        label = ENGINE_LABELS.get(probe_map.engine, probe_map.engine)
+        self.status(
+            "on" if not self.missing else "partial",
+            f"{label} {self.version_of(engine)} ({probe_map.source}): {len(self.patched)} methods hooked"
+            + (f"; not hooked: {', '.join(self.missing)}" if self.missing else "")
+            + (f"; ledgers off: {', '.join(sorted(self.ledgers_off))}" if self.ledgers_off else ""),
+            map=probe_map.source,
+        )
+
+    def _hook(
+        self, where: str, original: Any, role_name: str, spec: ClassHooks | None, method: str, install: Callable[[Callable[..., Any]], None]
+    ) -> None:
+        """Wraps one method or function, after checking it is what the map says it is; a hook
+        that is not switches its ledger off (said once, with the reason)."""
+        role = REGISTRY.get(role_name)
+        if role is None:
+            self.missing.append(f"{where} (role {role_name!r} unknown)")
+            return
+        if role.ledger in self.ledgers_off or getattr(original, "__kvdoctor_role__", None):
+            return
+        hook = Hook(role_name, method, role.ledger, spec, role.positions(spec.args.get(method) if spec else None))
+        problem = "not found" if original is None else check_signature(original, hook.positions, method=spec is not None)
+        if problem:
+            self.missing.append(f"{where} ({problem})")
+            self.switch_off_ledgers([role.ledger])
+            reason = f"the {role.ledger} ledger is off: {where} {problem}"
+            self.status("partial", reason, ledgers_off=sorted(self.ledgers_off))
+            say(reason)
+            return
+        install(wrap_method(original, role, hook) if spec is not None else wrap_function(original, role, hook))
+        self.patched.append(where)
+
+    def on_module_loaded(self, module: ModuleType) -> None:
+        try:
+            self.patch_module(module)
+            self.sweep()
+        except Exception as exc:
+            self.fail("patch", exc)
+
+    def sweep(self) -> None:
+        """Patches mapped modules that were loaded without passing through our import hook (another
+        package's import hook in front of ours loaded them): a ledger must not miss their calls."""
+        for probe_map in list(self.maps.values()):
+            if probe_map is None:
+                continue
+            for name in sorted(probe_map.modules() - self.patched_modules):
+                module = sys.modules.get(name)
+                if module is not None and not still_importing(module):
+                    self.patch_module(module)
+
+
+def still_importing(module: ModuleType) -> bool:
+    """A module whose body is still running (it imported the one that just loaded): its classes
+    may not exist yet, so it is patched once it is complete."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))

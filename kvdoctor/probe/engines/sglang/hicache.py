@@ -1,0 +1,386 @@
+"""HiCache: the host (L2) pool and the storage (L3) backend, the views the tree retains, and CUDA
+graph replays during a host-to-device load.
+
+Host pools hand out index tensors; a tensor that is a small view into a much larger array, kept
+alive by a long-lived tree node, pins that whole array (sglang#19332). We keep weak references to
+the views the host pool hands out (bounded), and every few seconds count the ones still alive,
+old enough to be long-lived, and far smaller than the storage they keep alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
+from kvdoctor.probe.engines.sglang.state import sglang_state
+from kvdoctor.trace import schema
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.base.context import ProbeContext
+
+MAX_TRACKED_VIEWS = 100_000
+LONG_LIVED_S = 5.0
+SCAN_INTERVAL_S = 2.0
+VIEW_RATIO = 4  # storage at least this many times the view's own bytes
+MAX_NAMED = 16  # request ids and loaded tree nodes named in one graph-replay violation
+
+
+class HiCacheState:
+    """Per-process HiCache bookkeeping: host pools, controller queues, storage traffic, views."""
+
+    def __init__(self, probe: ProbeContext | None = None) -> None:
+        self.hosts: dict[int, Any] = {}
+        self.controllers: dict[int, Any] = {}
+        # id(view) -> (weak reference, storage bytes, own bytes, allocating site, monotonic birth time)
+        self.views: dict[int, tuple[weakref.ref[Any], int, int, str, float]] = {}
+        self.storing_sites: dict[str, int] = {}
+        self.alloc_sites: dict[str, int] = {}
+        self.counts = {
+            "host_allocs": 0,
+            "host_frees": 0,
+            "backups": 0,
+            "loads": 0,
+            "storage_sets": 0,
+            "storage_set_pages": 0,
+            "storage_gets": 0,
+            "storage_get_pages": 0,
+            "graph_replays": 0,
+            "graph_replays_during_load": 0,
+        }
+        self.lock = threading.Lock()
+        self.last_scan = 0.0
+        self.last_report: tuple[int, int] = (0, 0)
+
+    def periodic(self, probe: ProbeContext) -> None:
+        if not probe.ledger_is_on("hicache"):
+            return
+        args: dict[str, Any] = dict(self.counts)
+        for host in list(self.hosts.values()):
+            try:
+                args["host_total_slots"] = args.get("host_total_slots", 0) + int(host.size)
+                args["host_free_slots"] = args.get("host_free_slots", 0) + int(host.available_size())
+            except Exception:
+                pass
+        for controller in list(self.controllers.values()):
+            for name in ("write_queue", "load_queue", "ack_write_queue", "ack_load_queue"):
+                queue = getattr(controller, name, None)
+                if queue is not None and hasattr(queue, "__len__"):
+                    args[f"{name}_depth"] = args.get(f"{name}_depth", 0) + len(queue)
+        if "host_total_slots" in args:
+            args["host_used_slots"] = args["host_total_slots"] - args.get("host_free_slots", 0)
+        probe.emitter.counter(schema.HICACHE_COUNTER, args)
+        now = time.monotonic()
+        if now - self.last_scan >= SCAN_INTERVAL_S:
+            self.last_scan = now
+            self.scan_views(probe, now)
+
+    def track_view(self, tensor: Any, site: str) -> None:
+        base = getattr(tensor, "_base", None)
+        if base is None:
+            return
+        try:
+            storage_bytes = int(tensor.untyped_storage().nbytes())
+            own_bytes = int(tensor.numel() * tensor.element_size())
+        except Exception:
+            return
+        if storage_bytes < VIEW_RATIO * max(own_bytes, 1):
+            return
+        with self.lock:
+            if len(self.views) >= MAX_TRACKED_VIEWS:
+                return  # bounded: the count below is then a lower bound
+            key = id(tensor)
+
+            def forget(_ref: weakref.ref[Any], key: int = key) -> None:
+                self.views.pop(key, None)
+
+            self.views[key] = (weakref.ref(tensor, forget), storage_bytes, own_bytes, site, time.monotonic())
+
+    def scan_views(self, probe: ProbeContext, now: float | None = None, *, force_report: bool = False) -> dict[str, Any] | None:
+        now = time.monotonic() if now is None else now
+        live = 0
+        own = 0
+        storages: dict[int, int] = {}
+        sites: dict[str, int] = {}
+        with self.lock:
+            entries = list(self.views.values())
+        for ref, storage_bytes, own_bytes, site, born in entries:
+            tensor = ref()
+            if tensor is None or now - born < LONG_LIVED_S:
+                continue
+            live += 1
+            own += own_bytes
+            try:
+                storages[tensor.untyped_storage().data_ptr()] = storage_bytes
+            except Exception:
+                continue
+            sites[site] = sites.get(site, 0) + 1
+        retained_bytes = sum(storages.values())
+        summary: dict[str, Any] = {
+            "long_lived_views": live,
+            "retained_bytes": retained_bytes,
+            "distinct_storages": len(storages),
+            "own_bytes": own,
+            "alloc_sites": sites,
+            "storing_sites": dict(self.storing_sites),
+            "tracked": len(entries),
+            "tracking_capped": len(entries) >= MAX_TRACKED_VIEWS,
+            "min_age_s": LONG_LIVED_S,
+        }
+        key = (live, retained_bytes)
+        if live and (force_report or key != self.last_report):
+            self.last_report = key
+            probe.emitter.emit(schema.RETAINED_VIEWS, summary)
+        return summary
+
+    def close(self, probe: ProbeContext, reason: str) -> None:
+        """The last count of retained views, however recent the previous one: a periodic scan taken
+        mid-run, before the views had piled up, must not be the trace's last word on them."""
+        if probe.ledger_is_on("hicache") and self.views:
+            self.scan_views(probe)
+
+
+class HiCacheRole(Role):
+    """A role that feeds HiCache's bookkeeping (host pool, controller queues, storage, views)."""
+
+    ledger = "hicache"
+
+
+def state(probe: ProbeContext) -> HiCacheState:
+    return probe.state("hicache", HiCacheState)
+
+
+class HostAllocRole(HiCacheRole):
+    wants_site = True
+
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        st = state(probe)
+        st.hosts[id(obj)] = obj
+        return site
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        st = state(probe)
+        st.counts["host_allocs"] += 1
+        if result is not None and "clone-host-indices" not in probe.fixes:
+            st.track_view(result, probe.sites.name(ctx))
+
+    def rewrite_result(self, probe: ProbeContext, obj: Any, result: Any) -> Any:
+        if result is not None and "clone-host-indices" in probe.fixes and getattr(result, "_base", None) is not None:
+            probe.fixed("clone-host-indices", 1)
+            return result.clone()
+        return result
+
+
+class HostFreeRole(HiCacheRole):
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        st = state(probe)
+        st.hosts[id(obj)] = obj
+        st.counts["host_frees"] += 1
+
+
+class ControllerRole(HiCacheRole):
+    counter = ""
+
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        st = state(probe)
+        st.controllers[id(obj)] = obj
+        host = getattr(obj, "mem_pool_host", None)
+        if host is not None:
+            st.hosts[id(host)] = host
+        if self.counter:
+            st.counts[self.counter] += 1
+        return site
+
+
+class BackupRole(ControllerRole):
+    counter = "backups"
+
+
+class LoadRole(ControllerRole):
+    counter = "loads"
+
+
+class TreeBackupRole(HiCacheRole):
+    """`write_backup` stores the host indices on the node: name that as the storing site."""
+
+    reads = {"node": 0}
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        node = hook.arg(args, kwargs, "node")
+        value = getattr(node, "host_value", None)
+        if value is not None and getattr(value, "_base", None) is not None:
+            st = state(probe)
+            name = f"{type(obj).__name__}.write_backup stores host indices as node.host_value"
+            st.storing_sites[name] = st.storing_sites.get(name, 0) + 1
+
+
+class TreeLoadRole(HiCacheRole):
+    """`load_back` gives freshly allocated device slots to evicted tree nodes: they are the tree's
+    now, not a request's (without this every loaded page would look orphaned at a census), so it
+    belongs to the slot ledger."""
+
+    ledger = "slots"
+    wants_site = True
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if result is None or not hasattr(result, "numel") or result.numel() == 0:
+            return
+        ledger = sglang_state(probe).tree_ledger(obj)
+        if ledger is not None:
+            with ledger.lock:
+                ledger.on_tree_insert(result, ctx or 0)
+
+
+class StorageRole(HiCacheRole):
+    kind = ""
+    reads = {"keys": 0}
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        st = state(probe)
+        keys = hook.arg(args, kwargs, "keys")
+        st.counts[f"storage_{self.kind}s"] += 1
+        if isinstance(keys, (list, tuple)):
+            st.counts[f"storage_{self.kind}_pages"] += len(keys)
+
+
+class StorageSetRole(StorageRole):
+    kind = "set"
+
+
+class StorageGetRole(StorageRole):
+    kind = "get"
+
+
+class InFlight(NamedTuple):
+    """HiCache host-to-device loads not finished yet: how many, their finish events (what graph-guard
+    waits on) and the tree nodes they load (read from each ack, on the host)."""
+
+    pending: int
+    events: list[Any]
+    node_ids: list[Any]
+
+
+def loads_in_flight(st: HiCacheState) -> InFlight:
+    """Loads queued or copying on the load stream; never blocks (cudaEventQuery)."""
+    pending = 0
+    events = []
+    node_ids: list[Any] = []
+    for controller in list(st.controllers.values()):
+        pending += len(getattr(controller, "load_queue", ()) or ())
+        for ack in list(getattr(controller, "ack_load_queue", ()) or ()):
+            finish = getattr(ack, "finish_event", None)
+            if finish is None and isinstance(ack, tuple) and len(ack) > 1:
+                finish = ack[1]
+            try:
+                done = bool(finish.query()) if finish is not None else True
+            except Exception:
+                done = True
+            if not done:
+                pending += 1
+                events.append(finish)
+                nodes = getattr(ack, "node_ids", None)
+                if isinstance(nodes, list) and len(node_ids) < MAX_NAMED:
+                    node_ids.extend(nodes[: MAX_NAMED - len(node_ids)])
+    return InFlight(pending, events, node_ids)
+
+
+class GraphReplayRole(HiCacheRole):
+    """A graph runner's replay (`CudaGraphRunner.replay` up to 0.5.13): a replay that starts while a
+    HiCache load is still copying is a violation; with graph-guard the current stream, the one the
+    replay runs on, waits on the loads' finish events (on the device)."""
+
+    wants_site = True
+
+    def batch_evidence(self, hook: Hook, args: Args, kwargs: Kwargs) -> dict[str, Any]:
+        """What the call says of the batch being replayed ({} where the role reads no argument)."""
+        return {}
+
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        st = probe.states.get("hicache")
+        if not isinstance(st, HiCacheState):
+            return None
+        st.counts["graph_replays"] += 1
+        in_flight = loads_in_flight(st)
+        if in_flight.pending:
+            st.counts["graph_replays_during_load"] += 1
+            probe.emitter.emit(
+                schema.VIOLATION,
+                {
+                    "kind": schema.GRAPH_REPLAY_DURING_LOAD,
+                    "count": 1,
+                    "site": probe.sites.name(site),
+                    "graph_runner": type(obj).__name__,
+                    "loads_in_flight": in_flight.pending,
+                    "note": "the graph reads KV rows a HiCache load is still copying on its side stream",
+                    **self.batch_evidence(hook, args, kwargs),
+                    **({"load_node_ids": in_flight.node_ids} if in_flight.node_ids else {}),
+                },
+            )
+        return in_flight.events
+
+    def rewrite(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
+        if "graph-guard" in probe.fixes and ctx:
+            import torch
+
+            stream = torch.cuda.current_stream()
+            for event in ctx:
+                stream.wait_event(event)
+            probe.fixed("graph-guard", len(ctx))
+        return args, kwargs
+
+
+class GraphExecuteRole(GraphReplayRole):
+    """`execute(forward_batch, ...)` of the graph runners from 0.5.14 on (decode and target verify,
+    prefill, the EAGLE draft and draft-extend runners), and `CudaGraphRunner.replay(forward_batch,
+    ...)` before them (0.5.2-0.5.13): the same check and the same guard, and the
+    violation names the batch from what lives on the host (no value read from the device): its
+    forward mode, size, request ids, how many KV slots it writes (`out_cache_loc`'s length, a
+    shape), the stream the replay is issued on, and the tree nodes the loads in flight bring back."""
+
+    reads = {"forward_batch": 0}
+
+    def batch_evidence(self, hook: Hook, args: Args, kwargs: Kwargs) -> dict[str, Any]:
+        batch = hook.arg(args, kwargs, "forward_batch")
+        if batch is None:
+            return {}
+        out: dict[str, Any] = {}
+        mode = getattr(batch, "forward_mode", None)
+        if mode is not None:
+            out["forward_mode"] = str(getattr(mode, "name", mode))
+        size = getattr(batch, "batch_size", None)
+        if isinstance(size, int):
+            out["batch_size"] = size
+        rids = getattr(batch, "rids", None)
+        if isinstance(rids, list) and rids:
+            out["rids"] = [str(r) for r in rids[:MAX_NAMED]]
+        slots = getattr(batch, "out_cache_loc", None)
+        shape = getattr(slots, "shape", None)
+        if shape is not None and len(shape) >= 1:
+            out["slots"] = int(shape[0])
+            if getattr(slots, "is_cuda", False):
+                out["stream"] = replay_stream(slots)
+        return out
+
+
+def replay_stream(on_device: Any) -> int:
+    """The id of the current CUDA stream of the tensor's device: the stream the replay is issued on
+    and graph-guard makes wait (a host-side lookup, no synchronisation)."""
+    import torch
+
+    return int(torch.cuda.current_stream(on_device.device).cuda_stream)
+
+
+ROLES: dict[str, Role] = {
+    "host_alloc": HostAllocRole(),
+    "host_free": HostFreeRole(),
+    "hicache_write": BackupRole(),
+    "hicache_load": LoadRole(),
+    "tree_backup": TreeBackupRole(),
+    "tree_load": TreeLoadRole(),
+    "storage_set": StorageSetRole(),
+    "storage_get": StorageGetRole(),
+    "graph_replay": GraphReplayRole(),
+    "graph_execute": GraphExecuteRole(),
+}

@@ -1,1 +1,0 @@
-"""The ledgers: every KV slot's (SGLang) or block's (vLLM) state beside the engine's own lists."""

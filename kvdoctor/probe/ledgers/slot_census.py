@@ -1,0 +1,256 @@
+"""Reading a slot ledger back: violations with their evidence, counts, and the census.
+
+On a GPU nothing here runs on the hot path: `poll()` starts an asynchronous copy and finishes it
+on a later call; a census (idle, exit) is the one place that waits for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvdoctor.probe.base.callsites import CallSites
+from kvdoctor.probe.base.vocabulary import FREE, KIND_BITS, KIND_SLOT, MAX_IDS_IN_EVIDENCE, MAX_NAMED_PAGES, OWNED, TREE
+from kvdoctor.probe.ledgers.requests import BEFORE_ATTACH, ORPHANED_OWNERS, UNPROVEN, RequestTable
+from kvdoctor.trace import schema
+
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+class SlotReadback:
+    """The read side of `SlotLedger` (its arrays are set up there)."""
+
+    name: str
+    page_size: int
+    num_pages: int
+    rows: int
+    sink: int
+    xp: Any
+    emit: Emit
+    requests: RequestTable
+    sites: CallSites
+    state: Any
+    owner: Any
+    alloc_site: Any
+    flags: Any
+    violation_site: Any
+    counters: Any
+    oor_value: Any
+    lock: Any  # hotpath.new_lock(): reentrant, used as `with lock:`
+    census_count: int
+    not_judged: str
+    _reported: np.ndarray
+    _pending: Any
+    _pending_kind: str
+    _pending_counts: Any = None
+
+    def _set(self, arr: Any, where: Any, value: int) -> None:
+        """arr[where] = value for an int or a slice; on a device through fill_ (no host-to-device copy)."""
+        if self.xp.sync_free_branching:
+            arr[where] = value
+        elif isinstance(where, slice):
+            arr[where].fill_(value)
+        else:
+            arr[where : where + 1].fill_(value)
+
+    def poll(self, force: bool = False) -> None:
+        """Harvests violations without blocking: starts an async read, finishes it next time."""
+        with self.lock:
+            if self._pending is None:
+                self._pending = self.xp.snapshot([self.counters, self.oor_value])
+                self._pending_kind = "counters"
+            if not self._pending.ready():
+                if not force:
+                    return
+                self._pending.wait()  # a forced read (census, exit) must not read the copy before it lands
+            pending, kind = self._pending, self._pending_kind
+            self._pending = None
+            values = pending.get()
+            if kind == "counters":
+                counters, _oor = values
+                if np.any(counters > self._reported):
+                    self._pending = self.xp.snapshot(
+                        [self.counters, self.oor_value, self.flags, self.violation_site, self.owner, self.alloc_site, self.state]
+                    )
+                    self._pending_kind = "evidence"
+                    self._set(self.flags, slice(None), 0)
+                    if force or self._pending.ready():
+                        self.poll(force=True)
+            else:
+                self._emit_violations(*values)
+
+    def _emit_violations(
+        self,
+        counters: np.ndarray,
+        oor_value: np.ndarray,
+        flags: np.ndarray,
+        vsite: np.ndarray,
+        owner: np.ndarray,
+        alloc_site: np.ndarray,
+        state: np.ndarray,
+    ) -> None:
+        for kind, slot in KIND_SLOT.items():
+            new = int(counters[slot] - self._reported[slot])
+            if new <= 0:
+                continue
+            self._reported[slot] = counters[slot]
+            bit = KIND_BITS[kind]
+            pages = np.nonzero((flags[: self.num_pages + 1] & bit) != 0)[0]
+            args: dict[str, Any] = {"kind": kind, "allocator": self.name, "count": new, "page_size": self.page_size}
+            if kind == schema.INDEX_OUT_OF_RANGE:
+                worst = int(oor_value[0]) if int(oor_value[0]) != 0 else int(oor_value[1])
+                args.update(self._oor_args(new, worst, int(vsite[self.sink])))
+            else:
+                by_site: dict[str, int] = {}
+                for site_id in vsite[pages][:MAX_NAMED_PAGES]:
+                    name = self.sites.name(int(site_id))
+                    by_site[name] = by_site.get(name, 0) + 1
+                args["site"] = max(by_site, key=lambda name: by_site[name]) if by_site else "unknown"
+                args["sites"] = by_site
+                args.update(self._page_evidence(pages, owner, alloc_site))
+            self.emit(schema.VIOLATION, args)
+
+    def _oor_args(self, count: int, bad_index: int, site: int) -> dict[str, Any]:
+        return {
+            "kind": schema.INDEX_OUT_OF_RANGE,
+            "allocator": self.name,
+            "count": count,
+            "page_size": self.page_size,
+            "site": self.sites.name(site),
+            "bad_index": bad_index,
+            "valid_rows": [0, self.rows - 1],
+            "note": "-1 is legal only as last_loc (no prefix); anything else outside the buffer faults on a GPU",
+        }
+
+    def _page_evidence(self, pages: np.ndarray, owner: Any, alloc_site: Any) -> dict[str, Any]:
+        owner = self.xp.to_host(owner) if not isinstance(owner, np.ndarray) else owner
+        alloc_site = self.xp.to_host(alloc_site) if not isinstance(alloc_site, np.ndarray) else alloc_site
+        return {
+            "slot_ids": self._slot_ids(pages),
+            "requests": self._requests(owner, pages),
+            "allocated_at": self._alloc_sites(alloc_site, pages),
+        }
+
+    def _slot_ids(self, pages: np.ndarray) -> list[int]:
+        ps = self.page_size
+        if ps == 1:
+            return [int(p) for p in pages[:MAX_IDS_IN_EVIDENCE]]
+        ids: list[int] = []
+        for p in pages[: max(1, MAX_IDS_IN_EVIDENCE // ps)]:
+            ids.extend(range(int(p) * ps, int(p) * ps + ps))
+        return ids[:MAX_IDS_IN_EVIDENCE]
+
+    def _requests(self, owner: np.ndarray, pages: np.ndarray) -> dict[str, int]:
+        return self._tally(owner, pages, self.requests.describe)
+
+    def _alloc_sites(self, alloc_site: np.ndarray, pages: np.ndarray) -> dict[str, int]:
+        return self._tally(alloc_site, pages, self.sites.name)
+
+    def _tally(self, per_page: np.ndarray, pages: np.ndarray, name_of: Callable[[int], str], weight: int = 0) -> dict[str, int]:
+        """Slots per name (request, site) over the first MAX_NAMED_PAGES of `pages` (`weight` per
+        entry instead of a page's slots, where the entries are not pages)."""
+        out: dict[str, int] = {}
+        for value in per_page[pages][:MAX_NAMED_PAGES]:
+            name = name_of(int(value))
+            out[name] = out.get(name, 0) + (weight or self.page_size)
+        return out
+
+    def counts(self, state: np.ndarray | None = None) -> dict[str, int]:
+        st = self.xp.to_host(self.state) if state is None else state
+        body = st[1 : self.num_pages + 1]
+        ps = self.page_size
+        return {
+            "total_slots": self.num_pages * ps,
+            "free_slots": int(np.count_nonzero(body & FREE)) * ps,
+            "owned_slots": int(np.count_nonzero(body == OWNED)) * ps,
+            "tree_slots": int(np.count_nonzero(body == TREE)) * ps,
+            "tree_freed_slots": int(np.count_nonzero(body == (TREE | FREE))) * ps,
+            "unaccounted_slots": int(np.count_nonzero(body == 0)) * ps,
+        }
+
+    def census(self, *, reason: str, host_free_pages: Any = None, tree_sizes: dict[str, int] | None = None) -> dict[str, Any]:
+        """Counts every page (reads the ledger back: call it when the engine is idle or exiting)."""
+        with self.lock:
+            self.poll(force=True)
+            state = self.xp.to_host(self.state)
+            owner = self.xp.to_host(self.owner)
+            alloc_site = self.xp.to_host(self.alloc_site)
+            self.census_count += 1
+            body = state[: self.num_pages + 1]
+            idle = self.requests.idle
+            unproven = (body == OWNED) & (owner[: self.num_pages + 1] == UNPROVEN)  # adopted, never judged
+            owned = (body == OWNED) & ~unproven
+            if idle:
+                orphan_mask = owned | (body == 0)
+            else:
+                live = np.array(sorted(self.requests.live_rows()), dtype=np.int64)
+                rows = owner[: self.num_pages + 1]
+                dead_owner = ((rows >= 0) & ~np.isin(rows, live)) | np.isin(rows, ORPHANED_OWNERS)
+                orphan_mask = (owned & dead_owner) | (body == 0)
+            orphan_mask[0] = False
+            orphan_pages = np.nonzero(orphan_mask)[0]
+            dangling = np.nonzero(body == (TREE | FREE))[0]
+            args: dict[str, Any] = {
+                "allocator": self.name,
+                "reason": reason,
+                "idle": idle,
+                "page_size": self.page_size,
+                "live_requests": len(self.requests.live_rows()),
+                **self.counts(state),
+                "orphan_slots": int(orphan_pages.size) * self.page_size,
+                "unproven_slots": int(np.count_nonzero(unproven)) * self.page_size,
+                "orphan_slot_ids": self._slot_ids(orphan_pages),
+                "orphan_allocated_at": self._alloc_sites(alloc_site, orphan_pages),
+                "orphan_requests": self._requests(owner, orphan_pages),
+                "tree_holds_free_slot_ids": self._slot_ids(dangling),
+            }
+            if tree_sizes:
+                args.update(tree_sizes)
+            if host_free_pages is not None:
+                args.update(self._compare_with_host(body, host_free_pages))
+            args.update(self.before_attach(orphan_pages, owner))
+            if self.not_judged:
+                args.update(judged=False, not_judged=self.not_judged)
+            self.emit(schema.CENSUS, args)
+            return args
+
+    def before_attach(self, orphan_pages: np.ndarray, owner: np.ndarray) -> dict[str, Any]:
+        """Of the orphans, those an adoption found held by no one (leaked before the probe came)."""
+        early = orphan_pages[owner[orphan_pages] == BEFORE_ATTACH]
+        if not early.size:
+            return {}
+        return {"orphan_before_attach_slots": int(early.size) * self.page_size, "orphan_before_attach_slot_ids": self._slot_ids(early)}
+
+    def _compare_with_host(self, body: np.ndarray, host_free_pages: Any) -> dict[str, Any]:
+        """The allocator's own free list against the ledger: a disagreement the ledger cannot
+        explain means a path we do not hook changed slots, and the ledger cannot be trusted."""
+        host = np.unique(np.asarray(host_free_pages, dtype=np.int64))
+        host = host[(host >= 0) & (host <= self.num_pages)]
+        ledger_free = np.nonzero((body & FREE) != 0)[0]
+        only_host = np.setdiff1d(host, ledger_free, assume_unique=True)
+        only_ledger = np.setdiff1d(ledger_free, host, assume_unique=True)
+        return {
+            "host_free_slots": int(host.size) * self.page_size,
+            "ledger_disagrees_slots": int(only_host.size + only_ledger.size) * self.page_size,
+            "free_only_in_host_slot_ids": self._slot_ids(only_host),
+            "free_only_in_ledger_slot_ids": self._slot_ids(only_ledger),
+        }
+
+    def counter_args(self) -> dict[str, Any]:
+        return {"allocator": self.name, **self.counts()}
+
+    def counter_args_async(self) -> dict[str, Any] | None:
+        """Ledger sizes for a device ledger without a sync: starts a read, returns the previous one."""
+        ready = None
+        pending = self._pending_counts
+        if pending is not None and pending.ready():
+            state = pending.get()[0]
+            ready = {"allocator": self.name, **self.counts(state)}
+            pending = None
+        if pending is None:
+            self._pending_counts = self.xp.snapshot([self.state])
+        else:
+            self._pending_counts = pending
+        return ready
