@@ -3,11 +3,11 @@
 # through Triton's Python launcher (mode triton), compiled through Triton's launcher (compiled),
 # through the CUDA driver from the Python path (driver), and from the C fast path itself (c, the
 # default) (kvdoctor/probe/ledgers/launch.py, csrc/launch.c).
-# 1. kernels_check.py: the launch paths against the torch ledger, op for op, and host µs per call;
-#    device_path_check.py: the C fast path against the Python path through SGLang's real allocator.
+# 1. tests/gpu/harness/kernels_check.py: the launch paths against the torch ledger, op for op, and host µs per call;
+#    tests/gpu/harness/device_path_check.py: the C fast path against the Python path through SGLang's real allocator.
 # 2. graph_decode.py at four step sizes, fresh processes alternating off and the modes, 2 rounds;
 #    then launch_summary.py writes the table.
-# Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, as for run_all.sh), .carry/sgl_kernel;
+# Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, tests/gpu/README.md), .carry/sgl_kernel;
 # carry [".whl", ".carry"]. Builds the compiled host path here first. Writes 4 files into $OUT.
 # SIZES="16x8192 8x4096" (layers x hidden) runs fewer step sizes, MODES="off driver c" fewer
 # launch paths (noop: one tiny kernel a step, no probe; a suffix -wN, as in "c-w1", runs that path's
@@ -18,21 +18,22 @@
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-[ -d /tmp/site/sglang ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+SITE_059=${SITE_059:-/tmp/site}   # where SGLang 0.5.9's carried wheels are installed (tests/gpu/run.sh uses the same)
+[ -d $SITE_059/sglang ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE_059 .whl/*.whl || exit 3
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -20 "$OUT/build.log"; }
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.carry PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONPATH=$SITE_059:$PWD:$PWD/.carry PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 LOG=$OUT/launch.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $LOG
 python3 -c "import torch,sys,triton;print('torch',torch.__version__,'python',sys.version.split()[0],'triton',triton.__version__)" 2>&1 | tee -a $LOG
 ls kvdoctor/probe/_hotpath*.so 2>&1 | tee -a $LOG
 if [ -z "${SKIP_CHECK:-}" ] && [ -z "${SKIP_KERNELS_CHECK:-}" ]; then
-  KVDOCTOR_LEDGER_LAUNCH=direct timeout 240 python3 bench/gpu/kernels_check.py > /tmp/kc.log 2>&1
+  KVDOCTOR_LEDGER_LAUNCH=direct timeout 240 python3 tests/gpu/harness/kernels_check.py > /tmp/kc.log 2>&1
   echo "kernels_check rc=$?" | tee -a $LOG
   grep RESULT /tmp/kc.log | sed 's/^RESULT //' > "$OUT/kernels_check.json" || tail -20 /tmp/kc.log | tee -a $LOG
   cat "$OUT/kernels_check.json" | tee -a $LOG
 fi
 if [ -z "${SKIP_CHECK:-}" ]; then
-  timeout 240 python3 bench/gpu/device_path_check.py > /tmp/dp.log 2>&1
+  timeout 240 python3 tests/gpu/harness/device_path_check.py > /tmp/dp.log 2>&1
   echo "device_path_check rc=$?" | tee -a $LOG
   grep RESULT /tmp/dp.log | sed 's/^RESULT //' > "$OUT/device_path_check.json" || tail -20 /tmp/dp.log | tee -a $LOG
   cat "$OUT/device_path_check.json" | tee -a $LOG

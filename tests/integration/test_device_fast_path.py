@@ -4,7 +4,7 @@ CUDA driver exactly what the Python ledger path hands it for the same call, on S
 turns the probe off and spares the host.
 
 No GPU here: both paths' driver launches are recorded instead (tests/support/device_fast_path_cases.py
-says what is stood in for). bench/gpu/kernels_check.py runs the same launches on a GPU against the
+says what is stood in for). tests/gpu/harness/kernels_check.py runs the same launches on a GPU against the
 torch ledger.
 """
 

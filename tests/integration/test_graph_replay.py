@@ -6,7 +6,7 @@ The runners of 0.5.14 on replay through `execute(forward_batch, ...)`. Two check
   installed class) is bound as SGLang calls it, by position and by keyword, and the role must read
   the batch from it (forward mode, size, request ids, slot count; all host-side, no value read
   from the device), or read nothing where the method takes no batch.
-- `bench/gpu/graph_runner_23.py --cpu`: SGLang's own `DecodeCudaGraphRunner.execute`, hooked by the
+- `tests/gpu/harness/graph_runner_23.py --cpu`: SGLang's own `DecodeCudaGraphRunner.execute`, hooked by the
   probe as a server's is, replays through the real `FullCudaGraphBackend` while SGLang's own
   `HybridCacheController` has a load in flight. Only CUDA's streams and events are stood in (an
   event is in flight until synchronised), and the runner is built without its ModelRunner (the
@@ -87,7 +87,15 @@ def test_the_role_reads_the_batch_from_the_real_signature(spec, method, role_nam
 def test_sglang_0_5_23_decode_runner_during_a_hicache_load(tmp_path):
     out = tmp_path / "graph23.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "gpu", "graph_runner_23.py"), "--cpu", "--traces", str(tmp_path), "--out", str(out)],
+        [
+            sys.executable,
+            os.path.join(REPO, "tests", "gpu", "harness", "graph_runner_23.py"),
+            "--cpu",
+            "--traces",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
         env=sglang_env("0.5.23"),
         cwd=REPO,
         capture_output=True,

@@ -16,7 +16,7 @@ probe hooks. Everywhere else (any GPU server) it launches the Triton kernel
 machine Triton says "0 active drivers"), so the "triton" cases take the branch by setting the
 module's `support_triton` to say yes and stand in for the kernel object, only it, with a torch loop
 doing what its source does (`WriteReqToTokenPoolStandIn`: each program loads the prefix through
-the pointer the host passed, then copies its share of `out_cache_loc`). bench/gpu/prefill_rows.py
+the pointer the host passed, then copies its share of `out_cache_loc`). tests/gpu/harness/prefill_rows.py
 runs the real kernel on a GPU.
 
 The rolling census runs every 0.2 s; the workload waits for three of them taken while the second

@@ -27,7 +27,7 @@ batch's `multimodal_inputs` list dropped (`memory`); and every synchronizing CUD
 from the probe's activation to its deactivation, under `torch.cuda.set_sync_debug_mode("warn")`, by
 the innermost Python frame that made it (`syncs`: SGLang's own path synchronizes, e.g.
 `process_batch_result` reads the sampled token ids with `tolist()`, so "error" mode cannot be held
-over it). bench/gpu/mm_inputs.sh runs it on 0.5.7 and 0.5.8 and judges what it printed.
+over it). tests/gpu/bugs/test_sglang_7340_8429_8902.py runs it on 0.5.7 and 0.5.8 and judges what it printed.
 
 Two image requests (each one item of 2x3x32x32 float32 pixel values, 24576 bytes) prefill together
 and finish at their second token, in a decode step; `update_running_batch` then filters the running

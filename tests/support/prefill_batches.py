@@ -4,7 +4,7 @@ leaves them), the batch fields `ScheduleBatch.prepare_for_extend` sets, then its
 `alloc_for_extend` -> `write_cache_indices`, and `release_kv_cache` at the end. 0.5.23's layout
 (mem_cache/allocation.py, the row in `req.kv`) and 0.5.9's (mem_cache/common.py, as 0.5.3.post2 -
 0.5.15 have it) are both spoken. Used by tests/integration/test_prefill_rows.py and
-bench/gpu/prefill_rows.py; import it after the probe is active, so that SGLang's modules are hooked.
+tests/gpu/harness/prefill_rows.py; import it after the probe is active, so that SGLang's modules are hooked.
 """
 
 from __future__ import annotations

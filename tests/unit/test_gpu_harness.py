@@ -1,4 +1,4 @@
-"""CPU checks of the pure logic behind the GPU scripts in bench/gpu and of the page-aware
+"""CPU checks of the pure logic behind the GPU checks (bench/gpu/common.py, tests/gpu) and of the page-aware
 clamp-last-loc fix they exercised (0.5.9's alloc_extend part 1 writes last_loc + 1 + i)."""
 
 import os
@@ -9,7 +9,7 @@ from conftest import REPO
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
+sys.path[:0] = [os.path.join(REPO, "bench", "gpu"), os.path.join(REPO, "tests", "gpu", "bugs")]
 
 
 def test_slope():
@@ -21,12 +21,12 @@ def test_slope():
 
 
 def test_summary_rates_per_backup_and_minute():
-    import hicache_19332
+    import sglang_19332_hicache
 
     samples = [
         {"t": t, "RssAnon": (1000 + 2 * t) * 2**20, "RssShmem": 0, "VmRSS": 0, "backups": 10 * t, "storage_sets": t} for t in range(40)
     ]
-    s = hicache_19332.summarize(samples)
+    s = sglang_19332_hicache.summarize(samples)
     assert s["RssAnon_MiB_per_1000_backups"] == pytest.approx(200.0)
     assert s["RssAnon_MiB_per_min"] == pytest.approx(120.0)
 

@@ -6,7 +6,7 @@ declares and of the sizes it declares: a pointer where the kernel takes a 32-bit
 every parameter after it. So each ledger kernel is compiled here by the installed Triton for an
 H100 (no GPU is needed to compile), and the plan `driver_plan` makes from the compiled kernel is
 held against the kernel's own PTX entry: one 64-bit pointer per 'p', one 32-bit integer per 'i',
-then the two scratch pointers launch.c appends. The GPU check (bench/gpu/kernels_check.py) then
+then the two scratch pointers launch.c appends. The GPU check (tests/gpu/harness/kernels_check.py) then
 runs the same launches against the torch ledger.
 """
 
