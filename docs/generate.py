@@ -5,7 +5,8 @@
 
 What is generated:
 - a block between `<!-- generated: KEY -->` and `<!-- end generated -->` in a page, by its KEY:
-  `probes-table` (`kvdoctor probes --table`, from probes/), `bench-cpu`, `bench-instructions`,
+  `probes-table` (`kvdoctor probes --table`, from probes/), `output-formats` (every output, from
+  kvdoctor/formats/table.py), `bench-cpu`, `bench-instructions`,
   `bench-vllm` (bench/results/*.json), `bench-gpu` (reports/gpu/results.json), and
   `finding REPORT KIND` (the KIND finding's lines of a committed report, e.g. reports/demo/leak.txt)
   and `report REPORT` (a committed text report but its first line);
@@ -28,9 +29,9 @@ from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-PAGES_WITH_BLOCKS = ["README.md", *(f"docs/{name}" for name in ("index.md", "findings.md", "supported.md", "benchmarks.md"))]
+PAGES_WITH_BLOCKS = ["README.md", *(f"docs/{name}" for name in ("index.md", "findings.md", "supported.md", "benchmarks.md", "usage.md"))]
 BLOCK = re.compile(r"(<!-- generated: (?P<key>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
-HEADLINE = re.compile(r"^(ERROR|warn|info) +([a-z0-9_]+?):?(?: |$)")  # reporters/terminal.py's marks
+HEADLINE = re.compile(r"^(ERROR|warn|info) +([a-z0-9_]+?):?(?: |$)")  # formats/reports/terminal.py's marks
 GPU_RESULTS = "reports/gpu/results.json"
 GPU_SUMMARY = "reports/gpu/SUMMARY.md"
 
@@ -58,6 +59,13 @@ def probes_table() -> str:
     from kvdoctor.trace.schema import SERVING_ENGINES
 
     return "\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES)
+
+
+def output_formats() -> str:
+    sys.path.insert(0, ROOT)
+    from kvdoctor.formats.table import markdown_table
+
+    return markdown_table()
 
 
 def _results(prefix: str) -> list[str]:
@@ -157,6 +165,7 @@ def finding(key: str) -> str:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "probes-table": probes_table,
+    "output-formats": output_formats,
     "bench-cpu": bench_cpu,
     "bench-instructions": bench_instructions,
     "bench-vllm": bench_vllm,

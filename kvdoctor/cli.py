@@ -20,6 +20,7 @@ import kvdoctor
 from kvdoctor.analysis.budgets import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
 from kvdoctor.cli_help import SGLANG_SERVER, TeachingCommand, TeachingGroup, examples
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.formats.table import format_help
 from kvdoctor.outputs import tolerant_streams
 
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}  # CMD after --
@@ -48,7 +49,7 @@ def _command(*example_lines: str, takes_command: bool = False) -> Callable[[Call
     return register
 
 
-REPORT_FORMAT_HELP = "text, json, jsonl (a JSON line a finding, labelled as the Prometheus metrics are) or html (one self-contained page)"
+REPORT_FORMAT_HELP = format_help("replay")
 TRACE_HELP = "where the trace goes (default: {} in the current directory)"
 TIME_NAME = "<YYYYmmdd-HHMMSS>"
 
@@ -225,12 +226,7 @@ def demo(
     return demo_command(fault, page_size, trace, output_format, force=force)
 
 
-WATCH_FORMAT_HELP = (
-    "auto: the live table on a terminal, else jsonl; "
-    "jsonl: a JSON line each interval and one for each finding as it arises, flushed, then the summary line; "
-    "text: a line for each finding as it arises, then the summary; "
-    "json: one JSON document when the watch ends"
-)
+WATCH_FORMAT_HELP = format_help("watch")
 
 
 @_command("kvdoctor watch 4242", "kvdoctor watch 4242 --interval 5 --metrics 127.0.0.1:9400 | tee watch.jsonl")
@@ -276,7 +272,7 @@ def watch(
 @_guarded
 def export(
     trace: str = typer.Argument(..., metavar="TRACE", help="a trace written by kvdoctor run, gate, watch, attach or demo"),
-    output_format: str = typer.Option("csv", "--format", metavar="FORMAT", help="csv or parquet"),
+    output_format: str = typer.Option("csv", "--format", metavar="FORMAT", help=format_help("export")),
     output: str | None = typer.Option(
         None, "-o", "--output", metavar="PATH", help="where to write (default: the trace's name with .csv/.parquet; - for CSV on stdout)"
     ),

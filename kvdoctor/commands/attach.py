@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvdoctor.collect.attach import attach
 from kvdoctor.errors import EXIT_OK
-from kvdoctor.live.fleet_server import FleetExporter
+from kvdoctor.formats.live.fleet_server import FleetExporter
 from kvdoctor.runner import check_attribution, check_fixes, default_trace_path
 
 

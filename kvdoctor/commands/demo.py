@@ -9,8 +9,9 @@ import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, KvdoctorError
+from kvdoctor.formats.reports import render
+from kvdoctor.formats.table import check_format
 from kvdoctor.outputs import to_stdout
-from kvdoctor.reporters import check_format, render
 
 NEEDED = {"torch": "torch", "sglang": "SGLang"}  # module -> what to call it
 
@@ -32,7 +33,7 @@ def check_demo_needs() -> None:
 
 
 def demo(fault: str, page_size: int | None, trace_path: str | None, output_format: str = "text", *, force: bool = False) -> int:
-    check_format(output_format)
+    check_format(output_format, "demo")
     check_demo_needs()
     from kvdoctor.runner.demo import run_demo  # imports SGLang's classes, and torch
 

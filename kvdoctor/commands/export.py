@@ -1,12 +1,12 @@
 """`kvdoctor export TRACE --format csv|parquet`: a trace's counters as one table (the layout is
-described in kvdoctor.runner.counter_table)."""
+described in kvdoctor.formats.counter_table)."""
 
 from __future__ import annotations
 
 import sys
 
 from kvdoctor.errors import EXIT_OK
-from kvdoctor.runner.counter_table import CHUNK_ROWS, write_table
+from kvdoctor.formats.counter_table import CHUNK_ROWS, write_table
 
 
 def export(trace: str, output_format: str = "csv", output: str | None = None, *, chunk_rows: int = CHUNK_ROWS, force: bool = False) -> int:

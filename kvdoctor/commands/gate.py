@@ -17,10 +17,10 @@ from kvdoctor.analysis.budgets import ANY_ENGINE, DEFAULT_FAIL_ON, DEFAULT_MAX_G
 from kvdoctor.analysis.gate import check_baseline_engines, judge
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError, TraceError
+from kvdoctor.formats.reports import render
+from kvdoctor.formats.reports.github import github_annotations, in_github_actions
+from kvdoctor.formats.reports.junit import render_junit
 from kvdoctor.outputs import claim_output, printable, reader_may_leave, same_file, write_private
-from kvdoctor.reporters import render
-from kvdoctor.reporters.github import github_annotations, in_github_actions
-from kvdoctor.reporters.junit import render_junit
 from kvdoctor.runner import analyze_recorded
 from kvdoctor.runner.launch import interpreter_of, run_command
 from kvdoctor.trace.schema import SCHEMA_NAME

@@ -6,13 +6,14 @@ import sys
 
 from kvdoctor.analysis.analyzer import exit_code_for
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
+from kvdoctor.formats.reports import render
+from kvdoctor.formats.table import check_format
 from kvdoctor.outputs import claim_output, names_stdout, to_stdout, write_private
-from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded, export_pprof
 
 
 def replay(path: str, output_format: str = "text", output: str | None = None, *, force: bool = False, pprof: str | None = None) -> int:
-    check_format(output_format)
+    check_format(output_format, "replay")
     if output and names_stdout(output):
         output = None
     if output:

@@ -10,11 +10,12 @@ import os
 import sys
 
 from kvdoctor.analysis.gate import outlived_sentence
-from kvdoctor.analysis.pprof import profiles_folder
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.live.fleet_server import FleetExporter
+from kvdoctor.formats.live.fleet_server import FleetExporter
+from kvdoctor.formats.pprof import profiles_folder
+from kvdoctor.formats.reports import render
+from kvdoctor.formats.table import check_format
 from kvdoctor.outputs import printable
-from kvdoctor.reporters import check_format, render
 from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes, default_trace_path, export_pprof
 from kvdoctor.runner.launch import run_command
 from kvdoctor.runner.support import hot_path_line
@@ -34,7 +35,7 @@ def run(
     metrics: str | None = None,
     metrics_public: bool = False,
 ) -> int:
-    check_format(output_format)
+    check_format(output_format, "run")
     check_fixes(fixes)
     engine = check_attribution(attribution)
     if not (sample_interval_s >= 0 and math.isfinite(sample_interval_s)):

@@ -8,7 +8,7 @@ findings, 2 nothing usable was sampled.
 The views: on a TTY (auto, text) the live table, then the text summary. Without one, a stream,
 each line flushed so that `| tee` or a log collector sees it as it comes: auto and jsonl write a
 JSON line each round and one for each finding as it is first seen, then the summary as the last
-line (kvdoctor.live.view.WatchStream); text writes a line for each finding as it arises, then the
+line (kvdoctor.formats.live.view.WatchStream); text writes a line for each finding as it arises, then the
 text summary. json writes nothing until the end, then one JSON document (the summary), as it
 always has, for a script that reads the whole output at once.
 """
@@ -22,14 +22,12 @@ from kvdoctor.analysis.findings import ERROR
 from kvdoctor.analysis.growth import GrowthParams
 from kvdoctor.collect.procfs import check_process
 from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
-from kvdoctor.live.prometheus import parse_address
-from kvdoctor.live.summary import watch_report, write_watch_json, write_watch_text
-from kvdoctor.live.view import LIVE_GROWTH_EVERY_S, WatchStream
+from kvdoctor.formats.live.prometheus import parse_address
+from kvdoctor.formats.live.summary import watch_report, write_watch_json, write_watch_text
+from kvdoctor.formats.live.view import LIVE_GROWTH_EVERY_S, WatchStream
+from kvdoctor.formats.table import check_format
 from kvdoctor.outputs import reader_may_leave
-from kvdoctor.reporters import check_format
 from kvdoctor.runner.watch import run_watch
-
-WATCH_FORMATS = ("auto", "jsonl", "text", "json")
 
 
 def _check_seconds(name: str, value: float | None, *, finite: bool) -> None:
@@ -55,11 +53,11 @@ def watch(
 
     `growth_params` tunes the growth test (warm-up, windows, minimum rate); the defaults suit
     watches of minutes to days. `prometheus` ("HOST:PORT") serves the live metrics there while
-    the watch runs (see kvdoctor.live.prometheus); `option` is its name as the user gave it
+    the watch runs (see kvdoctor.formats.live.prometheus); `option` is its name as the user gave it
     (--metrics, or its older name --prometheus), for a refusal to say. `force` lets `trace_path`
     replace a file.
     """
-    check_format(output_format, WATCH_FORMATS)
+    check_format(output_format, "watch")
     _check_seconds("interval", interval_s, finite=True)
     _check_seconds("duration", duration_s, finite=False)  # inf: until Ctrl-C or the server's exit
     if prometheus_public and prometheus is None:

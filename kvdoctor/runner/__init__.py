@@ -1,6 +1,6 @@
 """The services the commands call: start a command under the probe (launch), watch a live process
-tree (watch), a trace's counters as a table (counter_table), and the pieces they share: where a
-trace goes by default, and how a recorded trace is analysed on this machine."""
+tree (watch), and the pieces they share: where a trace goes by default, and how a recorded trace
+is analysed on this machine."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def check_attribution(asked: tuple[bool, str | None]) -> str:
 def export_pprof(trace_path: str, analysis: Analysis, folder: str, *, force: bool = False) -> None:
     """The trace's attribution windows as pprof files in `folder`, said in one line on stderr; a
     folder that cannot be written is said too, and the verdict stands."""
-    from kvdoctor.analysis.pprof import write_trace_profiles
+    from kvdoctor.formats.pprof import write_trace_profiles
 
     try:
         written = write_trace_profiles(trace_path, analysis.processes, folder, force=force)

@@ -35,9 +35,9 @@ from kvdoctor.analysis.gate_growth import growth_by_process
 from kvdoctor.collect.attach import attach_for_watch
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.live.prometheus import PrometheusExporter
-from kvdoctor.live.summary import WatchResult
-from kvdoctor.live.view import LIVE_GROWTH_EVERY_S, LiveView, WatchStream, attribution_line
+from kvdoctor.formats.live.prometheus import PrometheusExporter
+from kvdoctor.formats.live.summary import WatchResult
+from kvdoctor.formats.live.view import LIVE_GROWTH_EVERY_S, LiveView, WatchStream, attribution_line
 from kvdoctor.outputs import claim_output, remove_claimed
 from kvdoctor.runner import default_trace_path
 from kvdoctor.trace import schema

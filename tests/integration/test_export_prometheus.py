@@ -23,8 +23,8 @@ from conftest import REPO  # noqa: E402
 from kvdoctor.analysis.findings import ERROR, Finding  # noqa: E402
 from kvdoctor.commands.export import export  # noqa: E402
 from kvdoctor.errors import KvdoctorError  # noqa: E402
-from kvdoctor.live.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
-from kvdoctor.runner.counter_table import iter_frames, scan_columns  # noqa: E402
+from kvdoctor.formats.counter_table import iter_frames, scan_columns  # noqa: E402
+from kvdoctor.formats.live.prometheus import MetricsState, _client_renderer, parse_address, render_text  # noqa: E402
 from kvdoctor.trace import schema  # noqa: E402
 from kvdoctor.trace.reader import iter_events  # noqa: E402
 

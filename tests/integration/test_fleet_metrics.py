@@ -22,7 +22,7 @@ from servers import free_port
 
 parser = pytest.importorskip("prometheus_client.parser")
 
-from kvdoctor.live import fleet  # noqa: E402
+from kvdoctor.formats.live import fleet  # noqa: E402
 from kvdoctor.trace import schema  # noqa: E402
 
 PROMTOOL_MISSING = "" if os.access(prometheus_stack.PROMTOOL, os.X_OK) else f"{prometheus_stack.PROMTOOL} is missing: run .ci/setup-tests"
@@ -148,7 +148,7 @@ def test_attach_serves_the_probes_trace_until_the_process_exits(metrics_run):
     import threading
 
     from kvdoctor.commands.attach import serve_until_gone
-    from kvdoctor.live.fleet_server import FleetExporter
+    from kvdoctor.formats.live.fleet_server import FleetExporter
 
     leaked_pool, _ = _planted_pools(metrics_run["trace"])
     orphans = metrics_run["planted"]["leak"]["orphan_slots"]

@@ -13,7 +13,7 @@ from kvdoctor.analysis.gate import judge
 from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.commands.gate import gate
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.reporters.html import render_html
+from kvdoctor.formats.reports.html import render_html
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace
 from kvdoctor.units import parse_rate, parse_size

@@ -200,7 +200,7 @@ def test_growth_turned_off_is_said_off_and_judges_the_rest(tmp_path, capsys):
 def test_watch_says_of_each_case_what_the_gate_says(tmp_path, capsys, name, rss_at, seconds, verdict):
     """watch's last line is made from the same verdicts (kvdoctor.runner.watch.growth_verdicts) as
     the gate's max-growth line: of each case above it says the same thing."""
-    from kvdoctor.live.summary import WatchResult, growth_line
+    from kvdoctor.formats.live.summary import WatchResult, growth_line
     from kvdoctor.runner import analyze_recorded
     from kvdoctor.runner.watch import growth_verdicts
 

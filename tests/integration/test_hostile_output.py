@@ -73,7 +73,7 @@ def test_absurd_memory_values_leave_the_report_whole(tmp_path, values, counter):
     out of the fit, and the census's leak is still reported. (In one process: the fit is the
     analysis's; the command line is the next test's.)"""
     from kvdoctor.analysis.replay import analyze_trace
-    from kvdoctor.reporters import render
+    from kvdoctor.formats.reports import render
 
     events = memory(values)
     if counter == schema.MEMORY_CLASSES:

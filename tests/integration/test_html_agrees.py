@@ -17,7 +17,7 @@ from conftest import REPO
 from support.browser import CHROMIUM, chromium
 
 from kvdoctor.analysis.replay import analyze_trace
-from kvdoctor.reporters import render
+from kvdoctor.formats.reports import render
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace
 

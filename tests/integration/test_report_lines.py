@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 from kvdoctor.analysis.replay import analyze_trace
-from kvdoctor.reporters import render
+from kvdoctor.formats.reports import render
 from kvdoctor.trace import schema
 
 GPU_REPORTS = os.path.join(REPO, "reports", "gpu")

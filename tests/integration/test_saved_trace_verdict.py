@@ -86,7 +86,7 @@ def test_the_json_report_is_strict_json_whatever_a_finding_carries():
     comes out as null: JavaScript's JSON.parse and jq reject `NaN`/`Infinity`."""
     from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.analysis.findings import ERROR, Finding
-    from kvdoctor.reporters import render
+    from kvdoctor.formats.reports import render
 
     analysis = analyze(iter([]))
     odd = {"ratio": float("nan"), "per_s": [float("inf"), 1.5], "nested": {"low": float("-inf")}}

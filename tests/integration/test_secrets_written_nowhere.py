@@ -20,7 +20,7 @@ import tracemalloc
 import pytest
 from conftest import REPO, trace_events
 
-from kvdoctor.live.prometheus import MetricsState, render_text
+from kvdoctor.formats.live.prometheus import MetricsState, render_text
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import iter_events
 from kvdoctor.trace.writer import redact, redact_args

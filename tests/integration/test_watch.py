@@ -33,7 +33,7 @@ from kvdoctor.collect.procfs import check_process, find_process_tree, guess_role
 from kvdoctor.collect.sampler import Sampler
 from kvdoctor.commands.watch import watch
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.live.view import LiveView, sparkline
+from kvdoctor.formats.live.view import LiveView, sparkline
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 
@@ -230,7 +230,7 @@ def test_a_short_watch_of_a_growing_process_says_its_growth_was_not_judged_and_w
     assert name.startswith(f"pid {child2.pid}") and "needed to call growth" in reason, summary["growth"]
 
     from kvdoctor.analysis.replay import analyze_trace
-    from kvdoctor.reporters import render
+    from kvdoctor.formats.reports import render
 
     page = render(analyze_trace(trace), "html")
     assert "No error findings.</div>" not in page and "memory growth was not judged" in page
@@ -291,7 +291,7 @@ def test_watch_through_a_pipe_writes_a_line_each_interval_while_the_process_runs
 
 def test_a_watch_stream_says_each_finding_once_and_what_the_summary_no_longer_finds():
     from kvdoctor.analysis.findings import Finding
-    from kvdoctor.live.view import WatchStream
+    from kvdoctor.formats.live.view import WatchStream
 
     growth_anon = Finding(
         "memory_growth", "error", "scheduler (pid 7) anonymous memory grows\n2 GiB/h", evidence={"memory_class": "anon"}, pid=7

@@ -241,7 +241,7 @@ def test_a_census_naming_many_requests_is_held_bounded_and_counted_exactly(tmp_p
 
     from kvdoctor.analysis.named import MAX_NAMED
     from kvdoctor.analysis.replay import analyze_trace
-    from kvdoctor.reporters import render
+    from kvdoctor.formats.reports import render
 
     trace = _naming_trace(str(tmp_path / "named.kvtrace.json"))
     gc.collect()
@@ -310,7 +310,7 @@ def _scrape(url: str) -> tuple[int, bytes]:
 
 
 def test_watch_metrics_drop_exited_processes_and_cap_the_live_ones():
-    from kvdoctor.live.prometheus import MAX_PROCESSES, PrometheusExporter
+    from kvdoctor.formats.live.prometheus import MAX_PROCESSES, PrometheusExporter
 
     exporter = PrometheusExporter("127.0.0.1", 0).start()
     try:
@@ -333,7 +333,7 @@ def test_watch_metrics_drop_exited_processes_and_cap_the_live_ones():
 
 
 def test_a_lone_surrogate_in_a_title_never_fails_a_scrape():
-    from kvdoctor.live.prometheus import PrometheusExporter
+    from kvdoctor.formats.live.prometheus import PrometheusExporter
 
     exporter = PrometheusExporter("127.0.0.1", 0).start()
     try:
@@ -348,8 +348,8 @@ def test_a_lone_surrogate_in_a_title_never_fails_a_scrape():
 def test_a_lone_surrogate_in_a_title_never_fails_a_run_metrics_scrape():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvdoctor.live.fleet import FleetState
-    from kvdoctor.live.fleet_server import _Collector
+    from kvdoctor.formats.live.fleet import FleetState
+    from kvdoctor.formats.live.fleet_server import _Collector
     from kvdoctor.trace import schema
 
     state = FleetState()

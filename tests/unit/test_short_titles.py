@@ -2,7 +2,7 @@
 mid-path (`processes: 7210 <checkout>/.venv/bin/python <checkout>/.` was what a run printed)."""
 
 from kvdoctor.analysis.analyzer import Analysis
-from kvdoctor.reporters.terminal import render_text
+from kvdoctor.formats.reports.terminal import render_text
 from kvdoctor.units import short_title
 
 SERVER = "/work/main/.venv/bin/python -m sglang.launch_server --model-path /work/main/.venv/sglang-tiny-model --port 30000"

@@ -38,7 +38,7 @@ from kvdoctor.units import finite_number, short_title
 DEFAULT_HOST = "127.0.0.1"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TITLE_LIMIT = 120
-MAX_PROCESSES = 64  # as `run --metrics` (kvdoctor/live/fleet.py): the series a scrape returns stay bounded
+MAX_PROCESSES = 64  # as `run --metrics` (kvdoctor/formats/live/fleet.py): the series a scrape returns stay bounded
 
 MEMORY_BYTES = "kvdoctor:memory_bytes"
 MEMORY_GROWTH = "kvdoctor:memory_growth_bytes_per_second"

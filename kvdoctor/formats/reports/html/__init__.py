@@ -3,6 +3,6 @@
 `page` lays the report out; `svg` draws its plots; `text` is how it writes quantities.
 """
 
-from kvdoctor.reporters.html.page import finding_card, render_html
+from kvdoctor.formats.reports.html.page import finding_card, render_html
 
 __all__ = ["finding_card", "render_html"]

@@ -23,11 +23,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.formats.table import choices, format_help
+from kvdoctor.formats.table import row as format_row
 from kvdoctor.outputs import claim_output, names_stdout, reader_may_leave, spreadsheet_cell
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import ReadStats, iter_events
 
-FORMATS = ("csv", "parquet")
+FORMATS = choices("export")
 BASE_COLUMNS = ("ts_s", "pid", "name", "allocator")
 CHUNK_ROWS = 50_000
 _INT64_LIMIT = 1 << 63
@@ -55,7 +57,7 @@ def default_output(trace: str, output_format: str) -> str:
     for suffix in (".json", ".kvtrace"):
         if base.endswith(suffix):
             base = base[: -len(suffix)]
-    return os.path.join(os.path.dirname(os.path.abspath(trace)), f"{base or 'trace'}.{output_format}")
+    return os.path.join(os.path.dirname(os.path.abspath(trace)), f"{base or 'trace'}{format_row('export', output_format).suffix}")
 
 
 def _column(key: str) -> str:
@@ -186,7 +188,7 @@ def write_table(
     """Writes the table to `output` (default: beside the trace), or as CSV to stdout for "-" or
     /dev/stdout; never over the trace it reads."""
     if output_format not in FORMATS:
-        raise KvdoctorError(f"unknown export format {output_format!r}", "choose csv or parquet")
+        raise KvdoctorError(f"unknown export format {output_format!r}", "choose " + format_help("export"))
     on_stdout = output is not None and names_stdout(output)
     if on_stdout and output_format != "csv":
         raise KvdoctorError("Parquet cannot be written to stdout", "give -o a file path")

@@ -1,4 +1,4 @@
-"""Serving a run's ledgers (kvdoctor.live.fleet) on `/metrics` with prometheus_client, fed by
+"""Serving a run's ledgers (kvdoctor.formats.live.fleet) on `/metrics` with prometheus_client, fed by
 following the run's trace from a thread of the `kvdoctor run` / `attach` process."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvdoctor.errors import KvdoctorError
-from kvdoctor.live.fleet import FleetState
-from kvdoctor.live.prometheus import parse_address
+from kvdoctor.formats.live.fleet import FleetState
+from kvdoctor.formats.live.prometheus import parse_address
 from kvdoctor.trace import schema
 from kvdoctor.trace.reader import TraceTail
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
 from kvdoctor.analysis.gate_growth import growth_not_judged
+from kvdoctor.formats.reports.bounded import PROCESSES_SHOWN, first_processes, shown_findings
 from kvdoctor.outputs import one_line, printable
-from kvdoctor.reporters.bounded import PROCESSES_SHOWN, first_processes, shown_findings
 from kvdoctor.trace.schema import STATUS_KINDS
 from kvdoctor.units import short_title
 

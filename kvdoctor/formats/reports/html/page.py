@@ -10,10 +10,10 @@ from typing import Any
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.gate_growth import growth_not_judged
-from kvdoctor.reporters.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
-from kvdoctor.reporters.html.svg import memory_plot, slots_plot
-from kvdoctor.reporters.html.text import escape as _e
-from kvdoctor.reporters.html.text import human_bytes, human_duration, human_rate
+from kvdoctor.formats.reports.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
+from kvdoctor.formats.reports.html.svg import memory_plot, slots_plot
+from kvdoctor.formats.reports.html.text import escape as _e
+from kvdoctor.formats.reports.html.text import human_bytes, human_duration, human_rate
 from kvdoctor.trace import schema
 from kvdoctor.units import as_float, as_int
 

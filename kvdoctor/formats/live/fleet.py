@@ -37,8 +37,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.live.prometheus import label_safe
-from kvdoctor.probe.rank import rank_of
+from kvdoctor.formats.live.prometheus import label_safe
+from kvdoctor.probe.base.rank import rank_of
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import redact
 from kvdoctor.units import finite_number, short_title

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.analysis.gate_growth import not_judged_sentence
-from kvdoctor.live.view import display_title
+from kvdoctor.formats.live.view import display_title
 from kvdoctor.outputs import one_line, strict
 from kvdoctor.trace.schema import MEMORY_GROWTH
 from kvdoctor.units import format_duration, format_optional_bytes

@@ -41,7 +41,7 @@ LIVE_REFRESH_S = 0.5  # the live table is redrawn at most this often
 LIVE_GROWTH_EVERY_S = 5.0  # the (costlier) growth test for the table runs at most this often
 LIVE_RATE_WINDOW_S = 60.0  # the table's rate column is the slope over this recent span
 FLAG_CLASSES = ("anon", "pinned", "gpu", "rss")  # a row is flagged by the first of these that grows
-STREAM_SCHEMA_ID = "kvdoctor.watch/1"  # as the summary's (kvdoctor.live.summary); each line's "type" says which
+STREAM_SCHEMA_ID = "kvdoctor.watch/1"  # as the summary's (kvdoctor.formats.live.summary); each line's "type" says which
 
 
 def sparkline(values: list[float], width: int = 24) -> str:

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvdoctor.analysis.findings import Finding
-from kvdoctor.reporters.html.text import escape as _e
-from kvdoctor.reporters.html.text import human_duration, human_rate
+from kvdoctor.formats.reports.html.text import escape as _e
+from kvdoctor.formats.reports.html.text import human_duration, human_rate
 from kvdoctor.units import as_float
 
 PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"]
