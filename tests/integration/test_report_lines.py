@@ -14,7 +14,7 @@ from kvdoctor.analysis.replay import analyze_trace
 from kvdoctor.formats.reports import render
 from kvdoctor.trace import schema
 
-GPU_REPORTS = os.path.join(REPO, "reports", "gpu")
+GPU_REPORTS = os.path.join(REPO, "tests", "integration", "data", "gpu")  # two traces the GPU machine recorded
 
 
 @pytest.mark.parametrize(
