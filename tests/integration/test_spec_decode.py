@@ -43,7 +43,7 @@ import json, random, sys, time, warnings
 warnings.filterwarnings("ignore")
 from array import array
 trace, page_size, rows_seen, fault = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-from kvdoctor.probe.maps.loader import loader as maps
+from kvdoctor.probe.maps import loader as maps
 from kvdoctor.probe.core import runtime
 if rows_seen == "unhooked":  # the map of a release with no hookable row writer (0.5.3.post2 - 0.5.4.post1 launch the kernel in place)
     load_maps = maps.load_maps

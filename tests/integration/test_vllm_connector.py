@@ -167,7 +167,7 @@ def test_an_abort_while_waiting_for_remote_kv_is_held_for_the_connector(tmp_path
 
 RENAMED_HOOK = """
 import json, os, sys
-from kvdoctor.probe.maps.loader import loader as maps
+from kvdoctor.probe.maps import loader as maps
 
 real = maps.available_maps
 

@@ -46,9 +46,11 @@ class ProbeContext(Protocol):
     ledgers_off: frozenset[str]
     py_calls: int
     states: dict[str, EngineState]
-    maps: dict[str, ProbeMap | None]
     rendezvous: Rendezvous | None
     idle_census_interval_s: float
+
+    @property
+    def maps(self) -> dict[str, ProbeMap | None]: ...
 
     @property
     def ledger_on(self) -> bool: ...

@@ -1,5 +1,5 @@
-"""Which map a process runs under, and the hooks it installs: the part of the `Probe` that meets
-the engine's code.
+"""Which map a process runs under, and the hooks it installs: the `Probe`'s part that meets the
+engine's code, held by it (`Probe.patching`).
 
 The first of an engine's modules to load selects the map for the installed release (the one
 tested for it, else the nearest whose hooks resolve, with the ledgers whose hooks do not switched
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from kvdoctor.probe.base.context import Hook
 from kvdoctor.probe.base.emitter import Emitter, say
@@ -20,49 +20,36 @@ from kvdoctor.probe.core.hooks import REGISTRY, rebind_imported, wrap_function, 
 from kvdoctor.probe.core.verify import check_signature, describe_choice, nearest_resolving_map
 from kvdoctor.probe.maps.loader import ClassHooks, ProbeMap, installed_version, known_versions, map_for
 from kvdoctor.probe.maps.releases import ci_sentence
-from kvdoctor.trace import schema
 
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
-class Patching:
-    """The map-and-hook half of `Probe` (its mixin); the attributes below are the probe's."""
+class PatchedProbe(Protocol):
+    """What the patcher uses of the probe that holds it (`runtime.Probe`)."""
 
     emitter: Emitter
-    maps: dict[str, ProbeMap | None]
-    map_notes: dict[str, str]
-    versions: dict[str, str]
     ledgers_off: frozenset[str]
-    patched_modules: set[str]
-    patched: list[str]
-    missing: list[str]
-    off_reason: str
-    ledger_on: bool
 
-    def status(self, state: str, reason: str, **extra: Any) -> None:
-        raise NotImplementedError  # the probe's: a probe_status event
+    def status(self, state: str, reason: str, **extra: Any) -> None: ...
 
-    def switch_off_ledgers(self, names: Any) -> None:
-        raise NotImplementedError  # the probe's: the switches every wrapper reads
+    def switch_off_ledgers(self, names: Any) -> None: ...
 
-    def fail(self, role: str, exc: BaseException) -> None:
-        raise NotImplementedError  # the probe's: a failure said once, the probe off
+    def fail(self, role: str, exc: BaseException) -> None: ...
 
-    def turn_off_ledger(self, ledger: str, what: str, reason: object) -> None:
-        """One ledger off, said once as the probe partial: `what` is off because of `reason`; the
-        server's calls and the other ledgers go on."""
-        if ledger in self.ledgers_off:
-            return
-        self.switch_off_ledgers({ledger})
-        self.emitter.emit(
-            schema.PROBE_STATUS,
-            {
-                "component": "ledger",
-                "state": "partial",
-                "ledger": ledger,
-                "reason": f"{what} is off: {reason}; the server's calls go on untouched, the KV ledgers are unaffected",
-            },
-        )
+    def turn_off(self, reason: str) -> None: ...
+
+
+class Patcher:
+    """The maps in force and the hooks installed, for the one probe that holds it (`Probe.patching`)."""
+
+    def __init__(self, probe: PatchedProbe) -> None:
+        self.probe = probe
+        self.maps: dict[str, ProbeMap | None] = {}
+        self.map_notes: dict[str, str] = {}
+        self.versions: dict[str, str] = {}
+        self.patched_modules: set[str] = set()
+        self.patched: list[str] = []
+        self.missing: list[str] = []
 
     def version_of(self, engine: str) -> str:
         return self.versions.get(engine, "")
@@ -75,9 +62,9 @@ class Patching:
             return self.maps[engine]
         version = installed_version(engine)
         self.versions[engine] = version
-        if not self.emitter.header_args.get("engine"):
-            self.emitter.header_args["engine"] = engine
-            self.emitter.header_args["engine_version"] = version
+        if not self.probe.emitter.header_args.get("engine"):
+            self.probe.emitter.header_args["engine"] = engine
+            self.probe.emitter.header_args["engine_version"] = version
         label = f"{ENGINE_LABELS.get(engine, engine)} {version or '(version unreadable)'}"
         tested = map_for(engine, version)
         if tested is not None:
@@ -87,33 +74,27 @@ class Patching:
             ci = ci_sentence(engine, version)
             if ci.startswith("not tested"):
                 self.map_notes[engine] = f"{label}: map {tested.source}, {ci}"
-                self.status("on", self.map_notes[engine], map=tested.source)
+                self.probe.status("on", self.map_notes[engine], map=tested.source)
                 say(self.map_notes[engine])
             return tested
         check = nearest_resolving_map(engine, version)
         probe_map = check.probe_map if check is not None else None
         self.maps[engine] = probe_map
         if check is None or probe_map is None:
-            self._turn_off(
+            self.probe.turn_off(
                 f"{label}: kvdoctor has no map for {ENGINE_LABELS.get(engine, engine)} (it knows {', '.join(known_versions(engine))})"
             )
             return None
         off = check.ledgers_off()
-        self.switch_off_ledgers(off)
+        self.probe.switch_off_ledgers(off)
         ci = ci_sentence(engine, version)
         self.map_notes[engine] = describe_choice(label, check) + (f"; {ci}" if ci else "")
         if off and set(off) >= set(check.ledgers()):
-            self._turn_off(self.map_notes[engine])
+            self.probe.turn_off(self.map_notes[engine])
             return None
-        self.status("partial" if off else "on", self.map_notes[engine], map=probe_map.source, ledgers_off=sorted(off))
+        self.probe.status("partial" if off else "on", self.map_notes[engine], map=probe_map.source, ledgers_off=sorted(off))
         say(self.map_notes[engine])
         return probe_map
-
-    def _turn_off(self, reason: str) -> None:
-        self.ledger_on = False
-        self.off_reason = reason
-        self.status("off", reason + "; the probe stays out of this process and the server runs untouched")
-        say(reason + "; the probe stays out of this process")
 
     def patch_module(self, module: ModuleType) -> None:
         name = module.__name__
@@ -144,11 +125,11 @@ class Patching:
 
             self._hook(f"{name}.{fn_spec.function}", original, fn_spec.role, None, fn_spec.function, install)
         label = ENGINE_LABELS.get(probe_map.engine, probe_map.engine)
-        self.status(
+        self.probe.status(
             "on" if not self.missing else "partial",
             f"{label} {self.version_of(engine)} ({probe_map.source}): {len(self.patched)} methods hooked"
             + (f"; not hooked: {', '.join(self.missing)}" if self.missing else "")
-            + (f"; ledgers off: {', '.join(sorted(self.ledgers_off))}" if self.ledgers_off else ""),
+            + (f"; ledgers off: {', '.join(sorted(self.probe.ledgers_off))}" if self.probe.ledgers_off else ""),
             map=probe_map.source,
         )
 
@@ -161,15 +142,15 @@ class Patching:
         if role is None:
             self.missing.append(f"{where} (role {role_name!r} unknown)")
             return
-        if role.ledger in self.ledgers_off or getattr(original, "__kvdoctor_role__", None):
+        if role.ledger in self.probe.ledgers_off or getattr(original, "__kvdoctor_role__", None):
             return
         hook = Hook(role_name, method, role.ledger, spec, role.positions(spec.args.get(method) if spec else None))
         problem = "not found" if original is None else check_signature(original, hook.positions, method=spec is not None)
         if problem:
             self.missing.append(f"{where} ({problem})")
-            self.switch_off_ledgers([role.ledger])
+            self.probe.switch_off_ledgers([role.ledger])
             reason = f"the {role.ledger} ledger is off: {where} {problem}"
-            self.status("partial", reason, ledgers_off=sorted(self.ledgers_off))
+            self.probe.status("partial", reason, ledgers_off=sorted(self.probe.ledgers_off))
             say(reason)
             return
         install(wrap_method(original, role, hook) if spec is not None else wrap_function(original, role, hook))
@@ -180,7 +161,7 @@ class Patching:
             self.patch_module(module)
             self.sweep()
         except Exception as exc:
-            self.fail("patch", exc)
+            self.probe.fail("patch", exc)
 
     def sweep(self) -> None:
         """Patches mapped modules that were loaded without passing through our import hook (another

@@ -14,16 +14,17 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, cast
 
 from kvdoctor.probe import hotpath
 from kvdoctor.probe.base.callsites import CallSites, short_path
 from kvdoctor.probe.base.context import EngineState, ProbeContext, StateT
-from kvdoctor.probe.base.emitter import Emitter
+from kvdoctor.probe.base.emitter import Emitter, say
 from kvdoctor.probe.base.settings import DAY_S, env_number, env_switch
 from kvdoctor.probe.base.shutdown import Rendezvous
 from kvdoctor.probe.core.hooks import CURRENT, ImportHook
-from kvdoctor.probe.core.patching import Patching, still_importing
+from kvdoctor.probe.core.patching import Patcher, still_importing
 from kvdoctor.probe.maps.loader import ProbeMap, available_maps
 from kvdoctor.trace import schema
 
@@ -36,8 +37,9 @@ ENV_WRITER_INTERVAL_S = "KVDOCTOR_WRITER_INTERVAL_S"  # the writer thread's roun
 FIXES_DESCRIBED = 16  # fix_applied events with evidence per fix; then counts only
 
 
-class Probe(Patching):
-    """One per process: the emitter, the call sites, the engine states and the maps in force.
+class Probe:
+    """One per process: the emitter, the call sites, the engine states, and the maps in force and
+    the hooks installed (`patching`, a `Patcher`).
 
     `ledger_on`, `fixes`, `inject` and `ledgers_off` are the switches every wrapper reads; the
     compiled wrappers read a copy, refreshed whenever one is set (so set them, do not mutate them,
@@ -55,13 +57,8 @@ class Probe(Patching):
         self.sites = CallSites()
         self._ledger_on = True
         self.off_reason = ""
-        self.maps: dict[str, ProbeMap | None] = {}
-        self.map_notes: dict[str, str] = {}
-        self.versions: dict[str, str] = {}
         self.ledgers_off: frozenset[str] = frozenset()
-        self.patched_modules: set[str] = set()
-        self.patched: list[str] = []
-        self.missing: list[str] = []
+        self.patching = Patcher(self)
         self.py_calls = 0  # hooked calls through the Python wrapper
         self._native_calls_base = hotpath.calls()
         self.failures = 0
@@ -73,6 +70,34 @@ class Probe(Patching):
         self._closed = False
         self.rendezvous = Rendezvous.from_env()  # under `kvdoctor run`: the census asked for at shutdown
         self.emitter.periodic.append(self._periodic)
+
+    # ----- the maps and hooks (`core.patching`) -----
+
+    @property
+    def maps(self) -> dict[str, ProbeMap | None]:
+        return self.patching.maps
+
+    @property
+    def map_notes(self) -> dict[str, str]:
+        return self.patching.map_notes
+
+    @property
+    def versions(self) -> dict[str, str]:
+        return self.patching.versions
+
+    @property
+    def patched(self) -> list[str]:
+        return self.patching.patched
+
+    @property
+    def missing(self) -> list[str]:
+        return self.patching.missing
+
+    def version_of(self, engine: str) -> str:
+        return self.patching.versions.get(engine, "")
+
+    def on_module_loaded(self, module: ModuleType) -> None:
+        self.patching.on_module_loaded(module)
 
     # ----- the switches every wrapper reads -----
 
@@ -153,6 +178,29 @@ class Probe(Patching):
         self.off_reason = f"{type(exc).__name__} in the {role} hook{at}: {exc}"
         self.status("off", self.off_reason + "; the server's calls go on untouched, ledger findings stop here")
 
+    def turn_off_ledger(self, ledger: str, what: str, reason: object) -> None:
+        """One ledger off, said once as the probe partial: `what` is off because of `reason`; the
+        server's calls and the other ledgers go on."""
+        if ledger in self.ledgers_off:
+            return
+        self.switch_off_ledgers({ledger})
+        self.emitter.emit(
+            schema.PROBE_STATUS,
+            {
+                "component": "ledger",
+                "state": "partial",
+                "ledger": ledger,
+                "reason": f"{what} is off: {reason}; the server's calls go on untouched, the KV ledgers are unaffected",
+            },
+        )
+
+    def turn_off(self, reason: str) -> None:
+        """No map for this engine (or none of its ledgers left): the probe stays out, said once."""
+        self.ledger_on = False
+        self.off_reason = reason
+        self.status("off", reason + "; the probe stays out of this process and the server runs untouched")
+        say(reason + "; the probe stays out of this process")
+
     def ledger_is_on(self, ledger: str) -> bool:
         """Whether a ledger may be fed and read: the probe is on and all the ledger's hooks resolved."""
         return self.ledger_on and ledger not in self.ledgers_off
@@ -165,7 +213,7 @@ class Probe(Patching):
     def _periodic(self) -> None:
         if self.ledger_on:
             try:
-                self.sweep()
+                self.patching.sweep()
             except Exception as exc:
                 self.fail("patch", exc)
         for fix, count in list(self._fix_unreported.items()):

@@ -82,7 +82,7 @@ def _leaked(ledger: SlotLedger, still: Any, row: int, rid: str) -> dict[str, Any
         "request": f"req_pool_idx {row} (rid {rid})",
         "note": "still owned by the request when it gave back its row: never freed nor inserted into the tree",
     }
-    args.update(ledger._page_evidence(still, ledger.owner, ledger.alloc_site))
+    args.update(ledger.readback._page_evidence(still, ledger.owner, ledger.alloc_site))
     ledger.owner[still] = RELEASED  # no longer the row's: the next request in that row must not inherit them
     args["requests"] = {args["request"]: args["count"]}  # the row's request now, not whoever uses the row later
     return args
@@ -142,12 +142,12 @@ class RollingCensus:
             "live_requests": len(live),
             **counts,
             "orphan_slots": int(persisted.size) * ledger.page_size,
-            "orphan_slot_ids": ledger._slot_ids(persisted),
-            "orphan_allocated_at": ledger._alloc_sites(alloc_site, persisted),
-            "orphan_requests": ledger._requests(owner, persisted),
+            "orphan_slot_ids": ledger.readback._slot_ids(persisted),
+            "orphan_allocated_at": ledger.readback._alloc_sites(alloc_site, persisted),
+            "orphan_requests": ledger.readback._requests(owner, persisted),
             "unproven_slots": int(np.count_nonzero(unproven)) * ledger.page_size,
             "persisted_s": self.interval_s,
-            **ledger.before_attach(persisted, owner),
+            **ledger.readback.before_attach(persisted, owner),
         }
         if ledger.not_judged:
             self.last.update(judged=False, not_judged=ledger.not_judged)

@@ -7,7 +7,7 @@ on a later call; a census (idle, exit) is the one place that waits for the devic
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,8 +19,9 @@ from kvdoctor.trace import schema
 Emit = Callable[[str, dict[str, Any]], None]
 
 
-class SlotReadback:
-    """The read side of `SlotLedger` (its arrays are set up there)."""
+class LedgerArrays(Protocol):
+    """What the readback reads of its ledger (`slots.SlotLedger`): the arrays, their sizes, where
+    events go and the lock the compiled path holds too."""
 
     name: str
     page_size: int
@@ -39,27 +40,27 @@ class SlotReadback:
     counters: Any
     oor_value: Any
     lock: Any  # hotpath.new_lock(): reentrant, used as `with lock:`
-    census_count: int
     not_judged: str
-    _reported: np.ndarray
-    _pending: Any
-    _pending_kind: str
-    _pending_counts: Any = None
 
-    def _set(self, arr: Any, where: Any, value: int) -> None:
-        """arr[where] = value for an int or a slice; on a device through fill_ (no host-to-device copy)."""
-        if self.xp.sync_free_branching:
-            arr[where] = value
-        elif isinstance(where, slice):
-            arr[where].fill_(value)
-        else:
-            arr[where : where + 1].fill_(value)
+    def fill(self, arr: Any, where: Any, value: int) -> None: ...
+
+
+class SlotReadback:
+    """The read side of one `SlotLedger`, which holds it: what it has reported, the read in flight."""
+
+    def __init__(self, ledger: LedgerArrays) -> None:
+        self.ledger = ledger
+        self.census_count = 0
+        self._reported = np.zeros(len(KIND_BITS), dtype=np.int64)
+        self._pending: Any = None
+        self._pending_kind = ""
+        self._pending_counts: Any = None
 
     def poll(self, force: bool = False) -> None:
         """Harvests violations without blocking: starts an async read, finishes it next time."""
-        with self.lock:
+        with self.ledger.lock:
             if self._pending is None:
-                self._pending = self.xp.snapshot([self.counters, self.oor_value])
+                self._pending = self.ledger.xp.snapshot([self.ledger.counters, self.ledger.oor_value])
                 self._pending_kind = "counters"
             if not self._pending.ready():
                 if not force:
@@ -71,11 +72,19 @@ class SlotReadback:
             if kind == "counters":
                 counters, _oor = values
                 if np.any(counters > self._reported):
-                    self._pending = self.xp.snapshot(
-                        [self.counters, self.oor_value, self.flags, self.violation_site, self.owner, self.alloc_site, self.state]
+                    self._pending = self.ledger.xp.snapshot(
+                        [
+                            self.ledger.counters,
+                            self.ledger.oor_value,
+                            self.ledger.flags,
+                            self.ledger.violation_site,
+                            self.ledger.owner,
+                            self.ledger.alloc_site,
+                            self.ledger.state,
+                        ]
                     )
                     self._pending_kind = "evidence"
-                    self._set(self.flags, slice(None), 0)
+                    self.ledger.fill(self.ledger.flags, slice(None), 0)
                     if force or self._pending.ready():
                         self.poll(force=True)
             else:
@@ -97,36 +106,36 @@ class SlotReadback:
                 continue
             self._reported[slot] = counters[slot]
             bit = KIND_BITS[kind]
-            pages = np.nonzero((flags[: self.num_pages + 1] & bit) != 0)[0]
-            args: dict[str, Any] = {"kind": kind, "allocator": self.name, "count": new, "page_size": self.page_size}
+            pages = np.nonzero((flags[: self.ledger.num_pages + 1] & bit) != 0)[0]
+            args: dict[str, Any] = {"kind": kind, "allocator": self.ledger.name, "count": new, "page_size": self.ledger.page_size}
             if kind == schema.INDEX_OUT_OF_RANGE:
                 worst = int(oor_value[0]) if int(oor_value[0]) != 0 else int(oor_value[1])
-                args.update(self._oor_args(new, worst, int(vsite[self.sink])))
+                args.update(self._oor_args(new, worst, int(vsite[self.ledger.sink])))
             else:
                 by_site: dict[str, int] = {}
                 for site_id in vsite[pages][:MAX_NAMED_PAGES]:
-                    name = self.sites.name(int(site_id))
+                    name = self.ledger.sites.name(int(site_id))
                     by_site[name] = by_site.get(name, 0) + 1
                 args["site"] = max(by_site, key=lambda name: by_site[name]) if by_site else "unknown"
                 args["sites"] = by_site
                 args.update(self._page_evidence(pages, owner, alloc_site))
-            self.emit(schema.VIOLATION, args)
+            self.ledger.emit(schema.VIOLATION, args)
 
     def _oor_args(self, count: int, bad_index: int, site: int) -> dict[str, Any]:
         return {
             "kind": schema.INDEX_OUT_OF_RANGE,
-            "allocator": self.name,
+            "allocator": self.ledger.name,
             "count": count,
-            "page_size": self.page_size,
-            "site": self.sites.name(site),
+            "page_size": self.ledger.page_size,
+            "site": self.ledger.sites.name(site),
             "bad_index": bad_index,
-            "valid_rows": [0, self.rows - 1],
+            "valid_rows": [0, self.ledger.rows - 1],
             "note": "-1 is legal only as last_loc (no prefix); anything else outside the buffer faults on a GPU",
         }
 
     def _page_evidence(self, pages: np.ndarray, owner: Any, alloc_site: Any) -> dict[str, Any]:
-        owner = self.xp.to_host(owner) if not isinstance(owner, np.ndarray) else owner
-        alloc_site = self.xp.to_host(alloc_site) if not isinstance(alloc_site, np.ndarray) else alloc_site
+        owner = self.ledger.xp.to_host(owner) if not isinstance(owner, np.ndarray) else owner
+        alloc_site = self.ledger.xp.to_host(alloc_site) if not isinstance(alloc_site, np.ndarray) else alloc_site
         return {
             "slot_ids": self._slot_ids(pages),
             "requests": self._requests(owner, pages),
@@ -134,7 +143,7 @@ class SlotReadback:
         }
 
     def _slot_ids(self, pages: np.ndarray) -> list[int]:
-        ps = self.page_size
+        ps = self.ledger.page_size
         if ps == 1:
             return [int(p) for p in pages[:MAX_IDS_IN_EVIDENCE]]
         ids: list[int] = []
@@ -143,10 +152,10 @@ class SlotReadback:
         return ids[:MAX_IDS_IN_EVIDENCE]
 
     def _requests(self, owner: np.ndarray, pages: np.ndarray) -> dict[str, int]:
-        return self._tally(owner, pages, self.requests.describe)
+        return self._tally(owner, pages, self.ledger.requests.describe)
 
     def _alloc_sites(self, alloc_site: np.ndarray, pages: np.ndarray) -> dict[str, int]:
-        return self._tally(alloc_site, pages, self.sites.name)
+        return self._tally(alloc_site, pages, self.ledger.sites.name)
 
     def _tally(self, per_page: np.ndarray, pages: np.ndarray, name_of: Callable[[int], str], weight: int = 0) -> dict[str, int]:
         """Slots per name (request, site) over the first MAX_NAMED_PAGES of `pages` (`weight` per
@@ -154,15 +163,15 @@ class SlotReadback:
         out: dict[str, int] = {}
         for value in per_page[pages][:MAX_NAMED_PAGES]:
             name = name_of(int(value))
-            out[name] = out.get(name, 0) + (weight or self.page_size)
+            out[name] = out.get(name, 0) + (weight or self.ledger.page_size)
         return out
 
     def counts(self, state: np.ndarray | None = None) -> dict[str, int]:
-        st = self.xp.to_host(self.state) if state is None else state
-        body = st[1 : self.num_pages + 1]
-        ps = self.page_size
+        st = self.ledger.xp.to_host(self.ledger.state) if state is None else state
+        body = st[1 : self.ledger.num_pages + 1]
+        ps = self.ledger.page_size
         return {
-            "total_slots": self.num_pages * ps,
+            "total_slots": self.ledger.num_pages * ps,
             "free_slots": int(np.count_nonzero(body & FREE)) * ps,
             "owned_slots": int(np.count_nonzero(body == OWNED)) * ps,
             "tree_slots": int(np.count_nonzero(body == TREE)) * ps,
@@ -172,35 +181,35 @@ class SlotReadback:
 
     def census(self, *, reason: str, host_free_pages: Any = None, tree_sizes: dict[str, int] | None = None) -> dict[str, Any]:
         """Counts every page (reads the ledger back: call it when the engine is idle or exiting)."""
-        with self.lock:
+        with self.ledger.lock:
             self.poll(force=True)
-            state = self.xp.to_host(self.state)
-            owner = self.xp.to_host(self.owner)
-            alloc_site = self.xp.to_host(self.alloc_site)
+            state = self.ledger.xp.to_host(self.ledger.state)
+            owner = self.ledger.xp.to_host(self.ledger.owner)
+            alloc_site = self.ledger.xp.to_host(self.ledger.alloc_site)
             self.census_count += 1
-            body = state[: self.num_pages + 1]
-            idle = self.requests.idle
-            unproven = (body == OWNED) & (owner[: self.num_pages + 1] == UNPROVEN)  # adopted, never judged
+            body = state[: self.ledger.num_pages + 1]
+            idle = self.ledger.requests.idle
+            unproven = (body == OWNED) & (owner[: self.ledger.num_pages + 1] == UNPROVEN)  # adopted, never judged
             owned = (body == OWNED) & ~unproven
             if idle:
                 orphan_mask = owned | (body == 0)
             else:
-                live = np.array(sorted(self.requests.live_rows()), dtype=np.int64)
-                rows = owner[: self.num_pages + 1]
+                live = np.array(sorted(self.ledger.requests.live_rows()), dtype=np.int64)
+                rows = owner[: self.ledger.num_pages + 1]
                 dead_owner = ((rows >= 0) & ~np.isin(rows, live)) | np.isin(rows, ORPHANED_OWNERS)
                 orphan_mask = (owned & dead_owner) | (body == 0)
             orphan_mask[0] = False
             orphan_pages = np.nonzero(orphan_mask)[0]
             dangling = np.nonzero(body == (TREE | FREE))[0]
             args: dict[str, Any] = {
-                "allocator": self.name,
+                "allocator": self.ledger.name,
                 "reason": reason,
                 "idle": idle,
-                "page_size": self.page_size,
-                "live_requests": len(self.requests.live_rows()),
+                "page_size": self.ledger.page_size,
+                "live_requests": len(self.ledger.requests.live_rows()),
                 **self.counts(state),
-                "orphan_slots": int(orphan_pages.size) * self.page_size,
-                "unproven_slots": int(np.count_nonzero(unproven)) * self.page_size,
+                "orphan_slots": int(orphan_pages.size) * self.ledger.page_size,
+                "unproven_slots": int(np.count_nonzero(unproven)) * self.ledger.page_size,
                 "orphan_slot_ids": self._slot_ids(orphan_pages),
                 "orphan_allocated_at": self._alloc_sites(alloc_site, orphan_pages),
                 "orphan_requests": self._requests(owner, orphan_pages),
@@ -211,9 +220,9 @@ class SlotReadback:
             if host_free_pages is not None:
                 args.update(self._compare_with_host(body, host_free_pages))
             args.update(self.before_attach(orphan_pages, owner))
-            if self.not_judged:
-                args.update(judged=False, not_judged=self.not_judged)
-            self.emit(schema.CENSUS, args)
+            if self.ledger.not_judged:
+                args.update(judged=False, not_judged=self.ledger.not_judged)
+            self.ledger.emit(schema.CENSUS, args)
             return args
 
     def before_attach(self, orphan_pages: np.ndarray, owner: np.ndarray) -> dict[str, Any]:
@@ -221,25 +230,28 @@ class SlotReadback:
         early = orphan_pages[owner[orphan_pages] == BEFORE_ATTACH]
         if not early.size:
             return {}
-        return {"orphan_before_attach_slots": int(early.size) * self.page_size, "orphan_before_attach_slot_ids": self._slot_ids(early)}
+        return {
+            "orphan_before_attach_slots": int(early.size) * self.ledger.page_size,
+            "orphan_before_attach_slot_ids": self._slot_ids(early),
+        }
 
     def _compare_with_host(self, body: np.ndarray, host_free_pages: Any) -> dict[str, Any]:
         """The allocator's own free list against the ledger: a disagreement the ledger cannot
         explain means a path we do not hook changed slots, and the ledger cannot be trusted."""
         host = np.unique(np.asarray(host_free_pages, dtype=np.int64))
-        host = host[(host >= 0) & (host <= self.num_pages)]
+        host = host[(host >= 0) & (host <= self.ledger.num_pages)]
         ledger_free = np.nonzero((body & FREE) != 0)[0]
         only_host = np.setdiff1d(host, ledger_free, assume_unique=True)
         only_ledger = np.setdiff1d(ledger_free, host, assume_unique=True)
         return {
-            "host_free_slots": int(host.size) * self.page_size,
-            "ledger_disagrees_slots": int(only_host.size + only_ledger.size) * self.page_size,
+            "host_free_slots": int(host.size) * self.ledger.page_size,
+            "ledger_disagrees_slots": int(only_host.size + only_ledger.size) * self.ledger.page_size,
             "free_only_in_host_slot_ids": self._slot_ids(only_host),
             "free_only_in_ledger_slot_ids": self._slot_ids(only_ledger),
         }
 
     def counter_args(self) -> dict[str, Any]:
-        return {"allocator": self.name, **self.counts()}
+        return {"allocator": self.ledger.name, **self.counts()}
 
     def counter_args_async(self) -> dict[str, Any] | None:
         """Ledger sizes for a device ledger without a sync: starts a read, returns the previous one."""
@@ -247,10 +259,10 @@ class SlotReadback:
         pending = self._pending_counts
         if pending is not None and pending.ready():
             state = pending.get()[0]
-            ready = {"allocator": self.name, **self.counts(state)}
+            ready = {"allocator": self.ledger.name, **self.counts(state)}
             pending = None
         if pending is None:
-            self._pending_counts = self.xp.snapshot([self.state])
+            self._pending_counts = self.ledger.xp.snapshot([self.ledger.state])
         else:
             self._pending_counts = pending
         return ready

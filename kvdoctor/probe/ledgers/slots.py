@@ -24,7 +24,7 @@ from kvdoctor.probe.ledgers.slot_census import Emit, SlotReadback
 from kvdoctor.trace import schema
 
 
-class SlotLedger(SlotReadback):
+class SlotLedger:
     """The ledger of one token-to-KV allocator, in pages (a page is one slot when page_size is 1)."""
 
     def __init__(
@@ -42,7 +42,7 @@ class SlotLedger(SlotReadback):
         # SGLang's KV buffer has size + page_size rows: row 0 (page 0) is the padding slot.
         self.rows = self.size + self.page_size
         self.sink = self.num_pages + 1  # where out-of-range indices are parked, never counted
-        self.xp = xp if xp is not None else arrays_for(device)
+        self.xp: Any = xp if xp is not None else arrays_for(device)
         self.emit = emit
         self.requests = requests
         self.sites = sites
@@ -57,12 +57,9 @@ class SlotLedger(SlotReadback):
         self.kernels: Any = None
         if not self.xp.sync_free_branching and (str(device).startswith("cuda") or env_switch("KVDOCTOR_LEDGER_KERNELS", False)):
             self.use_kernels()
-        self._reported = np.zeros(len(KIND_BITS), dtype=np.int64)
-        self._pending: Any = None
-        self._pending_kind = ""
         self.calls = 0
-        self.census_count = 0
         self.lock = hotpath.new_lock()
+        self.readback = SlotReadback(self)  # violations, counts and the census, read back from these arrays
         self.reset_all_free()
 
     def use_kernels(self) -> bool:
@@ -73,6 +70,32 @@ class SlotLedger(SlotReadback):
             return False
         self.kernels = LedgerKernels(self)
         return True
+
+    def fill(self, arr: Any, where: Any, value: int) -> None:
+        """arr[where] = value for an int or a slice; on a device through fill_ (no host-to-device copy)."""
+        if self.xp.sync_free_branching:
+            arr[where] = value
+        elif isinstance(where, slice):
+            arr[where].fill_(value)
+        else:
+            arr[where : where + 1].fill_(value)
+
+    # ----- the read side (`slot_census.SlotReadback`) -----
+
+    def poll(self, force: bool = False) -> None:
+        self.readback.poll(force)
+
+    def counts(self, state: np.ndarray | None = None) -> dict[str, int]:
+        return self.readback.counts(state)
+
+    def census(self, *, reason: str, host_free_pages: Any = None, tree_sizes: dict[str, int] | None = None) -> dict[str, Any]:
+        return self.readback.census(reason=reason, host_free_pages=host_free_pages, tree_sizes=tree_sizes)
+
+    def counter_args(self) -> dict[str, Any]:
+        return self.readback.counter_args()
+
+    def counter_args_async(self) -> dict[str, Any] | None:
+        return self.readback.counter_args_async()
 
     # ----- state changes, one per hooked role -----
 
@@ -86,10 +109,10 @@ class SlotLedger(SlotReadback):
 
     def reset_all_free(self) -> None:
         """The allocator's `clear()`: every page but the padding page is free again."""
-        self._set(self.state, slice(None), FREE)
-        self._set(self.state, 0, RESERVED)
-        self._set(self.state, self.sink, RESERVED)
-        self._set(self.owner, slice(None), -1)
+        self.fill(self.state, slice(None), FREE)
+        self.fill(self.state, 0, RESERVED)
+        self.fill(self.state, self.sink, RESERVED)
+        self.fill(self.owner, slice(None), -1)
 
     def _pages(self, idx: Any, site: int, *, allow_minus_one: bool = False, as_pages: bool = False) -> Any:
         """Slot indices (or page ids, `as_pages`) to page ids; out-of-range entries are counted, in
@@ -111,8 +134,8 @@ class SlotLedger(SlotReadback):
         self.counters[slot] += n_bad * weight
         if xp.sync_free_branching:
             values = idx[bad]
-            self._reported[slot] += n_bad * weight
-            self.emit(schema.VIOLATION, self._oor_args(int(n_bad) * weight, int(values[np.abs(values).argmax()]), site))
+            self.readback._reported[slot] += n_bad * weight
+            self.emit(schema.VIOLATION, self.readback._oor_args(int(n_bad) * weight, int(values[np.abs(values).argmax()]), site))
         else:
             worst = xp.where(bad, idx, 0)
             if worst.shape[0] > 0:
@@ -131,7 +154,7 @@ class SlotLedger(SlotReadback):
             if count:  # on the host, evidence is exact and free: report this very call
                 slot = KIND_SLOT[kind]
                 self.counters[slot] += count
-                self._reported[slot] += count
+                self.readback._reported[slot] += count
                 bad = np.unique(pages[mask])
                 args = {
                     "kind": kind,
@@ -141,7 +164,7 @@ class SlotLedger(SlotReadback):
                     "site": self.sites.name(site),
                     "sites": {self.sites.name(site): int(bad.size)},
                 }
-                args.update(self._page_evidence(bad, self.owner, self.alloc_site))
+                args.update(self.readback._page_evidence(bad, self.owner, self.alloc_site))
                 args.update(extra or {})
                 self.emit(schema.VIOLATION, args)
             return
@@ -171,7 +194,7 @@ class SlotLedger(SlotReadback):
         self._fill(self.state, pages, OWNED)
         self._fill(self.owner, pages, -1)
         self._fill(self.alloc_site, pages, site)
-        self._set(self.state, self.sink, RESERVED)
+        self.fill(self.state, self.sink, RESERVED)
 
     def _alloc_one(self, slot: int, site: int, only_page_starts: bool) -> bool:
         """Scalar fast path for the commonest call (one decode slot); False sends it to the general path."""
@@ -218,7 +241,7 @@ class SlotLedger(SlotReadback):
             self._fill(self.state, pages, FREE)
         else:
             self.state[pages] = xp.cast((before & TREE) | FREE, self.state)
-        self._set(self.state, self.sink, RESERVED)
+        self.fill(self.state, self.sink, RESERVED)
 
     def on_restore(self, restored: Any, current: Any, site: int) -> None:
         """The allocator's `restore_state(state)`: its free lists (page ids; slots at page size 1)
@@ -243,8 +266,8 @@ class SlotLedger(SlotReadback):
         self.state[:] = xp.cast(xp.where(returned, freed, xp.where(retaken, OWNED, state)), state)
         self.owner[:] = xp.cast(xp.where(retaken, -1, self.owner), self.owner)
         self.alloc_site[:] = xp.cast(xp.where(retaken, site, self.alloc_site), self.alloc_site)
-        self._set(self.state, 0, RESERVED)
-        self._set(self.state, self.sink, RESERVED)
+        self.fill(self.state, 0, RESERVED)
+        self.fill(self.state, self.sink, RESERVED)
 
     def on_tree_insert(self, slots_tensor: Any, site: int) -> None:
         """Slots the tree took over from a request (the part of the key it did not hold yet)."""
@@ -259,7 +282,7 @@ class SlotLedger(SlotReadback):
         self._flag(pages, freed, schema.USE_AFTER_FREE, site)
         self._fill(self.state, pages, TREE)
         self._fill(self.owner, pages, -1)
-        self._set(self.state, self.sink, RESERVED)
+        self.fill(self.state, self.sink, RESERVED)
 
     def on_tree_reset(self) -> None:
         self.state[:] = self.xp.cast(self.state & ~TREE, self.state)
@@ -341,5 +364,5 @@ class SlotLedger(SlotReadback):
                 own = self.owner[pages]
                 stale = stale | (valid & (st == OWNED) & (own >= 0) & (own != req))
                 if xp.sync_free_branching:  # on the host: which requests passed them (the device ledger keeps pages only)
-                    extra = {"last_loc_of": self._tally(req, np.flatnonzero(stale), self.requests.describe, weight=1)}
+                    extra = {"last_loc_of": self.readback._tally(req, np.flatnonzero(stale), self.requests.describe, weight=1)}
         self._flag(pages, stale, schema.STALE_LAST_LOC, site, extra=extra)

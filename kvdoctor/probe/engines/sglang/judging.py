@@ -1,13 +1,13 @@
 """Which of SGLang's slot ledgers may name orphans, judged from the engine objects the probe meets
 (the rules themselves: `coverage.py`), and the coverage line that says so.
 
-A part of `SglangState` (its mixin): the state keeps the ledgers, this decides and says which of
-them judge. Runs only when a ledger or an engine's pools were added since the last judgement.
+Held by `SglangState` (`state.judging`): the state keeps the ledgers, this decides and says which
+of them judge. Runs only when a ledger or an engine's pools were added since the last judgement.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdoctor.probe.base import objects
 from kvdoctor.probe.base.emitter import say
@@ -22,25 +22,32 @@ MAX_LEDGERS_LISTED = 16  # in a coverage line (a bench builds a pool a loop)
 MAX_ENGINE_POOLS = 16  # allocators learned from the engine's objects (one per scheduler; a few engines in a test)
 
 
-class CoverageJudging:
-    """The judging half of `SglangState`; the attributes below are the state's."""
+class JudgedState(Protocol):
+    """What the judge reads of SGLang's per-process state (`state.SglangState`, which holds it)."""
 
     probe: ProbeContext
     ledgers: dict[int, SlotLedger]
     hosts: dict[int, Any]
     speculative: coverage.SpeculativeRows
-    engine_pools_by_allocator: dict[int, tuple[Any, Any]]
-    engine_pools: dict[str, str]
-    _untracked_said: str
-    _judging_dirty: bool
 
-    def _divert(self) -> None:
-        raise NotImplementedError  # the state's: the compiled path steps aside
+    def _divert(self) -> None: ...
+
+
+class CoverageJudge:
+    """Decides and says which of one state's ledgers judge orphans, from the engine's pools it met."""
+
+    def __init__(self, state: JudgedState) -> None:
+        self.state = state
+        # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
+        self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
+        self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
+        self.untracked_said = ""  # the pools no ledger counts, as last said on stderr
+        self.dirty = False  # a ledger or an engine's pools came since the last judgement
 
     def note_engine(self, holder: Any) -> None:
         """A scheduler, batch or tree: it names an allocator of the engine and the request pool beside it."""
-        if self.speculative.note(holder):
-            self._judging_dirty = True
+        if self.state.speculative.note(holder):
+            self.dirty = True
             self.judge_ledgers(force_report=True)
         allocator = objects.own(holder, "token_to_kv_pool_allocator")
         if allocator is None:
@@ -53,12 +60,12 @@ class CoverageJudging:
             return
         self.engine_pools_by_allocator[id(allocator)] = (allocator, requests)
         self.engine_pools = coverage.describe(holder)
-        self._judging_dirty = True
+        self.dirty = True
         self.judge_ledgers(force_report=True)
 
     def seek_engine(self) -> None:
         """At an allocation, while the engine's speculative algorithm is not known: its callers."""
-        speculative = self.speculative
+        speculative = self.state.speculative
         speculative.seeks_left -= 1
         for holder in coverage.engine_callers(None):
             self.note_engine(holder)
@@ -66,30 +73,30 @@ class CoverageJudging:
                 break
         if speculative.seeks_left <= 0:
             speculative.seeks_left = 0
-            self._divert()
+            self.state._divert()
 
     def judge_ledgers(self, force_report: bool = False) -> None:
         """Marks each ledger that cannot prove it sees every holder of its slots (once each, said
         with the reason); a coverage line lists the engine's pools and the ledgers' standing. Runs
         only when a ledger or an engine's pools were added since (a bench builds a pool a loop)."""
-        if not (self._judging_dirty or force_report):
+        if not (self.dirty or force_report):
             return
-        self._judging_dirty = False
-        classes = {"allocator": self._map_classes("allocator")}
-        methods = self._request_methods()
-        probe_map = self.probe.maps.get("sglang")
+        self.dirty = False
+        classes = {"allocator": self.map_classes("allocator")}
+        methods = self.request_methods()
+        probe_map = self.state.probe.maps.get("sglang")
         writers = [f"{f.module}.{f.function}" for f in probe_map.functions if f.role == "req_write_spans"] if probe_map else []
-        speculative_rows = self.speculative.unseen(writers, probe_map.speculative_rows_unhooked if probe_map else [])
+        speculative_rows = self.state.speculative.unseen(writers, probe_map.speculative_rows_unhooked if probe_map else [])
         changed = force_report
-        open_ledgers = [ledger for ledger in self.ledgers.values() if not ledger.not_judged]
-        pending = {id(self.hosts.get(id(ledger))) for ledger in open_ledgers}
+        open_ledgers = [ledger for ledger in self.state.ledgers.values() if not ledger.not_judged]
+        pending = {id(self.state.hosts.get(id(ledger))) for ledger in open_ledgers}
         composites: dict[int, Any] = {}  # id(allocator) -> the allocator that holds it as a part
-        for other in [*self.hosts.values(), *(pair[0] for pair in self.engine_pools_by_allocator.values())]:
+        for other in [*self.state.hosts.values(), *(pair[0] for pair in self.engine_pools_by_allocator.values())]:
             for value in coverage.values(other):
                 if id(value) in pending and value is not other:
                     composites.setdefault(id(value), other)
         for ledger in open_ledgers:
-            allocator = self.hosts.get(id(ledger))
+            allocator = self.state.hosts.get(id(ledger))
             requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
             prefill_rows = coverage.prefill_rows_unseen(requests, probe_map.prefill_rows_unhooked if probe_map else "")
             reason = coverage.why_not_judged(
@@ -101,8 +108,8 @@ class CoverageJudging:
                 say(f"{ledger.name}: orphans not judged: {reason}")
         if not changed:
             return
-        not_judged = {ledger.name: ledger.not_judged for ledger in self.ledgers.values() if ledger.not_judged}
-        total = len(self.ledgers)
+        not_judged = {ledger.name: ledger.not_judged for ledger in self.state.ledgers.values() if ledger.not_judged}
+        total = len(self.state.ledgers)
         unseen = coverage.untracked(self.engine_pools)
         reason = f"coverage: {total - len(not_judged)} of {total} slot ledger(s) judge orphans" + (
             "; not judged: " + "; ".join(f"{name}: {text}" for name, text in list(not_judged.items())[:MAX_LEDGERS_LISTED])
@@ -112,11 +119,11 @@ class CoverageJudging:
         if unseen:
             uncounted = ", ".join(f"{kind} ({role})" for role, kind in unseen.items())
             reason += f"; not counted by any ledger (their slots are neither tracked nor judged): {uncounted}"
-            if uncounted != self._untracked_said:
-                self._untracked_said = uncounted
+            if uncounted != self.untracked_said:
+                self.untracked_said = uncounted
                 say(f"pools kvdoctor does not count (their slots are neither tracked nor judged): {uncounted}")
-        listed = list(self.ledgers.values())[-MAX_LEDGERS_LISTED:]
-        self.probe.emitter.emit(
+        listed = list(self.state.ledgers.values())[-MAX_LEDGERS_LISTED:]
+        self.state.probe.emitter.emit(
             schema.PROBE_STATUS,
             {
                 "component": "coverage",
@@ -126,21 +133,21 @@ class CoverageJudging:
                 "not_judged_ledgers": len(not_judged),
                 "engine_pools": self.engine_pools,
                 "untracked_pools": unseen,
-                "speculative": self.speculative.algorithm or "",
+                "speculative": self.state.speculative.algorithm or "",
                 "speculative_row_writers": writers,
             },
         )
 
-    def _request_methods(self) -> dict[str, list[str]]:
-        probe_map = self.probe.maps.get("sglang")
+    def request_methods(self) -> dict[str, list[str]]:
+        probe_map = self.state.probe.maps.get("sglang")
         return {c.cls: list(c.methods) for c in probe_map.classes if c.kind == "requests"} if probe_map is not None else {}
 
-    def _map_classes(self, kind: str) -> set[str]:
-        probe_map = self.probe.maps.get("sglang")
+    def map_classes(self, kind: str) -> set[str]:
+        probe_map = self.state.probe.maps.get("sglang")
         return {c.cls for c in probe_map.classes if c.kind == kind} if probe_map is not None else set()
 
-    def _request_index_attr(self) -> str:
-        probe_map = self.probe.maps.get("sglang")
+    def request_index_attr(self) -> str:
+        probe_map = self.state.probe.maps.get("sglang")
         for spec in probe_map.classes if probe_map is not None else []:
             if spec.kind == "requests":
                 return str(spec.options.get("req_index_attr", "req_pool_idx"))

@@ -242,7 +242,7 @@ def tell_kv_ledger(probe: ProbeContext, tree: Any) -> None:
     if not ledger.not_judged:
         ledger.not_judged = KV_NOT_JUDGED
         say(f"{ledger.name}: orphans not judged: {KV_NOT_JUDGED}")
-        kv.judge_ledgers(force_report=True)
+        kv.judging.judge_ledgers(force_report=True)
 
 
 def match_request(hook: Hook, args: Args, kwargs: Kwargs) -> Any:

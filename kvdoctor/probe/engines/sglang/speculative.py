@@ -136,10 +136,10 @@ def ledger_of_rows(state: SglangState, table: Any) -> SlotLedger | None:
     """The ledger of the allocator whose request pool holds `table` (its `req_to_token`); the first
     ledger while no pool is known, as `ReqToTokenPool.write` is read. None for another pool's rows
     (a draft model's own pool): they are not this allocator's slots."""
-    for allocator, requests in state.engine_pools_by_allocator.values():
+    for allocator, requests in state.judging.engine_pools_by_allocator.values():
         if requests is not None and objects.own(requests, "req_to_token") is table:
             return state.ledgers.get(id(allocator))
-    return state.primary if not state.engine_pools_by_allocator else None
+    return state.primary if not state.judging.engine_pools_by_allocator else None
 
 
 def note_row_ends(state: SglangState, table: Any, rows: Any, ends: Any) -> None:

@@ -23,7 +23,7 @@ from kvdoctor.probe.base.rank import ledger_name
 from kvdoctor.probe.base.settings import env_positive
 from kvdoctor.probe.engines.sglang import coverage
 from kvdoctor.probe.engines.sglang.adopt import adopt, host_free_pages, needs_adoption
-from kvdoctor.probe.engines.sglang.judging import CoverageJudging
+from kvdoctor.probe.engines.sglang.judging import CoverageJudge
 from kvdoctor.probe.engines.sglang.release_paths import ReleasePaths
 from kvdoctor.probe.ledgers.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus
 from kvdoctor.probe.ledgers.launch import register_device_ledger
@@ -42,8 +42,8 @@ QUIET_S = 0.5  # an idle engine this long without a release gets its census from
 SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet, then the rolling one stands
 
 
-class SglangState(CoverageJudging):
-    """See the module's docstring; which of its ledgers may judge orphans: `CoverageJudging`."""
+class SglangState:
+    """See the module's docstring; which of its ledgers may judge orphans: `judging` (a `CoverageJudge`)."""
 
     def __init__(self, probe: ProbeContext) -> None:
         self.probe = probe
@@ -62,12 +62,8 @@ class SglangState(CoverageJudging):
         self.row_extent: np.ndarray | None = None  # per row: the furthest req_to_token position written
         self.rolling: dict[int, RollingCensus] = {}
         self.rolling_interval_s = env_positive(ENV_ROLLING_CENSUS_S, ROLLING_CENSUS_INTERVAL_S)
-        # id(allocator) -> (allocator, request pool) as the engine's scheduler, batches or trees name them
-        self.engine_pools_by_allocator: dict[int, tuple[Any, Any]] = {}
-        self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
         self.speculative = coverage.SpeculativeRows()  # the engine's speculative algorithm, once an object names it
-        self._untracked_said = ""  # the pools no ledger counts, as last said on stderr
-        self._judging_dirty = False  # a ledger or an engine's pools came since the last judgement
+        self.judging = CoverageJudge(self)
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
         hotpath.sglang_context(self, self.last_loc_sources, self.requests)
@@ -116,7 +112,13 @@ class SglangState(CoverageJudging):
         found: dict[str, Any] | None = None
         if needs_adoption(ledger, free_pages):
             found = adopt(
-                self.requests, self.probe.sites, ledger, allocator, free_pages, self._map_classes("tree"), self._request_index_attr()
+                self.requests,
+                self.probe.sites,
+                ledger,
+                allocator,
+                free_pages,
+                self.judging.map_classes("tree"),
+                self.judging.request_index_attr(),
             )
             status.update(found)
             read = f"{found['free_slots']} slots free, {found['tree_slots']} in the tree, {found['live_requests']} live request(s)"
@@ -130,13 +132,13 @@ class SglangState(CoverageJudging):
         probe.emitter.emit(schema.PROBE_STATUS, status)
         if found is not None and not found["verified"]:
             self._say_unproven(name, found)
-        self._judging_dirty = True
+        self.judging.dirty = True
         view = coverage.engine_view(allocator)
         if view is not None:
-            self.note_engine(view)
+            self.judging.note_engine(view)
         if self.speculative.start():
             self._divert()
-        self.judge_ledgers()
+        self.judging.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
         registered = hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator))
@@ -163,7 +165,7 @@ class SglangState(CoverageJudging):
         if allocator is None:
             return None
         if tree is not self.tree:
-            self.note_engine(tree)
+            self.judging.note_engine(tree)
         self.tree = tree
         return self.ledger_for(allocator)
 
@@ -283,7 +285,7 @@ class SglangState(CoverageJudging):
         """Before an allocation: the idle census the last free asked for, if the rate limit allows
         (and, for the first few, the search for the engine's speculative algorithm)."""
         if self.speculative.seeks_left:
-            self.seek_engine()
+            self.judging.seek_engine()
         if not self.census_pending or self.paths.pending:
             return  # (a release held for the forward in flight is judged first)
         self.census_pending = False
@@ -297,7 +299,7 @@ class SglangState(CoverageJudging):
         probe = self.probe
         if not probe.ledger_is_on("slots"):
             return out
-        self.judge_ledgers()
+        self.judging.judge_ledgers()
         for ledger in list(self.ledgers.values()):
             try:
                 out.append(
@@ -347,7 +349,7 @@ class SglangState(CoverageJudging):
 
     def periodic(self, probe: ProbeContext) -> None:
         if self.ledgers and probe.ledger_is_on("slots"):
-            self.judge_ledgers()
+            self.judging.judge_ledgers()
         calls = probe.calls
         quiet = self.requests.idle and calls == self._calls_last_round
         self.quiet_rounds = self.quiet_rounds + 1 if quiet else 0
