@@ -17,7 +17,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INJECT_DIR = os.path.join(REPO, "kvdoctor", "_inject")
+INJECT_DIR = os.path.join(REPO, "kvdoctor", "delivery", "pythonpath")
 ENGINE_IMPORT = "import sglang.srt.mem_cache.allocator.token"
 
 

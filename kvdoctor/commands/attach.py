@@ -3,7 +3,7 @@
 The probe then writes its own trace, hooks the SGLang classes already imported and those
 imported later, and with `--attribution` opens short windows (memray where installed, else
 tracemalloc) that name the file:line and thread where host memory grows. How the code gets in, and when it cannot, is in
-kvdoctor/collect/attach.py.
+kvdoctor/delivery/attach.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvdoctor.collect.attach import attach
+from kvdoctor.delivery.attach import attach
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.formats.live.fleet_server import FleetExporter
 from kvdoctor.runner import check_attribution, check_fixes, default_trace_path

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.analysis.budgets import ANY_ENGINE, DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH, ENGINE_CHOICES, GROWTH_OFF, Budgets, finding_kinds
 from kvdoctor.analysis.gate import check_baseline_engines, judge
 from kvdoctor.analysis.growth import DEFAULT_MIN_RATE_BYTES_PER_S, GrowthParams
+from kvdoctor.delivery.launch import interpreter_of, run_command
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError, TraceError
 from kvdoctor.formats.reports import render
 from kvdoctor.formats.reports.github import github_annotations, in_github_actions
 from kvdoctor.formats.reports.junit import render_junit
 from kvdoctor.outputs import claim_output, printable, reader_may_leave, same_file, write_private
-from kvdoctor.runner import analyze_recorded
-from kvdoctor.runner.launch import interpreter_of, run_command
+from kvdoctor.runner import analyze_recorded, default_trace_path
 from kvdoctor.trace.schema import SCHEMA_NAME
 from kvdoctor.units import parse_rate
 
@@ -145,7 +145,7 @@ def gate(
     if judging_a_trace:
         trace_path = args[0]
     else:
-        command_code, trace_path = run_command(args, trace, [], force=force, inputs=inputs)
+        command_code, trace_path = run_command(args, trace or default_trace_path("run"), [], force=force, inputs=inputs)
     analysis = analyze_recorded(trace_path, growth_params=growth_params_for(budgets))
     if command_code is None and analysis.command_exit is not None:
         command_code = analysis.command_exit  # a saved trace of `run`: judged exactly as the live run

@@ -10,6 +10,7 @@ import os
 import sys
 
 from kvdoctor.analysis.gate import outlived_sentence
+from kvdoctor.delivery.launch import run_command
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.formats.live.fleet_server import FleetExporter
 from kvdoctor.formats.pprof import profiles_folder
@@ -17,7 +18,6 @@ from kvdoctor.formats.reports import render
 from kvdoctor.formats.table import check_format
 from kvdoctor.outputs import printable
 from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes, default_trace_path, export_pprof
-from kvdoctor.runner.launch import run_command
 from kvdoctor.runner.support import hot_path_line
 
 MIN_SAMPLE_INTERVAL_S = 0.01  # a round over the tree reads /proc for every process: more often than this is a core

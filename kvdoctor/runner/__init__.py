@@ -1,6 +1,6 @@
-"""The services the commands call: start a command under the probe (launch), watch a live process
-tree (watch), and the pieces they share: where a trace goes by default, and how a recorded trace
-is analysed on this machine."""
+"""The services the commands call: watch a live process tree (watch), drive the demo (demo), and the
+pieces they share: where a trace goes by default, and how a recorded trace is analysed on this
+machine. Starting a command under the probe is kvdoctor.delivery.launch."""
 
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ import warnings
 from typing import Any
 
 from kvdoctor.analysis.analyzer import Analysis
+from kvdoctor.delivery.launch import start_trace
 from kvdoctor.demo.workload import FAULTS, WorkloadConfig
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.runner import analyze_recorded, default_trace_path
-from kvdoctor.runner.launch import start_trace
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import finish_trace
 

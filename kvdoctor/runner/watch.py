@@ -32,8 +32,8 @@ from kvdoctor.analysis.analyzer import Analysis, Analyzer
 from kvdoctor.analysis.detectors.host_growth_attribution import HostGrowthAttributionDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
 from kvdoctor.analysis.gate_growth import growth_by_process
-from kvdoctor.collect.attach import attach_for_watch
 from kvdoctor.collect.sampler import Sampler
+from kvdoctor.delivery.attach import attach_for_watch
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.formats.live.prometheus import PrometheusExporter
 from kvdoctor.formats.live.summary import WatchResult

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from kvdoctor.collect import attach as attach_module
-from kvdoctor.collect.attach import attach, attach_for_watch, preflight, target_python_version
+from kvdoctor.delivery import attach as attach_module
+from kvdoctor.delivery.attach import attach, attach_for_watch, preflight, target_python_version
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.trace.reader import TraceTail
 

@@ -19,9 +19,9 @@ import time
 import pytest
 from conftest import REPO, trace_events
 
-from kvdoctor.collect import attach as attach_module
-from kvdoctor.collect.attach import attach, preflight, ptrace_blocked_reason
-from kvdoctor.collect.attach_code import gdb_script_for, run_script_code
+from kvdoctor.delivery import attach as attach_module
+from kvdoctor.delivery.attach import attach, preflight, ptrace_blocked_reason
+from kvdoctor.delivery.attach_code import gdb_script_for, run_script_code
 from kvdoctor.trace import schema
 
 BUSY = textwrap.dedent(

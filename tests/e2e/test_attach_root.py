@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from kvdoctor.collect.attach_guard import EXCHANGE, PROBE_TOKEN, STATUS
-from kvdoctor.collect.attach_inject import CancelSignals, Injection
+from kvdoctor.delivery.attach_guard import EXCHANGE, PROBE_TOKEN, STATUS
+from kvdoctor.delivery.attach_inject import CancelSignals, Injection
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-from kvdoctor.collect import attach as attach_module
-from kvdoctor.collect.attach import attach, ptrace_blocked_reason
-from kvdoctor.collect.attach_inject import AttachCancelled
+from kvdoctor.delivery import attach as attach_module
+from kvdoctor.delivery.attach import attach, ptrace_blocked_reason
+from kvdoctor.delivery.attach_inject import AttachCancelled
 
 TARGET = textwrap.dedent(
     """

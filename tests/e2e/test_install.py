@@ -150,9 +150,12 @@ def test_the_start_up_hook_costs_nothing_unless_run_asks_for_it(installed):
     # where both ways in meet (kvdoctor installed, PYTHONPATH kept), one watch waits for the engine
     inject = _run([installed.with_kvdoctor, "-c", "import kvdoctor, os; print(os.path.dirname(kvdoctor.__file__))"]).stdout.strip()
     watches = "import sys; print([f.__name__ for f in sys.meta_path if 'Watch' in getattr(f, '__name__', '')])"
-    both = {**_tool_env(), "KVDOCTOR_AUTOPROBE": "1", "PYTHONPATH": os.path.join(inject, "_inject")}
+    both = {**_tool_env(), "KVDOCTOR_AUTOPROBE": "1", "PYTHONPATH": os.path.join(inject, "delivery", "pythonpath")}
     assert _run([installed.with_kvdoctor, "-c", watches], env=both).stdout.strip() == "['EngineWatch']"
-    sources = [open(os.path.join(REPO, "kvdoctor", *p)).read() for p in (("_inject", "sitecustomize.py"), ("probe", "core", "entry.py"))]
+    sources = [
+        open(os.path.join(REPO, "kvdoctor", *p)).read()
+        for p in (("delivery", "pythonpath", "sitecustomize.py"), ("probe", "core", "entry.py"))
+    ]
     for name in ("ENGINE_PACKAGES = ", "_OFF = "):  # both ways in watch for the same engines, read attribution alike
         assert len({s.split(name, 1)[1].split("#", 1)[0].strip() for s in sources}) == 1, name
 

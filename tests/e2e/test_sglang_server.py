@@ -312,7 +312,7 @@ class _WatchAttached:
         self.thread = None
 
     def __call__(self, server: sglang_server.Server) -> str:
-        from kvdoctor.collect import attach as attach_module
+        from kvdoctor.delivery import attach as attach_module
         from kvdoctor.runner.watch import run_watch
 
         self.monkeypatch.setattr(attach_module, "attach", lambda pid, path, fixes, **_: server.attach_now(path))

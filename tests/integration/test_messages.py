@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvdoctor.collect.attach_target import PF_KTHREAD
+from kvdoctor.delivery.attach_target import PF_KTHREAD
 
 
 def kv(*args: str, cwd) -> subprocess.CompletedProcess:

@@ -236,7 +236,7 @@ ALLOWED_IN_PROBE = {"kvdoctor.trace.schema", "kvdoctor.trace.writer"}
 def test_probe_imports_no_analysis():
     probe_dir = os.path.join(REPO, "kvdoctor", "probe")
     files = [os.path.join(d, f) for d, _, names in os.walk(probe_dir) for f in names if f.endswith(".py")]
-    files.append(os.path.join(REPO, "kvdoctor", "_inject", "sitecustomize.py"))
+    files.append(os.path.join(REPO, "kvdoctor", "delivery", "pythonpath", "sitecustomize.py"))
     for path in files:
         tree = ast.parse(open(path).read())
         for node in ast.walk(tree):
@@ -251,7 +251,7 @@ def test_probe_imports_no_analysis():
                     assert name in ALLOWED_IN_PROBE, f"{path} imports {name}"
 
 
-INJECT_DIR = os.path.join(REPO, "kvdoctor", "_inject")
+INJECT_DIR = os.path.join(REPO, "kvdoctor", "delivery", "pythonpath")
 
 
 def _under_run(code: str, tmp_path, extra_pythonpath: str = "") -> subprocess.CompletedProcess:

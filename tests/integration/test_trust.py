@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from conftest import REPO
 
-from kvdoctor.runner.launch import FORWARDED_SIGNALS
+from kvdoctor.delivery.launch import FORWARDED_SIGNALS
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace
 

@@ -4,7 +4,7 @@ The wheel puts `kvdoctor-autoprobe.pth` in site-packages (setup.py writes it): e
 that environment reads it at start-up, and it imports this module only where `kvdoctor run` or
 `gate` set KVDOCTOR_AUTOPROBE, as coverage.py's start-up hook measures subprocesses. So a server
 started by a script that replaced PYTHONPATH (`export PYTHONPATH=<its dir>`), which drops the
-sitecustomize `run` put there (kvdoctor/_inject), is still probed. What this does is what that
+sitecustomize `run` put there (kvdoctor/delivery/pythonpath), is still probed. What this does is what that
 sitecustomize does: wait for an engine's top-level package and turn the probe on then (at once
 with attribution asked for); where both run, the probe starts once (`runtime.activate` is
 idempotent, and the sitecustomize leaves the watch to this one). Nothing here may fail the host.
@@ -16,7 +16,7 @@ import os
 import sys
 
 ENV_AUTOPROBE = "KVDOCTOR_AUTOPROBE"  # set by `kvdoctor run`/`gate` for the command's processes
-ENGINE_PACKAGES = ("sglang", "vllm")  # as kvdoctor/_inject/sitecustomize.py's (a test holds them equal)
+ENGINE_PACKAGES = ("sglang", "vllm")  # as kvdoctor/delivery/pythonpath/sitecustomize.py's (a test holds them equal)
 _OFF = ("", "0", "false", "no", "off")  # KVDOCTOR_ATTRIBUTION: not asked for (as the sitecustomize reads it)
 _ON = ("1", "true", "yes", "on")  # KVDOCTOR_DISABLE: disabled (as settings.py and the sitecustomize read it)
 

@@ -260,7 +260,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _attach(_signum, _frame):
-    from kvdoctor.collect.attach_code import INJECTED
+    from kvdoctor.delivery.attach_code import INJECTED
 
     with open(_ATTACH_PARAMS) as fh:
         params = fh.read()

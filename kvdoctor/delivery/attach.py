@@ -12,7 +12,7 @@ kvdoctor's package root at the END of `sys.path` (it never shadows the host's mo
 status file. SIGCONT is sent afterwards in case a debugger left the process stopped.
 
 An attach is all-or-nothing on every signal: gdb and the attach's private directory belong to a
-guard in a session of its own (kvdoctor/collect/attach_inject.py, attach_guard.py), so a signal
+guard in a session of its own (kvdoctor/delivery/attach_inject.py, attach_guard.py), so a signal
 to kvdoctor never ends gdb with its breakpoints still in the target, a cancel made before the
 code went in leaves the target untouched however late gdb gets there, and no file is left behind,
 even when kvdoctor is killed with SIGKILL.
@@ -37,9 +37,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvdoctor import PACKAGE_ROOT
-from kvdoctor.collect.attach_code import INJECTED
-from kvdoctor.collect.attach_guard import PROBE_TOKEN, STATUS, read_exchange_file
-from kvdoctor.collect.attach_inject import (
+from kvdoctor.delivery.attach_code import INJECTED
+from kvdoctor.delivery.attach_guard import PROBE_TOKEN, STATUS, read_exchange_file
+from kvdoctor.delivery.attach_inject import (
     RUN_INSTEAD,
     AttachCancelled,
     CancelSignals,
@@ -49,8 +49,8 @@ from kvdoctor.collect.attach_inject import (
     gdb_inject,
     remote_exec,
 )
-from kvdoctor.collect.attach_target import target_python_version
-from kvdoctor.collect.attach_trace import create_probe_trace, drop_unwritten_trace
+from kvdoctor.delivery.attach_target import target_python_version
+from kvdoctor.delivery.attach_trace import create_probe_trace, drop_unwritten_trace
 from kvdoctor.errors import KvdoctorError
 
 GDB_TIMEOUT_S = 20.0  # how long gdb may wait for the target to reach a safe point

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from kvdoctor.collect.attach_inject import RUN_INSTEAD
+from kvdoctor.delivery.attach_inject import RUN_INSTEAD
 from kvdoctor.errors import KvdoctorError
 
 

@@ -1,7 +1,7 @@
 """One attach's way in, all-or-nothing on every signal.
 
 The attach's private directory and gdb belong to a guard process in a session of its own
-(kvdoctor/collect/attach_guard.py): a signal to kvdoctor never reaches gdb, and when kvdoctor is
+(kvdoctor/delivery/attach_guard.py): a signal to kvdoctor never reaches gdb, and when kvdoctor is
 done, cancelled or killed (even by SIGKILL: its pipe to the guard closes), the guard cancels what
 has not happened yet, stops gdb only where that is safe, and removes the directory. kvdoctor
 itself turns SIGINT, SIGTERM and SIGHUP into a cancel while it attaches: it tells the guard, waits
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-from kvdoctor.collect import attach_guard
-from kvdoctor.collect.attach_code import gdb_script_for
-from kvdoctor.collect.attach_guard import GDB_TOKEN
+from kvdoctor.delivery import attach_guard
+from kvdoctor.delivery.attach_code import gdb_script_for
+from kvdoctor.delivery.attach_guard import GDB_TOKEN
 from kvdoctor.errors import KvdoctorError
 
 GUARD_PATH = os.path.abspath(attach_guard.__file__)

@@ -36,15 +36,14 @@ from typing import Any
 import kvdoctor
 from kvdoctor.collect.procfs import read_title
 from kvdoctor.collect.sampler import Sampler
+from kvdoctor.delivery.rendezvous import new_rendezvous
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output, remove_claimed
 from kvdoctor.probe.base.shutdown import ENV_RENDEZVOUS, writers_stopped
-from kvdoctor.runner import default_trace_path
-from kvdoctor.runner.rendezvous import new_rendezvous
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, finish_trace, redact, redact_args
 
-INJECT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_inject")
+INJECT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pythonpath")  # holds sitecustomize.py alone
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 SAMPLER_JOIN_TIMEOUT_S = 5.0
 GROUP_GRACE_S = 10.0  # what is left of the command's group gets this long after SIGTERM, then SIGKILL
@@ -242,7 +241,7 @@ def _not_runnable(name: str) -> KvdoctorError:
 
 def run_command(
     command: list[str],
-    trace_path: str | None,
+    trace_path: str,
     fixes: list[str],
     sample_interval_s: float = 1.0,
     *,
@@ -258,7 +257,7 @@ def run_command(
         raise KvdoctorError("no command given", "usage: kvdoctor run [--trace PATH] -- CMD ...")
     if shutil.which(command[0]) is None:
         raise _not_runnable(command[0])
-    trace_path = os.path.abspath(trace_path or default_trace_path("run"))
+    trace_path = os.path.abspath(trace_path)
     try:
         start_trace(trace_path, command, {"fixes": fixes}, force=force, inputs=inputs)
     except OSError as exc:

@@ -1,11 +1,11 @@
 """The code `kvdoctor attach` runs inside the target, and the gdb script that gets it there.
 
 `INJECTED` runs in the target's interpreter. It first takes the attach's token (a rename that
-kvdoctor's guard races for when the attach is cancelled: kvdoctor.collect.attach_guard); without
+kvdoctor's guard races for when the attach is cancelled: kvdoctor.delivery.attach_guard); without
 it, it does nothing at all, however late it runs. With it, it only starts a thread, which puts
 kvdoctor's package root at the END of `sys.path` (it never shadows the host's modules), sets
 `KVDOCTOR_TRACE`, activates the probe and reports back through a small status file.
-`GDB_SCRIPT` stops at the first safe point (see kvdoctor.collect.attach) and runs it there, but
+`GDB_SCRIPT` stops at the first safe point (see kvdoctor.delivery.attach) and runs it there, but
 only after taking gdb's own token: once the guard holds it, gdb never calls into the target and
 stopping gdb is safe.
 """
