@@ -127,7 +127,7 @@ def test_the_key_ledger_is_bounded(monkeypatch):
     from kvdoctor.probe.engines.sglang import mooncake_ledger
 
     monkeypatch.setattr(mooncake_ledger, "MAX_KEYS", 100)
-    ledger_state = mooncake_ledger.L3State()
+    ledger_state = mooncake_ledger.L3Ledger()
     keys = [f"{i:064x}" for i in range(250)]
     ledger_state.on_set(object(), keys, [True] * 250)
     ledger_state.on_get(object(), keys[:10] + ["never-written"], [True] * 10 + [False])
@@ -136,7 +136,7 @@ def test_the_key_ledger_is_bounded(monkeypatch):
     assert summary["keys_written"] == 100 and summary["keys_read"] == 10 and summary["keys_never_read"] == 90
     assert summary["untracked_reads"] == 1 and summary["reads_of_unwritten"] == 0  # full: it cannot tell
     assert len(summary["sample_unread_keys"]) <= mooncake_ledger.SAMPLE_KEYS
-    roomy = mooncake_ledger.L3State()
+    roomy = mooncake_ledger.L3Ledger()
     roomy.on_set(object(), keys[:5], [True] * 5)
     roomy.on_get(object(), ["never-written", keys[0]], [False, True])
     summary = roomy.summary()

@@ -36,7 +36,7 @@ def probe_with_events() -> tuple[Probe, list[schema.Event]]:
 
 def test_a_request_pool_the_ledger_does_not_read_turns_only_it_off_and_says_why():
     probe, events = probe_with_events()
-    pd_decode_roles.guarded(probe, pd_decode.PdDecodeState.enter_all, queue(object()), [decode_req(1)])
+    pd_decode_roles.guarded(probe, pd_decode.PdDecodeLedger.enter_all, queue(object()), [decode_req(1)])
     assert probe.ledgers_off == {pd_decode.LEDGER} and probe.ledger_on
     (said,) = [e.args["reason"] for e in events if e.name == schema.PROBE_STATUS and e.args.get("ledger") == pd_decode.LEDGER]
     assert "PD decode transfers not judged: NotJudged: the request pool is object" in said
@@ -46,13 +46,13 @@ def test_it_follows_at_most_max_transfers_and_counts_the_rest(monkeypatch):
     monkeypatch.setattr(pd_decode, "MAX_TRANSFERS", 3)
     probe, _ = probe_with_events()
     state = pd_decode_roles.state(probe)
-    pd_decode_roles.guarded(probe, pd_decode.PdDecodeState.enter_all, queue(DecodeReqToTokenPool()), [decode_req(r) for r in range(1, 6)])
+    pd_decode_roles.guarded(probe, pd_decode.PdDecodeLedger.enter_all, queue(DecodeReqToTokenPool()), [decode_req(r) for r in range(1, 6)])
     assert sorted(state.by_row) == [1, 2, 3] and len(state.by_receiver) == 3 and state.counts["not_followed"] == 2
     assert state.by_row[2].pages == [4, 5] and state.by_row[2].page_count == 2  # row 2's slots 8-11 in pages of 2
 
 
 def test_the_deadline_can_be_set_and_a_bad_value_keeps_the_default(monkeypatch):
     monkeypatch.setenv("KVDOCTOR_PD_TRANSFER_DEADLINE_S", "0")
-    assert pd_decode.PdDecodeState().deadline_s == 0
+    assert pd_decode.PdDecodeLedger().deadline_s == 0
     monkeypatch.setenv("KVDOCTOR_PD_TRANSFER_DEADLINE_S", "soon")
-    assert pd_decode.PdDecodeState().deadline_s == pd_decode.DEADLINE_S == 300.0
+    assert pd_decode.PdDecodeLedger().deadline_s == pd_decode.DEADLINE_S == 300.0

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 
 
 class EngineState(Protocol):
-    """Per-process bookkeeping of one engine (ledgers, live requests): `periodic` runs on the
-    writer thread every flush interval, `close` once at exit. A state whose process the engine
-    kills outright also has `census_at_shutdown(probe, waited_s)` (see `shutdown.py`)."""
+    """What `Probe.state(key, factory)` keeps per process: an engine's state (`SglangState`,
+    `VllmState`: the slot or block ledgers and live requests) or one feature's ledger (the
+    `*Ledger` classes: HiCache, L3, LoRA, Mamba, SWA, PD decode, multimodal inputs). `periodic`
+    runs on the writer thread every flush interval, `close` once at exit. One whose process the
+    engine kills outright also has `census_at_shutdown(probe, waited_s)` (see `shutdown.py`)."""
 
     def periodic(self, probe: ProbeContext) -> None: ...
 

@@ -28,7 +28,7 @@ VIEW_RATIO = 4  # storage at least this many times the view's own bytes
 MAX_NAMED = 16  # request ids and loaded tree nodes named in one graph-replay violation
 
 
-class HiCacheState:
+class HiCacheLedger:
     """Per-process HiCache bookkeeping: host pools, controller queues, storage traffic, views."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
@@ -148,8 +148,8 @@ class HiCacheRole(Role):
     ledger = "hicache"
 
 
-def state(probe: ProbeContext) -> HiCacheState:
-    return probe.state("hicache", HiCacheState)
+def state(probe: ProbeContext) -> HiCacheLedger:
+    return probe.state("hicache", HiCacheLedger)
 
 
 class HostAllocRole(HiCacheRole):
@@ -262,7 +262,7 @@ class InFlight(NamedTuple):
     node_ids: list[Any]
 
 
-def loads_in_flight(st: HiCacheState) -> InFlight:
+def loads_in_flight(st: HiCacheLedger) -> InFlight:
     """Loads queued or copying on the load stream; never blocks (cudaEventQuery)."""
     pending = 0
     events = []
@@ -299,7 +299,7 @@ class GraphReplayRole(HiCacheRole):
 
     def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = probe.states.get("hicache")
-        if not isinstance(st, HiCacheState):
+        if not isinstance(st, HiCacheLedger):
             return None
         st.counts["graph_replays"] += 1
         in_flight = loads_in_flight(st)

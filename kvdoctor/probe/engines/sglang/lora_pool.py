@@ -40,7 +40,7 @@ class NotUnderstood(Exception):
     """The manager or its pool is not laid out as the roles read it."""
 
 
-class LoraPoolState:
+class LoraPoolLedger:
     """Per-process: the managers seen (weakly), each pool's name, the last count said, and the
     names of unloaded adapters (bounded) so that a ghost found later is named."""
 
@@ -139,8 +139,8 @@ def turn_off(probe: ProbeContext, exc: Exception) -> None:
     probe.turn_off_ledger(LEDGER, "the LoRA pool ledger", exc)
 
 
-def state(probe: ProbeContext) -> LoraPoolState:
-    return probe.state(LEDGER, LoraPoolState)
+def state(probe: ProbeContext) -> LoraPoolLedger:
+    return probe.state(LEDGER, LoraPoolLedger)
 
 
 class LoraLoadRole(Role):

@@ -67,7 +67,7 @@ def host_slots(value: Any) -> list[int]:
     return [int(v) for v in value.reshape(-1).tolist()]
 
 
-class MambaSlotState:
+class MambaSlotLedger:
     """Per process: who took each slot and how (bounded by the pool's size), the censuses each
     unaccounted slot has been seen in, the slots already named, and the last count said."""
 
@@ -256,8 +256,8 @@ def turn_off(probe: ProbeContext, exc: Exception) -> None:
     probe.turn_off_ledger(LEDGER, "the Mamba slot ledger", f"Mamba slots not judged: {exc}")
 
 
-def state(probe: ProbeContext) -> MambaSlotState:
-    return probe.state(LEDGER, MambaSlotState)
+def state(probe: ProbeContext) -> MambaSlotLedger:
+    return probe.state(LEDGER, MambaSlotLedger)
 
 
 class MambaMatchRole(Role):

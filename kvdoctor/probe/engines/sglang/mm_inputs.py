@@ -84,7 +84,7 @@ class Hold:
         return None if self.req is None else self.req() is not None
 
 
-class MmInputsState:
+class MmInputsLedger:
     """Per-process: the finished requests' holds still watched, the results processed, and what
     the last event said. Fed on the scheduler's thread; counted there and on the writer thread."""
 
@@ -236,8 +236,8 @@ def array_types() -> tuple[type, ...]:
     return tuple(out)
 
 
-def state(probe: ProbeContext) -> MmInputsState:
-    return probe.state(LEDGER, MmInputsState)
+def state(probe: ProbeContext) -> MmInputsLedger:
+    return probe.state(LEDGER, MmInputsLedger)
 
 
 def after_result(probe: ProbeContext, scheduler: Any, batch: Any) -> None:

@@ -33,7 +33,7 @@ READ = 2  # a batch_get_v1 read it back
 READ_MISS = 4  # a batch_get_v1 of it failed
 
 
-class L3State:
+class L3Ledger:
     """Per-process ledger of one or more L3 stores (keys by hash, counts, bytes)."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
@@ -201,8 +201,8 @@ def _per_key(results: Any, n: int) -> list[bool]:
     return [bool(results)] * n
 
 
-def state(probe: ProbeContext) -> L3State:
-    return probe.state("l3", L3State)
+def state(probe: ProbeContext) -> L3Ledger:
+    return probe.state("l3", L3Ledger)
 
 
 class L3Role(Role):

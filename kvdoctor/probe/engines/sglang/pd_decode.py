@@ -91,7 +91,7 @@ class Transfer:
         return {"rid": self.rid, "room": self.room, "state": self.state, "age_s": round(now - self.entered_s, 3)}
 
 
-class PdDecodeState:
+class PdDecodeLedger:
     """Per process: the transfers followed (by row and by receiver), the drain answers, the counts."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:

@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
-from kvdoctor.probe.engines.sglang.pd_decode import LEDGER, PdDecodeState, request_row
+from kvdoctor.probe.engines.sglang.pd_decode import LEDGER, PdDecodeLedger, request_row
 
 if TYPE_CHECKING:
     from kvdoctor.probe.base.context import ProbeContext
 
 
-def state(probe: ProbeContext) -> PdDecodeState:
-    return probe.state(LEDGER, PdDecodeState)
+def state(probe: ProbeContext) -> PdDecodeLedger:
+    return probe.state(LEDGER, PdDecodeLedger)
 
 
 def guarded(probe: ProbeContext, work: Any, *args: Any) -> None:
@@ -41,7 +41,7 @@ class TransferEnterRole(Role):
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         value = hook.arg(args, kwargs, next(iter(self.reads)))
         decode_reqs = list(value) if isinstance(value, (list, tuple)) else [value]
-        guarded(probe, PdDecodeState.enter_all, obj, decode_reqs)
+        guarded(probe, PdDecodeLedger.enter_all, obj, decode_reqs)
 
 
 class TransferAddRole(TransferEnterRole):
@@ -60,7 +60,7 @@ class TransferPollsRole(Role):
         if not state(probe).by_receiver or not isinstance(result, list):
             return
         pollers = hook.arg(args, kwargs, "pollers")
-        guarded(probe, PdDecodeState.polled, list(pollers or ()), result)
+        guarded(probe, PdDecodeLedger.polled, list(pollers or ()), result)
 
 
 class TransferAbortRole(Role):
@@ -72,7 +72,7 @@ class TransferAbortRole(Role):
         queue = getattr(obj, "disagg_decode_transfer_queue", None)
         if queue is None or not state(probe).by_row:
             return
-        guarded(probe, PdDecodeState.aborted, queue)
+        guarded(probe, PdDecodeLedger.aborted, queue)
 
 
 class TransferDrainRole(Role):
@@ -82,7 +82,7 @@ class TransferDrainRole(Role):
     reads = {"bootstrap_room": 0}
 
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        guarded(probe, PdDecodeState.drain_answer, hook.arg(args, kwargs, "bootstrap_room"), bool(result))
+        guarded(probe, PdDecodeLedger.drain_answer, hook.arg(args, kwargs, "bootstrap_room"), bool(result))
 
 
 class RowFreeRole(Role):
@@ -99,7 +99,7 @@ class RowFreeRole(Role):
         rows = [arg] if isinstance(arg, int) else list(arg) if isinstance(arg, list) else [request_row(arg)]
         for row in rows:
             if isinstance(row, int):
-                guarded(probe, PdDecodeState.released, row, probe.sites.name(site) if site else "unknown")
+                guarded(probe, PdDecodeLedger.released, row, probe.sites.name(site) if site else "unknown")
         return None
 
 

@@ -64,7 +64,7 @@ class Pending:
         self.remaps: list[tuple[Any, int, str]] = []
 
 
-class SwaPoolState:
+class SwaPoolLedger:
     def __init__(self, probe: ProbeContext | None = None) -> None:
         self.pools: dict[int, Pending] = {}
         self.names: dict[int, str] = {}
@@ -82,8 +82,8 @@ class SwaPoolState:
         return self.names.get(key, POOL_CLASS)
 
 
-def state(probe: ProbeContext) -> SwaPoolState:
-    return probe.state(LEDGER, SwaPoolState)
+def state(probe: ProbeContext) -> SwaPoolLedger:
+    return probe.state(LEDGER, SwaPoolLedger)
 
 
 def turn_off(probe: ProbeContext, exc: Exception) -> None:
@@ -145,7 +145,7 @@ class SwaFreeRole(Role):
             turn_off(probe, exc)
             return None
 
-    def plan(self, probe: ProbeContext, swa: SwaPoolState, hook: Hook, obj: Any, index: Any, site: int) -> Any:
+    def plan(self, probe: ProbeContext, swa: SwaPoolLedger, hook: Hook, obj: Any, index: Any, site: int) -> Any:
         if index is None or not hasattr(index, "numel") or index.numel() == 0:
             return None
         if group_open(obj, hook.options):
@@ -161,7 +161,7 @@ class SwaFreeRole(Role):
             return None
         return self.flush_plan(swa, obj, index, site, pending)
 
-    def flush_plan(self, swa: SwaPoolState, obj: Any, index: Any, site: int, pending: Pending) -> Any:
+    def flush_plan(self, swa: SwaPoolLedger, obj: Any, index: Any, site: int, pending: Pending) -> Any:
         """The SWA slots this call will free that its deferred frees did not ask for, if it is the call
         that runs them (its full slots are those of one of the allocator's deferred lists, in order)."""
         import torch

@@ -56,7 +56,7 @@ def _int(value: Any, what: str) -> int:
     raise NotUnderstood(f"{what} is {type(value).__name__}, not an int")
 
 
-class MambaIndexState:
+class MambaIndexLedger:
     """Per process: the seeded columns whose device copy is still in flight, and the counts."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
@@ -178,8 +178,8 @@ class MambaIndexState:
             )
 
 
-def state(probe: ProbeContext) -> MambaIndexState:
-    return probe.state(LEDGER, MambaIndexState)
+def state(probe: ProbeContext) -> MambaIndexLedger:
+    return probe.state(LEDGER, MambaIndexLedger)
 
 
 def turn_off(probe: ProbeContext, exc: BaseException) -> None:
