@@ -1,7 +1,7 @@
 """The KV and request pool classes an installed SGLang defines, and what the probe makes of each,
 read from the sources (nothing is imported), for `kvdoctor probes`.
 
-The standing of a class follows the rules the running probe applies (`sglang/coverage.py`):
+The standing of a class follows the rules the running probe applies (`probe/engines/sglang/coverage.py`):
 - judged: a class the map hooks by name (an allocator or a request pool), or a request pool that
   derives from one without writing or giving back rows in its own methods;
 - hooked, not judged: a class that inherits some hooked methods but is not one the map describes

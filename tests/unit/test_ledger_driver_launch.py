@@ -1,4 +1,4 @@
-"""The driver launch of the GPU ledger's kernels (ledger/launch.py, csrc/launch.c) packs exactly the
+"""The driver launch of the GPU ledger's kernels (probe/ledgers/launch.py, csrc/launch.c) packs exactly the
 parameters Triton's compiler gives each kernel.
 
 The driver reads a kernel's parameters from the pointers it is handed, as many as the kernel
