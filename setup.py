@@ -1,5 +1,5 @@
-"""The compiled hot path: one extension, `kvdoctor.probe._hotpath`, from the C units in
-kvdoctor/probe/csrc/ (module.c says what each does). Optional: where it does not build, the
+"""The native path: one extension, `kvdoctor.probe.native._native`, from the C units in
+kvdoctor/probe/native/csrc/ (module.c says what each does). Optional: where it does not build, the
 package installs without it and the probe runs its pure-Python path, and says so: the build's
 failure is kept beside the package (BUILD_ERROR_NOTE) for the probe to name."""
 
@@ -11,18 +11,21 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-UNITS = "kvdoctor/probe/csrc"
+UNITS = "kvdoctor/probe/native/csrc"
 SOURCES = [
     f"{UNITS}/module.c",
     f"{UNITS}/generic.c",
-    f"{UNITS}/sglang_paths.c",
+    f"{UNITS}/slot_ops.c",
+    f"{UNITS}/tree_ops.c",
+    f"{UNITS}/row_ops.c",
+    f"{UNITS}/context.c",
     f"{UNITS}/ledger.c",
     f"{UNITS}/tensors.c",
     f"{UNITS}/callsites.c",
     f"{UNITS}/lock.c",
     f"{UNITS}/launch.c",
 ]
-BUILD_ERROR_NOTE = "_hotpath.build-error"  # read by kvdoctor/probe/hotpath_loader.py
+BUILD_ERROR_NOTE = "_native.build-error"  # read by kvdoctor/probe/native/loader.py
 # Installed beside the packages (site-packages), so every interpreter of that environment reads it
 # at start-up, as coverage.py's hook does: it costs one environment lookup, and only where
 # `kvdoctor run`/`gate` set KVDOCTOR_AUTOPROBE does it load kvdoctor/probe/core/entry.py, which turns
@@ -43,7 +46,7 @@ class BuildPyWithHook(build_py):
             fh.write(AUTOPROBE_LINE)
 
 
-class BuildHotPath(build_ext):
+class BuildNative(build_ext):
     """build_ext that leaves a note where the extension would have gone when its build fails (and
     removes it when the build succeeds), in the build output and, for an in-place or editable
     build, in the source package."""
@@ -55,7 +58,7 @@ class BuildHotPath(build_ext):
     def build_extension(self, ext: Extension) -> None:
         notes = [os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), BUILD_ERROR_NOTE)]
         if getattr(self, "_in_place", False):
-            notes.append(os.path.join(HERE, "kvdoctor", "probe", BUILD_ERROR_NOTE))
+            notes.append(os.path.join(HERE, "kvdoctor", "probe", "native", BUILD_ERROR_NOTE))
         try:
             super().build_extension(ext)
         except Exception as exc:  # the compiler's or the linker's failure: optional=True goes on without it
@@ -65,7 +68,7 @@ class BuildHotPath(build_ext):
 
 
 def _summary(exc: Exception) -> str:
-    """`gcc exited with status 1 on kvdoctor/probe/csrc/tensors.c`, not the whole command line."""
+    """`gcc exited with status 1 on kvdoctor/probe/native/csrc/tensors.c`, not the whole command line."""
     found = re.search(r"Command '\[(.*)\]' returned non-zero exit status (\d+)", str(exc))
     missing = re.search(r"No such file or directory: '([^']+)'", str(exc))
     if found is None and missing is not None:
@@ -94,14 +97,14 @@ def _write_notes(paths: list, text: str | None) -> None:
 setup(
     ext_modules=[
         Extension(
-            "kvdoctor.probe._hotpath",
+            "kvdoctor.probe.native._native",
             SOURCES,
-            depends=[f"{UNITS}/hotpath.h"],
+            depends=[f"{UNITS}/native.h"],
             optional=True,
             # hidden: the units share symbols with each other, not with the host's libraries
             extra_compile_args=["-O2", "-std=c11", "-fvisibility=hidden"],
             libraries=["dl"],  # launch.c finds libcuda's cuLaunchKernel at its first call
         )
     ],
-    cmdclass={"build_ext": BuildHotPath, "build_py": BuildPyWithHook},
+    cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithHook},
 )

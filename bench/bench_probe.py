@@ -3,8 +3,8 @@ hide behind, the worst case), in two shapes: the allocator loop (17 decode alloc
 writes a request) and a tree-heavy loop (short answers on a small pool: 3 allocations a request,
 and an insert and 0.8 evictions each, so the tree's calls are 13 % of the hooked calls, not 4 %). Four arms, each in its own fresh interpreter, alternating within
 one run: no probe; a bare pass-through wrapper on exactly the methods the probe hooks (the floor:
-what any wrapper costs); the probe with its compiled hot path; the probe in pure Python
-(KVDOCTOR_HOTPATH=0, the fallback where the extension is not built). Ratios are minimum over
+what any wrapper costs); the probe with its native path; the probe in pure Python
+(KVDOCTOR_NATIVE=0, the fallback where the extension is not built). Ratios are minimum over
 minimum (the least disturbed loop of each arm), medians beside them, and the median over rounds of
 each round's own ratio (arms of one round run back to back, so a drift in the machine's speed
 between rounds cancels)."""
@@ -26,7 +26,7 @@ warnings.filterwarnings("ignore")
 arm, page_size, trace, repeats, shape = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 probe = None
 if arm != "off":
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
     from kvdoctor.probe.core import runtime
     probe = runtime.activate(trace)
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
@@ -62,7 +62,7 @@ for _ in range(repeats):
     t0 = time.perf_counter(); run_workload(cfg); times.append(time.perf_counter() - t0)
 calls, compiled = 0, False
 if probe is not None:
-    calls, compiled = probe.calls, hotpath.NATIVE is not None
+    calls, compiled = probe.calls, native.NATIVE is not None
     runtime.deactivate()
 print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls, "compiled": compiled}))
 """
@@ -73,7 +73,7 @@ SHAPES = {
     "allocator_loop": {"conversations": 32, "turns": 6, "pool_tokens": 4096},
     "tree_heavy": {"conversations": 64, "turns": 3, "output_tokens": 2, "batch": 4, "pool_tokens": 2048},
 }
-ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_HOTPATH": "1"}, "python": {"KVDOCTOR_HOTPATH": "0"}}
+ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_NATIVE": "1"}, "python": {"KVDOCTOR_NATIVE": "0"}}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from arms import rounds_parser, run_arm  # noqa: E402
@@ -120,7 +120,7 @@ def main() -> None:
             "floor_ratio_bare_wrapper": round(best["bare"] / off, 3),
             "ratio_over_floor": round(best["compiled"] / best["bare"], 3),
             "python_fallback_ratio": round(best["python"] / off, 3),
-            "compiled_hot_path_loaded": compiled,
+            "native_path_loaded": compiled,
             "hooked_calls_per_loop": calls,
             "cost_per_hooked_call_us": round((best["compiled"] - off) / max(calls, 1) * 1e6, 2),
             "floor_cost_per_hooked_call_us": round((best["bare"] - off) / max(calls, 1) * 1e6, 2),

@@ -5,7 +5,7 @@ ratio of 1.03x cannot be told from 1.08x by the clock. Instructions retired by t
 thread are the same from run to run: each arm runs under valgrind's callgrind in its own
 interpreter, counting only while the measured loops run (`callgrind_control -i on/off`), and only
 the main thread's (the probe's writer thread is counted apart). Arms: no probe; a bare pass-through
-wrapper on the methods the probe hooks (the floor); the probe with its compiled hot path.
+wrapper on the methods the probe hooks (the floor); the probe with its native path.
 
 Instructions are not time: cache misses and branch mispredictions are not in them, so the clock's
 ratio runs higher (bench_probe.py). What this gives is a ratio that does not drift, and the
@@ -53,7 +53,7 @@ for _ in range(repeats):
 control("off")
 calls, compiled = 0, False
 if probe is not None:
-    calls, compiled = probe.calls - calls0, hotpath.NATIVE is not None
+    calls, compiled = probe.calls - calls0, native.NATIVE is not None
     runtime.deactivate()
 print("ARM " + json.dumps({"hooked_calls": calls, "compiled": compiled}))
 """
@@ -61,7 +61,7 @@ print("ARM " + json.dumps({"hooked_calls": calls, "compiled": compiled}))
 
 # where a function's code lives, by the object file callgrind names
 GROUPS = (
-    ("_hotpath", "probe's compiled path"),
+    ("_native", "probe's native path"),
     ("libpython", "interpreter"),
     ("torch", "torch"),
     ("libc10", "torch"),
@@ -103,7 +103,7 @@ def function_name(name: str) -> str:
 def run_arm(arm: str, page_size: int, shape: str, loops: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{shape}-{page_size}-{arm}.cg")
     # one torch thread: under valgrind its pool's threads would spin for as long as the loop waits
-    env = dict(os.environ, **{k: str(v * SLOWDOWN) for k, v in INTERVALS.items()}, KVDOCTOR_HOTPATH="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, **{k: str(v * SLOWDOWN) for k, v in INTERVALS.items()}, KVDOCTOR_NATIVE="1", OMP_NUM_THREADS="1")
     cmd = [
         "valgrind",
         "--tool=callgrind",
@@ -146,7 +146,7 @@ def compare(arms: dict[str, dict], loops: int, top: int) -> dict:
         "ratio": round(total["compiled"] / total["off"], 4),
         "floor_ratio_bare_wrapper": round(total["bare"] / total["off"], 4),
         "hooked_calls_per_loop": int(calls),
-        "compiled_hot_path_loaded": arms["compiled"]["compiled"],
+        "native_path_loaded": arms["compiled"]["compiled"],
         "instructions_per_hooked_call": int((total["compiled"] - total["off"]) / max(calls, 1)),
         "added_by_group": {g: int(v) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         "added_by_function": [[n, group[n], int(v)] for n, v in sorted(added.items(), key=lambda kv: -kv[1])[:top]],

@@ -83,7 +83,7 @@ def _probe_rows(page_size: int, p: dict, loop: str = "allocator + tree loop") ->
     return [
         (name, f"{measured}, {p['ratio_over_floor']}x the floor", "<= 1.10x"),
         (f"  floor: bare pass-through wrapper, page_size {page_size}", f"{p['floor_ratio_bare_wrapper']}x", "-"),
-        (f"  without the compiled path (pure Python), page_size {page_size}", f"{p['python_fallback_ratio']}x", "-"),
+        (f"  without the native path (pure Python), page_size {page_size}", f"{p['python_fallback_ratio']}x", "-"),
     ]
 
 

@@ -149,9 +149,9 @@ def main() -> int:
         result["compiled_launches"] = sum(launcher.fast_launches for k in kernels for launcher in k.launchers())
         result["driver_launches"] = sum(launcher.driver_launches for k in kernels for launcher in k.launchers())
         result["ledger_launch"] = os.environ.get("KVDOCTOR_LEDGER_LAUNCH", "default")
-        from kvdoctor.probe import hotpath
+        from kvdoctor.probe import native
 
-        result["c_launches"] = hotpath.NATIVE.stats().get("device_launches", 0) if hotpath.NATIVE is not None else 0
+        result["c_launches"] = native.NATIVE.stats().get("device_launches", 0) if native.NATIVE is not None else 0
         result["probe_gpu_bytes"] = sum(
             t.numel() * t.element_size()
             for led in sglang_state(probe).ledgers.values()

@@ -1,7 +1,7 @@
 """On the GPU: the host time of one hooked call, SGLang 0.5.9's real `TokenToKVPoolAllocator.alloc(32)`,
 the decode step's batched `ReqToTokenPool.write` of those 32 slots (a row each) and the `free`, and a
 paged decode step's `get_last_loc` and `alloc_decode` with its last_loc (page 16), without the probe, with it on the Python path (its kernels launched through the
-driver from Python, KVDOCTOR_LEDGER_LAUNCH=driver) and with the C fast path (the default).
+driver from Python, KVDOCTOR_LEDGER_LAUNCH=driver) and with the native fast path (the default).
 
 graph_decode.py's host time per step includes the waits of a full launch queue whenever the GPU is
 the slower side, so its per-call difference is not the probe's own cost. Here each call is timed
@@ -89,7 +89,7 @@ def main() -> int:
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
     from kvdoctor.probe.core import runtime
 
     sglang = types.SimpleNamespace(ReqToTokenPool=ReqToTokenPool)
@@ -105,13 +105,13 @@ def main() -> int:
             if mode != "off":
                 os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode
                 runtime.activate(None)
-            before = hotpath.NATIVE.stats()["device_launches"]
+            before = native.NATIVE.stats()["device_launches"]
             sglang.get_last_loc_torch = common.get_last_loc_torch  # hooked or not, as this arm's probe left it
             timed = arm(torch, TokenToKVPoolAllocator, ReqToTokenPool, pairs) | paged_arm(torch, sglang, pairs)
             for op, values in timed.items():
                 times[mode][op] += values[pairs // 10 :]  # the first tenth is warm-up
             if mode != "off":
-                launches[mode] += hotpath.NATIVE.stats()["device_launches"] - before
+                launches[mode] += native.NATIVE.stats()["device_launches"] - before
                 runtime.deactivate()
     out = {
         "gpu": torch.cuda.get_device_name(),

@@ -1,6 +1,6 @@
-"""On the GPU: what one launch from the C fast path is made of, each part timed alone in a loop
-(the queue drained every 256 calls): the current stream's handle as the C path asks torch for it,
-a bare driver launch of a one-program Triton kernel through `_hotpath.launch_kernel` (a Python call
+"""On the GPU: what one launch from the native fast path is made of, each part timed alone in a loop
+(the queue drained every 256 calls): the current stream's handle as the native path asks torch for it,
+a bare driver launch of a one-program Triton kernel through `_native.launch_kernel` (a Python call
 around `cuLaunchKernel`), and torch's smallest kernel (`tensor.add_(1)`) for comparison. Medians in
 microseconds; RESULT {json}.
 """
@@ -31,7 +31,7 @@ def main() -> int:
     import triton
     import triton.language as tl
 
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
 
     @triton.jit
     def one(x_ptr, n):
@@ -43,7 +43,7 @@ def main() -> int:
     torch.cuda.synchronize()
     stream_of = torch._C._cuda_getCurrentRawStream
     stream = stream_of(0)
-    launch = hotpath.NATIVE.launch_kernel
+    launch = native.NATIVE.launch_kernel
     function, block, shared = compiled.function, 32 * compiled.metadata.num_warps, compiled.metadata.shared
     ptr = x.data_ptr()
     sync = torch.cuda.synchronize

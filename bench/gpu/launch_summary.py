@@ -1,6 +1,6 @@
 """The table of bench/gpu/run_launch.sh: per step size, the decode step off and on (the ledger's
 kernels through Triton's launcher, launched compiled through Triton's launcher, through the CUDA
-driver from Python (`direct`, `driver`) and from the C fast path (`c`); `c-w1` the same on one warp
+driver from Python (`direct`, `driver`) and from the native fast path (`c`); `c-w1` the same on one warp
 a program), the ratios, the host time
 the probe adds per hooked call and the GPU time it adds per step. Medians over the rounds.
 

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Issue #29 on the device machine: the GPU ledger's host time per hooked call, its kernels launched
 # through Triton's Python launcher (mode triton), compiled through Triton's launcher (compiled),
-# through the CUDA driver from the Python path (driver), and from the C fast path itself (c, the
+# through the CUDA driver from the Python path (driver), and from the native fast path itself (c, the
 # default) (kvdoctor/probe/ledgers/launch.py, csrc/launch.c).
 # 1. tests/gpu/harness/kernels_check.py: the launch paths against the torch ledger, op for op, and host µs per call;
-#    tests/gpu/harness/device_path_check.py: the C fast path against the Python path through SGLang's real allocator.
+#    tests/gpu/harness/device_path_check.py: the native fast path against the Python path through SGLang's real allocator.
 # 2. graph_decode.py at four step sizes, fresh processes alternating off and the modes, 2 rounds;
 #    then launch_summary.py writes the table.
 # Needs: .whl (SGLang 0.5.9 and the wheels it lacks there, tests/gpu/README.md), .carry/sgl_kernel;
@@ -25,7 +25,7 @@ export PYTHONPATH=$SITE_059:$PWD:$PWD/.carry PYTHONUNBUFFERED=1 PYTHONWARNINGS=i
 LOG=$OUT/launch.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $LOG
 python3 -c "import torch,sys,triton;print('torch',torch.__version__,'python',sys.version.split()[0],'triton',triton.__version__)" 2>&1 | tee -a $LOG
-ls kvdoctor/probe/_hotpath*.so 2>&1 | tee -a $LOG
+ls kvdoctor/probe/native/_native*.so 2>&1 | tee -a $LOG
 if [ -z "${SKIP_CHECK:-}" ] && [ -z "${SKIP_KERNELS_CHECK:-}" ]; then
   KVDOCTOR_LEDGER_LAUNCH=direct timeout 240 python3 tests/gpu/harness/kernels_check.py > /tmp/kc.log 2>&1
   echo "kernels_check rc=$?" | tee -a $LOG

@@ -14,8 +14,8 @@ if [ ! -d $SITE/sglang ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $C/whl/*.whl > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 3; }
   tar xJf $C/sglang-0.5.23.tar.xz -C $SITE || exit 3
 fi
-# kvdoctor as packed (the commit in src/COMMIT), its compiled hot path built for this python
-[ -n "$(ls $C/src/kvdoctor/probe/_hotpath*.so 2>/dev/null)" ] || (cd $C/src && python3 setup.py -q build_ext --inplace) >> "$OUT/build.log" 2>&1 || echo "hot path build failed (pure-Python path)" | tee -a "$OUT/build.log"
+# kvdoctor as packed (the commit in src/COMMIT), its native path built for this python
+[ -n "$(ls $C/src/kvdoctor/probe/native/_native*.so 2>/dev/null)" ] || (cd $C/src && python3 setup.py -q build_ext --inplace) >> "$OUT/build.log" 2>&1 || echo "native path build failed (pure-Python path)" | tee -a "$OUT/build.log"
 export KVDOCTOR_SRC=$C/src SERVER_CARRY=$C PYTHONPATH=$SITE:$C/src PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 echo "install $(( $(date +%s) - T0 )) s; kvdoctor $(cat $C/src/COMMIT)" | tee -a "$OUT/build.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/build.log"

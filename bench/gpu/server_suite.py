@@ -73,7 +73,7 @@ class Case:
     mem_fraction: str = ""  # the suite's --mem-fraction where empty
     alone: bool = False  # started only once every other case has stopped, one at a time (a big model)
     env: dict[str, str] = field(default_factory=dict)  # the server's (SGLang's knobs, the probe's switches)
-    threads: bool = True  # server_threads/: CPU seconds per thread and the compiled path's counters
+    threads: bool = True  # server_threads/: CPU seconds per thread and the native path's counters
 
 
 def _cases() -> dict[str, Case]:
@@ -110,7 +110,7 @@ def _cases() -> dict[str, Case]:
         cases.append(Case(f"cost-off-{n}", "cost", ["--sleep-on-idle"], probe=False))
         cases.append(Case(f"cost-on-{n}", "cost", ["--sleep-on-idle"]))
         cases.append(Case(f"cost-quiet-{n}", "cost", ["--sleep-on-idle"], env=QUIET))  # the writer thread's rounds all but gone
-        cases.append(Case(f"cost-py-{n}", "cost", ["--sleep-on-idle"], env={"KVDOCTOR_HOTPATH": "0"}))  # every hooked call in Python
+        cases.append(Case(f"cost-py-{n}", "cost", ["--sleep-on-idle"], env={"KVDOCTOR_NATIVE": "0"}))  # every hooked call in Python
         cases.append(Case(f"cost-prof-{n}", "cost", ["--sleep-on-idle"], env={"SUITE_STACKS": "1"}))  # stacks sampled: not a timing
         for probe in (False, True):  # decode graphs up to the benchmark's 32 at a time (a shorter capture)
             big = ["--sleep-on-idle", "--load-format", "dummy", "--cuda-graph-max-bs-decode", "32"]
@@ -547,7 +547,7 @@ def memory(server: GpuServer) -> dict:
 
 def threads_read(workdir: str) -> list[dict]:
     """server_threads/'s last reading of each process that made one: its busiest threads' CPU
-    seconds, the compiled path's counters, and (SUITE_STACKS=1) the main thread's top samples."""
+    seconds, the native path's counters, and (SUITE_STACKS=1) the main thread's top samples."""
     out = []
     for name in sorted(os.listdir(workdir)):
         if not (name.startswith("threads-") and name.endswith(".json")):

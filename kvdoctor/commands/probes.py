@@ -1,5 +1,5 @@
 """`kvdoctor probes`: the releases each map covers and CI tests, and what the probe would do with
-the engine installed here (its hot path, compiled or pure Python, included)."""
+the engine installed here (its native path, compiled or pure Python, included)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
 from kvdoctor.runner.support import (
     graph_replays_line,
-    hot_path_line,
     installed_graph_replays,
     installed_line,
     installed_pools,
     map_rows,
     markdown_table,
+    native_path_line,
     uncovered,
 )
 from kvdoctor.trace.schema import SERVING_ENGINES
@@ -22,7 +22,7 @@ def probes(table: bool = False) -> int:
     if table:
         to_stdout("\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES))
         return EXIT_OK
-    lines = ["installed here:", f"  hot path: {hot_path_line()}"]
+    lines = ["installed here:", f"  native path: {native_path_line()}"]
     for engine in SERVING_ENGINES:
         lines.append(f"  {installed_line(engine)}")
         lines += [f"    pools {line}" for line in installed_pools(engine)]

@@ -1,6 +1,6 @@
 """`kvdoctor run -- CMD...`: start CMD with the probe in every Python process it starts, then
 analyse the trace it left and exit with CMD's own exit code (the summary goes to stderr, so
-CMD's output stays its own). The first line on stderr names the probe's hot path (compiled, or
+CMD's output stays its own). The first line on stderr names the probe's native path (compiled, or
 pure Python and why): the pure-Python path costs several times more per hooked call."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvdoctor.formats.reports import render
 from kvdoctor.formats.table import check_format
 from kvdoctor.outputs import printable
 from kvdoctor.runner import analyze_recorded, check_attribution, check_fixes, default_trace_path, export_pprof
-from kvdoctor.runner.support import hot_path_line
+from kvdoctor.runner.support import native_path_line
 
 MIN_SAMPLE_INTERVAL_S = 0.01  # a round over the tree reads /proc for every process: more often than this is a core
 
@@ -50,7 +50,7 @@ def run(
     exporter = FleetExporter(metrics, trace_path, public=metrics_public) if metrics is not None else None
 
     def on_start() -> None:
-        say_hot_path()
+        say_native_path()
         if exporter is not None:
             exporter.start()
             print(f"kvdoctor: metrics on {exporter.url}", file=sys.stderr, flush=True)
@@ -74,5 +74,5 @@ def run(
     return code
 
 
-def say_hot_path() -> None:
-    print(f"kvdoctor: hot path {hot_path_line()}", file=sys.stderr, flush=True)
+def say_native_path() -> None:
+    print(f"kvdoctor: native path {native_path_line()}", file=sys.stderr, flush=True)

@@ -13,9 +13,9 @@ from kvdoctor.probe.core.hooks import REGISTRY
 from kvdoctor.probe.core.patching import ENGINE_LABELS
 from kvdoctor.probe.core.verify import MapCheck, check_map, nearest_resolving_map
 from kvdoctor.probe.engines.sglang.hicache import GraphReplayRole
-from kvdoctor.probe.hotpath import CHOICE as HOT_PATH
 from kvdoctor.probe.maps.loader import ProbeMap, available_maps, installed_version, map_for
 from kvdoctor.probe.maps.releases import Release, ci_sentence, release, releases
+from kvdoctor.probe.native import CHOICE as NATIVE_PATH
 from kvdoctor.runner.pools import pool_classes, summary
 
 
@@ -100,10 +100,10 @@ def installed_graph_replays(engine: str) -> str:
     return graph_replays_line(check.probe_map, check) if check is not None else ""
 
 
-def hot_path_line() -> str:
-    """The probe's hot path in this installation: compiled, or pure Python and why (several times
+def native_path_line() -> str:
+    """The probe's native path in this installation: compiled, or pure Python and why (several times
     the cost per hooked call: it must never go unsaid)."""
-    return HOT_PATH.describe()
+    return NATIVE_PATH.describe()
 
 
 def installed_pools(engine: str) -> list[str]:

@@ -129,7 +129,7 @@ def test_the_wheel_alone_answers_help_and_probes_and_says_in_one_line_what_the_d
     for args in (["--help"], ["probes"]):
         proc = _run([installed.kvdoctor, *args], env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "hot path: compiled" in proc.stdout  # built at install: a compiler is present here
+    assert "native path: compiled" in proc.stdout  # built at install: a compiler is present here
     demo = _run([installed.kvdoctor, "demo"], env=env, cwd=tmp_path)
     assert demo.returncode == 2 and demo.stdout == "", demo
     (line,) = demo.stderr.splitlines()

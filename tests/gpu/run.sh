@@ -2,7 +2,7 @@
 # The GPU tests in one command, on the GPU machine, from the repository root:
 #   bash tests/gpu/run.sh [pytest arguments, e.g. -k eagle]
 # Installs what travels (tests/gpu/README.md says how to make it; each only when carried and not yet
-# installed) into the folders the tests look in, builds the compiled hot path in place, then runs
+# installed) into the folders the tests look in, builds the native path in place, then runs
 # `python3 -m pytest tests/gpu -m gpu`. A release not carried is not installed, and its tests skip
 # saying so. With $OUT set, pytest's JUnit XML and this script's log go there.
 #   .whl/*.whl                     SGLang 0.5.9 and the packages the machine lacks -> $SITE_059 (/tmp/site)
@@ -35,7 +35,7 @@ if ! python3 -c "import pytest" 2> /dev/null; then
   install /tmp/gpu-tests-pytest .whl/pytest-*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/packaging-*.whl
   export PYTHONPATH=/tmp/gpu-tests-pytest${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 setup.py -q build_ext --inplace > /tmp/gpu-tests-build.log 2>&1 || say "the compiled hot path did not build: $(tail -1 /tmp/gpu-tests-build.log)"
+python3 setup.py -q build_ext --inplace > /tmp/gpu-tests-build.log 2>&1 || say "the native path did not build: $(tail -1 /tmp/gpu-tests-build.log)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
 python3 -m pytest tests/gpu -m gpu -rs -p no:cacheprovider ${OUT:+--junitxml "$OUT/gpu-tests.xml"} "$@" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

@@ -1,4 +1,4 @@
-"""The ledger kept from the C fast path against the one the Python path keeps, entry for entry, over
+"""The ledger kept from the native fast path against the one the Python path keeps, entry for entry, over
 the same seeded calls through SGLang 0.5.9's real allocators under sync-debug "error"
 (harness/device_path_check.py): a token allocator with request-table writes, and a paged one's
 prefills, decode steps with last_loc and frees, a stale last_loc planted."""

@@ -1,6 +1,6 @@
 """The slot ledger's Triton kernels against its torch path, op for op over 20 seeded sequences, by
 each launch path: Triton's own, compiled through Triton's launcher, and through the CUDA driver from
-the compiled hot path (harness/kernels_check.py; it also times each, which bench/gpu/run_launch.sh
+the native path (harness/kernels_check.py; it also times each, which bench/gpu/run_launch.sh
 reports)."""
 
 import pytest

@@ -1,6 +1,6 @@
-"""The GPU ledger's healthy alloc and free launched from the C fast path (csrc/launch.c) hand the
+"""The GPU ledger's healthy alloc and free launched from the native fast path (csrc/launch.c) hand the
 CUDA driver exactly what the Python ledger path hands it for the same call, on SGLang 0.5.23's real
-`TokenToKVPoolAllocator`; what the C path does not take goes to the Python path; a failure in it
+`TokenToKVPoolAllocator`; what the native path does not take goes to the Python path; a failure in it
 turns the probe off and spares the host.
 
 No GPU here: both paths' driver launches are recorded instead (tests/support/device_fast_path_cases.py
@@ -20,9 +20,9 @@ from conftest import REPO, SUPPORT, sglang_env
 
 from kvdoctor.probe.ledgers.launch import LEDGER_WARPS
 
-hotpath = pytest.importorskip("kvdoctor.probe.hotpath")
+native = pytest.importorskip("kvdoctor.probe.native")
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not hotpath.active(), reason="the compiled hot path is not built here")
+pytestmark = pytest.mark.skipif(not native.active(), reason="the native path is not built here")
 
 CASES = os.path.join(SUPPORT, "device_fast_path_cases.py")
 

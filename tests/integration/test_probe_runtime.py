@@ -121,7 +121,7 @@ LEDGER_WRITE_FAILS = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 from kvdoctor.demo.workload import WorkloadConfig, run_workload
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.core import runtime
 from kvdoctor.probe.ledgers.slots import SlotLedger
 
@@ -135,22 +135,22 @@ def broken(self, *a, **k):
 
 SlotLedger.on_free = broken
 runtime.activate(sys.argv[1])
-assert hotpath.NATIVE is None, "KVDOCTOR_HOTPATH=0 keeps the Python path"
+assert native.NATIVE is None, "KVDOCTOR_NATIVE=0 keeps the Python path"
 print("SAME" if once() == baseline else "CHANGED")
 runtime.deactivate()
 """
 
 
 def test_a_failing_ledger_write_turns_the_ledger_off(tmp_path):
-    """On the Python path every free goes through `SlotLedger.on_free`; the compiled path records
-    healthy frees itself (its own failures: tests/integration/test_hotpath.py). A fresh
-    interpreter with KVDOCTOR_HOTPATH=0: methods another test hooked in this one stay compiled."""
+    """On the Python path every free goes through `SlotLedger.on_free`; the native path records
+    healthy frees itself (its own failures: tests/integration/test_native.py). A fresh
+    interpreter with KVDOCTOR_NATIVE=0: methods another test hooked in this one stay compiled."""
     from kvdoctor.analysis.analyzer import analyze
     from kvdoctor.trace.reader import iter_events
 
     path = str(tmp_path / "t.json")
     env = sglang_env("0.5.23")
-    env["KVDOCTOR_HOTPATH"] = "0"
+    env["KVDOCTOR_NATIVE"] = "0"
     proc = subprocess.run(
         [sys.executable, "-c", LEDGER_WRITE_FAILS, path], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300
     )

@@ -1,4 +1,4 @@
-"""The GPU ledger's C fast path (csrc/launch.c, device_update) against its Python path, on SGLang's
+"""The GPU ledger's native fast path (csrc/launch.c, device_update) against its Python path, on SGLang's
 real `TokenToKVPoolAllocator`, with no GPU: what each path would hand the CUDA driver is recorded
 instead of launched, and compared call by call.
 
@@ -35,7 +35,7 @@ from kvdoctor.probe.ledgers import arrays, kernels, launch, slots  # noqa: E402
 STREAM = 0x5000
 FIRST: list = []  # first calls per compiled kernel (through `kernel[grid]`, the Python path)
 PY: list = []  # the Python path's driver launches
-C: list = []  # the C fast path's
+C: list = []  # the native fast path's
 TRITON: list = []  # launches through Triton's own launcher (a launch hook set)
 _TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8"}
 
@@ -105,14 +105,14 @@ def gpu_table_writes() -> None:
 
 def main() -> int:
     trace = sys.argv[1]
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
     from kvdoctor.probe.core import runtime
     from kvdoctor.probe.engines.sglang.state import sglang_state
 
     probe = runtime.activate(trace)
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 
-    hotpath.NATIVE.launch_record(C)
+    native.NATIVE.launch_record(C)
     allocator = TokenToKVPoolAllocator(4096, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
     if sys.argv[2:] == ["write-failure"]:
         return write_failure(probe, allocator)
@@ -171,14 +171,14 @@ def main() -> int:
     sites = {s["name"]: probe.sites.name(s["c"][0][5][-1]) for s in steps if s["c"]}
     request_table_writes(probe, allocator, step, steps)
     paged_last_loc(probe, step, steps)
-    stats = hotpath.NATIVE.stats()
+    stats = native.NATIVE.stats()
     ledger = sglang_state(probe).ledger_for(allocator)
     pointers = {"state": ledger.state.data_ptr(), "owner": ledger.owner.data_ptr(), "alloc_site": ledger.alloc_site.data_ptr()}
     available = allocator.available_size()
-    hotpath.NATIVE.fail_after(hotpath.KINDS["free"])
+    native.NATIVE.fail_after(native.KINDS["free"])
     step("free 8, failing after the host's call", lambda: allocator.free(e))
-    hotpath.NATIVE.fail_after(-1)
-    hotpath.NATIVE.launch_record(None)
+    native.NATIVE.fail_after(-1)
+    native.NATIVE.launch_record(None)
     result = {
         "steps": steps,
         "owner_first_handles": [f["function"] for s in steps if s["name"].startswith("write") for f in s["first"]],
@@ -283,21 +283,21 @@ def paged_last_loc(probe, step, steps) -> None:
 
 
 def write_failure(probe, allocator) -> int:
-    """A failure in the C path of a request-table write, after the host's own write."""
+    """A failure in the native path of a request-table write, after the host's own write."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
     from kvdoctor.probe.core import runtime
 
     gpu_table_writes()
     pool = ReqToTokenPool(8, 64, "cpu", False)
     first, later = allocator.alloc(8).clone(), allocator.alloc(8).clone()
     pool.write((0, slice(0, 8)), first)  # the owner kernel's first call: the Python path
-    hotpath.NATIVE.fail_after(hotpath.KINDS["req_write"])
+    native.NATIVE.fail_after(native.KINDS["req_write"])
     launched = len(C)
     pool.write((1, slice(0, 8)), later)
-    hotpath.NATIVE.fail_after(-1)
-    hotpath.NATIVE.launch_record(None)
+    native.NATIVE.fail_after(-1)
+    native.NATIVE.launch_record(None)
     result = {
         "c_launches": len(C) - launched,
         "row_written": pool.req_to_token[1, :8].tolist() == later.tolist(),

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvdoctor.probe import hotpath  # noqa: E402
+from kvdoctor.probe import native  # noqa: E402
 from kvdoctor.probe.ledgers import kernels  # noqa: E402
 from kvdoctor.probe.ledgers.launch import driver_plan  # noqa: E402
 
@@ -77,9 +77,9 @@ def test_a_kernel_with_scratch_memory_or_a_wider_integer_keeps_tritons_launcher(
     assert driver_plan(fn, kernel, runtime_args) == "scratch memory"
 
 
-@pytest.mark.skipif(hotpath.NATIVE is None, reason="the compiled hot path is not built")
+@pytest.mark.skipif(native.NATIVE is None, reason="the native path is not built")
 def test_the_driver_launch_refuses_what_it_cannot_pack_without_launching():
-    launch = hotpath.NATIVE.launch_kernel
+    launch = native.NATIVE.launch_kernel
     with pytest.raises(TypeError):
         launch(0, 1, 128, 0, 0, b"pi", 1)  # one kind too many
     with pytest.raises(TypeError):

@@ -109,8 +109,8 @@ def _probes_output(table: bool, forced: str = "") -> str:
                 os.environ.pop("KVDOCTOR_SGLANG_VERSION", None)
             else:
                 os.environ["KVDOCTOR_SGLANG_VERSION"] = old
-    # the hot path line says how this checkout was built, not what the maps say
-    return "\n".join(line for line in buffer.getvalue().splitlines() if not line.startswith("  hot path: "))
+    # the native path line says how this checkout was built, not what the maps say
+    return "\n".join(line for line in buffer.getvalue().splitlines() if not line.startswith("  native path: "))
 
 
 FORCED = ["", "0.5.18", "0.5.3.post2", "0.5.99"]

@@ -100,5 +100,5 @@ def test_the_wheel_carries_every_module_the_maps_and_the_injected_sitecustomize(
     assert {f"kvdoctor/probes/{m}" for m in maps} <= names and maps
     assert "kvdoctor/delivery/pythonpath/sitecustomize.py" in names
     assert {"kvdoctor/fleet/alerts.yml", "kvdoctor/fleet/dashboard.json"} <= names  # the fleet's rules and dashboard
-    # the compiled hot path is built into the wheel where a compiler is present (it is here)
-    assert [n for n in names if n.startswith("kvdoctor/probe/_hotpath") and n.endswith(".so")], sorted(names)
+    # the native path is built into the wheel where a compiler is present (it is here)
+    assert [n for n in names if n.startswith("kvdoctor/probe/native/_native") and n.endswith(".so")], sorted(names)

@@ -36,7 +36,7 @@ def _cpu_by_thread() -> dict:
 
 
 def _native_stats():
-    for name in ("kvdoctor.probe.native.path", "kvdoctor.probe.hotpath"):
+    for name in ("kvdoctor.probe.native.path", "kvdoctor.probe.native"):
         mod = sys.modules.get(name)
         native = getattr(mod, "NATIVE", None) if mod else None
         if native is not None:

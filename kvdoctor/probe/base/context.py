@@ -4,7 +4,7 @@
 switches every wrapper reads (`ledger_on`, `ledgers_off`, `fixes`, `inject`), the engine states,
 and the ways to say a failure or a fix. It is a `typing.Protocol`: the one implementation is
 `runtime.Probe`, and nothing below the runtime imports that class, so the probe's modules form
-no import circle (the wrappers in `hooks`, the compiled path in `hotpath`, the roles of each
+no import circle (the wrappers in `hooks`, the native path in `native`, the roles of each
 engine all stand on this module). A protocol costs nothing at run time: the wrappers and roles
 read the probe's attributes as before.
 
@@ -142,7 +142,7 @@ class Role:
     once the call returned. `rewrite` and `rewrite_result` run only with an optional fix on.
     `composite` roles compose inside one allocator (free_segment -> free_page_ids -> free): only
     the outermost call on an object is recorded. `wants_site` roles get the call site's id.
-    `fast_kind` names the compiled fast path that does this role's healthy case (see hotpath.py).
+    `fast_kind` names the native fast path that does this role's healthy case (see native/__init__.py).
     """
 
     fast_kind: ClassVar[str] = ""

@@ -20,7 +20,7 @@ import types
 from typing import Any
 
 _MISSING = object()
-_HOOK_MODULE = "kvdoctor.probe._hotpath"  # the compiled hook's type, which keeps the original as __wrapped__
+_HOOK_MODULE = "kvdoctor.probe.native._native"  # the compiled hook's type, which keeps the original as __wrapped__
 _NAMES_CACHE_MAX = 512  # classes whose attribute names were learned (a server has a few dozen)
 _names_of_class: dict[type, tuple[tuple[str, Any], ...]] = {}
 

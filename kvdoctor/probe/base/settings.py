@@ -14,6 +14,12 @@ OFF = ("0", "false", "no", "off")
 ON = ("1", "true", "yes", "on")
 DAY_S = 86400.0
 _SAID: set[str] = set()
+# Variables that were renamed: the old name is still read where the new one is not set.
+ALIASES = {
+    "KVDOCTOR_NATIVE": "KVDOCTOR_HOTPATH",
+    "KVDOCTOR_NATIVE_DLPACK": "KVDOCTOR_HOTPATH_DLPACK",
+    "KVDOCTOR_NATIVE_DIRECT": "KVDOCTOR_HOTPATH_DIRECT",
+}
 
 
 def _say(name: str, raw: str, wanted: str, default: object) -> None:
@@ -29,10 +35,21 @@ def _say(name: str, raw: str, wanted: str, default: object) -> None:
         pass
 
 
-def env_text(name: str) -> str:
-    """The variable's value, stripped ('' when unset)."""
+def env_name(name: str) -> str:
+    """Where the variable is read from: itself, or its old name (ALIASES) where only that is set."""
+    old = ALIASES.get(name)
     try:
-        return os.environ.get(name, "").strip()
+        if old is not None and not os.environ.get(name, "").strip() and os.environ.get(old, "").strip():
+            return old
+    except Exception:
+        pass
+    return name
+
+
+def env_text(name: str) -> str:
+    """The variable's value (or its old name's), stripped ('' when unset)."""
+    try:
+        return os.environ.get(env_name(name), "").strip()
     except Exception:
         return ""
 

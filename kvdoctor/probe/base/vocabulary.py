@@ -1,4 +1,4 @@
-"""The slot ledger's vocabulary, shared by its host/torch path, its Triton kernels and the compiled hot path.
+"""The slot ledger's vocabulary, shared by its host/torch path, its Triton kernels and the native path.
 
 A page's state byte is FREE, OWNED (by a request), TREE (held by the radix tree), TREE | FREE (a
 tree still pointing at a freed page) or RESERVED (the padding page and the sink where

@@ -8,7 +8,7 @@ wrapper calls the host's original method exactly once, with the host's own argum
 ones an optional fix rewrote), and returns its result untouched; the role's code runs around it
 in `try` blocks, so a failure turns the probe off and never reaches the host.
 
-Where the compiled hot path is importable (`kvdoctor.probe.hotpath`), the wrapper is its `Hooked`
+Where the native path is importable (`kvdoctor.probe.native`), the wrapper is its `Hooked`
 object: the same steps in C, and the healthy case of the slot roles that declare a `fast_kind`
 done there too. `wrap_method` below is the pure-Python wrapper it replaces, kept as the fallback.
 """
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.base.context import Hook, Role
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ LOCAL = _ThreadState()
 def wrap_method(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
     """The host's method with `role` around it: the compiled wrapper where it is available, else
     `python_wrapper`. See the module docstring for the guarantees."""
-    if hotpath.active():
-        return hotpath.wrap(original, role, hook)
+    if native.active():
+        return native.wrap(original, role, hook)
     return python_wrapper(original, role, hook)
 
 
@@ -170,8 +170,8 @@ def python_wrapper(original: Callable[..., Any], role: Role, hook: Hook) -> Call
 def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
     """A module-level function with `role.after` run on its result (obj is None), or `role.before`
     ahead of the call for a `runs_first` role: compiled where the extension is available."""
-    if hotpath.active() and not role.runs_first:
-        return hotpath.wrap_function(original, role, hook)
+    if native.active() and not role.runs_first:
+        return native.wrap_function(original, role, hook)
     current = CURRENT
 
     @functools.wraps(original)

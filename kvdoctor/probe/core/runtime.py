@@ -17,7 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.base.callsites import CallSites, short_path
 from kvdoctor.probe.base.context import EngineState, ProbeContext, StateT
 from kvdoctor.probe.base.emitter import Emitter, say
@@ -52,7 +52,7 @@ class Probe:
         self.emitter = Emitter(
             trace_path,
             flush_interval_s=env_number(ENV_WRITER_INTERVAL_S, 0.5, low=0.01, high=3600.0),  # 1e-9 would spin a core
-            header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **hotpath.CHOICE.header()},
+            header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **native.CHOICE.header()},
         )
         self.sites = CallSites()
         self._ledger_on = True
@@ -60,7 +60,7 @@ class Probe:
         self.ledgers_off: frozenset[str] = frozenset()
         self.patching = Patcher(self)
         self.py_calls = 0  # hooked calls through the Python wrapper
-        self._native_calls_base = hotpath.calls()
+        self._native_calls_base = native.calls()
         self.failures = 0
         self.fix_counts: dict[str, int] = {}
         self._fix_unreported: dict[str, int] = {}
@@ -103,7 +103,7 @@ class Probe:
 
     def _switched(self) -> None:
         if CURRENT.probe is self:
-            hotpath.sync(self)
+            native.sync(self)
 
     @property
     def ledger_on(self) -> bool:
@@ -139,7 +139,7 @@ class Probe:
     @property
     def calls(self) -> int:
         """Hooked calls recorded in this process, through either wrapper."""
-        return self.py_calls + hotpath.calls() - self._native_calls_base
+        return self.py_calls + native.calls() - self._native_calls_base
 
     def state(self, key: str, factory: Callable[[ProbeContext], StateT]) -> StateT:
         """The engine state under `key`, made on first use."""
@@ -303,7 +303,7 @@ def activate(trace_path: str | None = None, *, fixes: list[str] | None = None) -
         _IMPORT_HOOK = ImportHook(modules, probe.on_module_loaded)
         _IMPORT_HOOK.install()
         CURRENT.probe = probe
-        hotpath.sync(probe)
+        native.sync(probe)
 
         for name in sorted(modules):
             module = sys.modules.get(name)
@@ -339,4 +339,4 @@ def deactivate() -> None:
         _IMPORT_HOOK.remove()
         _IMPORT_HOOK = None
     CURRENT.probe = None
-    hotpath.reset()
+    native.reset()

@@ -214,10 +214,10 @@ class LedgerKernels:
         # the ledger's own tensors are torch's allocations (aligned); were one not, nothing is keyed on it
         self.keyable = fits_i32(*self.sizes) and all(aligned(t) for t in ledger_tensors)
         self._constants: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self._planned: set[tuple[Any, ...]] = set()  # (kernel, key) handed to the C fast path
+        self._planned: set[tuple[Any, ...]] = set()  # (kernel, key) handed to the native fast path
 
     def direct(self) -> bool:
-        """Whether the fused kernel launches through the CUDA driver (then the C fast path may too)."""
+        """Whether the fused kernel launches through the CUDA driver (then the native fast path may too)."""
         return self.keyable and self.fused_launch.driver is not None
 
     def launchers(self) -> tuple[CompiledLaunch, ...]:
@@ -287,7 +287,7 @@ class LedgerKernels:
 
     def _hand_to_fast_path(self, launch: CompiledLaunch, key: tuple[Any, ...], slot: int, args: tuple[Any, ...],
                            per_call: tuple[int, ...]) -> None:
-        """A kernel this call compiled and launched through the driver, handed to the C fast path
+        """A kernel this call compiled and launched through the driver, handed to the native fast path
         (launch.c) with its fixed parameters: the next such call launches from there. `per_call`:
         where the index, its count and the site go (and the owner kernel's rows), which C fills in."""
         plan, kernel = launch.plans.get(key), launch.compiled.get(key)

@@ -16,7 +16,7 @@ path; `=compiled` takes this one on an unchecked release too (to check it).
 
 Where the compiled kernel needs nothing Triton's launcher adds (no scratch memory, one CTA per
 program, no cluster, cooperative or programmatic launch, no launch hooks set), it is launched
-through the CUDA driver from the compiled hot path instead (`_hotpath.launch_kernel`, launch.c):
+through the CUDA driver from the native path instead (`_native.launch_kernel`, launch.c):
 that launcher is Python before its C call, about 10 us of the 32 a hooked call costs on an H100.
 Only on Triton releases whose kernel parameters were checked that way on a GPU (`CHECKED_DIRECT`);
 `KVDOCTOR_LEDGER_LAUNCH=compiled` keeps Triton's compiled launcher, `=direct` takes the driver on
@@ -25,7 +25,7 @@ instead, and this kernel stays there.
 
 Where the driver launch is taken, the healthy alloc or free (one fused kernel, or for more than a
 block its check and its write), a request-table write's owner update and a paged alloc's last_loc
-check with its update (one kernel) are launched from the C fast path itself, with no Python at all
+check with its update (one kernel) are launched from the native fast path itself, with no Python at all
 (csrc/launch.c): the Python path hands it each kernel's plan after its first launch (kernels.py).
 `=driver` keeps every call on the Python path, to compare the two.
 """
@@ -71,18 +71,18 @@ def _runtime_knobs() -> Any:
 
 
 def _driver_launch() -> Any:
-    """The compiled hot path's driver launch, where this process may take it; else None."""
+    """The native path's driver launch, where this process may take it; else None."""
     mode = os.environ.get("KVDOCTOR_LEDGER_LAUNCH")
     if mode in ("triton", "compiled"):
         return None
     try:
         import triton
 
-        from kvdoctor.probe import hotpath
+        from kvdoctor.probe import native
 
         if triton.__version__ not in CHECKED_DIRECT and mode != "direct":
             return None
-        return getattr(hotpath.NATIVE, "launch_kernel", None)
+        return getattr(native.NATIVE, "launch_kernel", None)
     except Exception:
         return None
 
@@ -143,7 +143,7 @@ class CompiledLaunch:
         self.stream = _raw_stream()
         self.enabled = self.knobs is not None and self.stream is not None
         self.compiled: dict[tuple[Any, ...], Any] = {}
-        self.fast_launches = 0  # how many calls took the compiled path (the benchmark reports it)
+        self.fast_launches = 0  # how many calls took the native path (the benchmark reports it)
         self.driver_launches = 0  # how many of those went through the driver (launch.c)
         self.declined = ""  # why a first call's kernel could not be kept, if it could not
         self.driver = _driver_launch() if self.enabled else None
@@ -204,17 +204,17 @@ def register_device_ledger(allocator: Any, ledger: Any) -> bool:
     from C (launch.c), where its kernels launch through the CUDA driver; each kernel's plan comes
     from the Python path's first launch of it (ledger/kernels.py). `KVDOCTOR_LEDGER_LAUNCH=driver`
     keeps every call on the Python path (the driver launch from there), to compare the two."""
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
 
     kernels = getattr(ledger, "kernels", None)
-    register = getattr(hotpath.NATIVE, "register_device_ledger", None)
+    register = getattr(native.NATIVE, "register_device_ledger", None)
     if register is None or kernels is None or not kernels.direct() or os.environ.get("KVDOCTOR_LEDGER_LAUNCH") == "driver":
         return False
     device = ledger.state.device
     device_type = _DLPACK_DEVICE.get(device.type)
     if device_type is None:
         return False
-    hotpath.ensure_torch()
+    native.ensure_torch()
     launch = kernels.fused_launch
     return bool(
         register(
@@ -248,9 +248,9 @@ def device_plan(
     at_last_count: int = -1,
 ) -> bool:
     """One compiled kernel of a registered device ledger (False: the ledger is not registered)."""
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
 
-    plan = getattr(hotpath.NATIVE, "device_plan", None)
+    plan = getattr(native.NATIVE, "device_plan", None)
     return plan is not None and bool(
         plan(ledger, slot, function, kinds, block, shared, values, at_index, at_count, at_site, at_rows, at_last, at_last_count)
     )
@@ -276,7 +276,7 @@ def _bits(tensor: Any) -> int:
 
 
 def device_slot(op: int, idx: Any, *, page_starts: bool = False, as_pages: bool = False, evicting: bool = False) -> int:
-    """Which of a device ledger's compiled plans an alloc or free takes in the C fast path (launch.c,
+    """Which of a device ledger's compiled plans an alloc or free takes in the native fast path (launch.c,
     DEVICE_RULE_*): its rule, then the index tensor's width and alignment."""
     rule = (1 if page_starts else 0) if op == OP_ALLOC else 4 | (2 if as_pages else 0) | (1 if evicting else 0)
     return rule << 2 | _bits(idx)
@@ -287,7 +287,7 @@ def _rows_slot(base: int, idx: Any, rows: Any) -> int:
 
 
 def owner_slot(idx: Any, rows: Any) -> int:
-    """The owner kernel's plan in the C fast path (launch.c, DEVICE_OWNER_SLOT): one row, or a
+    """The owner kernel's plan in the native fast path (launch.c, DEVICE_OWNER_SLOT): one row, or a
     tensor of rows, then the slots' (and the rows') width and alignment."""
     return _rows_slot(32, idx, rows)
 

@@ -28,12 +28,20 @@ class RequestTable:
     """Which request rows (req_pool_idx) are live, and the request id each one serves.
 
     Changed by the scheduler's thread and read by the writer thread's rolling census: changes and
-    `live_rows()` hold a lock. The compiled hot path makes the same changes on `live` and
-    `finished` themselves (csrc/sglang_paths.c, `table_allocated`, `table_freed`), holding the GIL
+    `live_rows()` hold a lock. The native path makes the same changes on `live` and `finished`
+    themselves (its context.c, `context_row_allocated`, `context_row_freed`), holding the GIL
     from the first to the last with no Python code between them, which orders them as the lock
     does; so neither dict may be replaced, only changed."""
 
     max_finished = MAX_FINISHED_ROWS
+    # what the native path calls and reads here, by operation (context.c's keys)
+    native_names = {
+        "row_allocated": "allocated",
+        "row_freed": "freed",
+        "rows_live": "live",
+        "rows_finished": "finished",
+        "rows_kept": "max_finished",
+    }
 
     def __init__(self) -> None:
         self.live: dict[int, str] = {}

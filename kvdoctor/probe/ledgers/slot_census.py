@@ -21,7 +21,7 @@ Emit = Callable[[str, dict[str, Any]], None]
 
 class LedgerArrays(Protocol):
     """What the readback reads of its ledger (`slots.SlotLedger`): the arrays, their sizes, where
-    events go and the lock the compiled path holds too."""
+    events go and the lock the native path holds too."""
 
     name: str
     page_size: int
@@ -39,7 +39,7 @@ class LedgerArrays(Protocol):
     violation_site: Any
     counters: Any
     oor_value: Any
-    lock: Any  # hotpath.new_lock(): reentrant, used as `with lock:`
+    lock: Any  # native.new_lock(): reentrant, used as `with lock:`
     not_judged: str
 
     def fill(self, arr: Any, where: Any, value: int) -> None: ...

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.base.callsites import CallSites
 from kvdoctor.probe.base.settings import env_switch
 from kvdoctor.probe.base.vocabulary import FREE, KIND_BITS, KIND_SLOT, OWNED, RESERVED, TREE
@@ -58,7 +58,7 @@ class SlotLedger:
         if not self.xp.sync_free_branching and (str(device).startswith("cuda") or env_switch("KVDOCTOR_LEDGER_KERNELS", False)):
             self.use_kernels()
         self.calls = 0
-        self.lock = hotpath.new_lock()
+        self.lock = native.new_lock()
         self.readback = SlotReadback(self)  # violations, counts and the census, read back from these arrays
         self.reset_all_free()
 
@@ -319,7 +319,7 @@ class SlotLedger:
 
     def on_last_loc_alloc(self, last_loc_tensor: Any, req_indices: Any, slots_tensor: Any, site: int, only_page_starts: bool) -> None:
         """A paged alloc's last_loc check and its update, taken together after the host's call (the
-        compiled fast path's way on a GPU: one launch). The call changed no state of this ledger, so
+        native fast path's way on a GPU: one launch). The call changed no state of this ledger, so
         the check sees what it would have seen before it."""
         if self.kernels is None:
             self.check_last_loc(last_loc_tensor, site, req_indices)

@@ -1,9 +1,9 @@
-"""On the GPU: the ledger's alloc and free launched from the C fast path (csrc/launch.c) against the
+"""On the GPU: the ledger's alloc and free launched from the native fast path (csrc/launch.c) against the
 same calls on the Python path, through SGLang 0.5.9's real `TokenToKVPoolAllocator` with the probe.
 
 Two allocators in one process take the same seeded sequence of calls: the first with
 KVDOCTOR_LEDGER_LAUNCH=driver (every call on the Python path: its kernels launched through the
-driver from Python), the second with the C fast path on. Calls of one block or less, more than a
+driver from Python), the second with the native fast path on. Calls of one block or less, more than a
 block, int32 and unaligned index views, and faults (a double free, which SGLang's free list then
 hands out twice: double allocations follow). Each allocation is written into a real
 `ReqToTokenPool` (the owner kernel): into one row, or a row per slot as a decode step writes, with
@@ -151,7 +151,7 @@ def run_mode(probe, torch, mode: str, device: str, shape: str) -> tuple[dict, ob
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
     from kvdoctor.probe.engines.sglang.state import sglang_state
 
     os.environ["KVDOCTOR_LEDGER_LAUNCH"] = mode  # read when the allocator's ledger is made
@@ -163,12 +163,12 @@ def run_mode(probe, torch, mode: str, device: str, shape: str) -> tuple[dict, ob
         allocator.free(allocator.alloc(1))  # the ledger is made (and its kernels' first launch) here
     state = sglang_state(probe)
     state.primary = state.ledger_for(allocator)  # request rows point at this allocator's slots now
-    hotpath.set_primary(allocator)
+    native.set_primary(allocator)
     pool = ReqToTokenPool(64, 1024, device, False)
     rows = torch.arange(1300, device=device) % 64
     table = {"rows": rows, "rows32": rows.to(torch.int32), "columns": torch.arange(1300, device=device) % 1024}
     torch.cuda.synchronize()
-    launches0 = hotpath.NATIVE.stats()["device_launches"]
+    launches0 = native.NATIVE.stats()["device_launches"]
     err = None
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -183,7 +183,7 @@ def run_mode(probe, torch, mode: str, device: str, shape: str) -> tuple[dict, ob
     result = {
         "error": err,
         "hooked_calls": calls,
-        "c_launches": hotpath.NATIVE.stats()["device_launches"] - launches0,
+        "c_launches": native.NATIVE.stats()["device_launches"] - launches0,
         "counters": [int(c) for c in ledger.counters.tolist()],
     }
     return result, ledger

@@ -1,7 +1,7 @@
 """On the GPU: the ledger's Triton kernels against its torch path over random op sequences, and
 the time each takes per hooked call (the kernels are what a CUDA ledger uses). Three launch paths:
 Triton's own (`triton`), the compiled kernel through Triton's launcher (`compiled`), and through
-the CUDA driver from the compiled hot path (`direct`, ledger/launch.py). The ops include a paged
+the CUDA driver from the native path (`direct`, ledger/launch.py). The ops include a paged
 alloc's last_loc check and its update, which the kernels' path makes in one launch. Run it with
 KVDOCTOR_LEDGER_LAUNCH=direct, so that the driver launch is on for the releases not yet checked."""
 

@@ -1,7 +1,7 @@
 """What SGLang's request pool (`ReqToTokenPool`) tells the slot ledger: which rows are live, which
 request holds each, and which slots each row points at. Releases before 0.5.9 allocate rows by
 count and free them by index; from 0.5.9 the pool takes the requests themselves. The roles with
-a `fast_kind` are kept in step with kvdoctor/probe/csrc/sglang_paths.c, as roles.py's are.
+a `fast_kind` have their healthy case done by the native path, as roles.py's do.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class RequestPoolRole(Role):
 
 class ReqAllocRole(RequestPoolRole):
     fast_kind = "req_alloc"
+    fast_names = {"requests": "reqs", "id": "rid"}  # what the native path reads (native.READS)
     reads = {"reqs": 0}
 
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
@@ -73,6 +74,7 @@ class ReqFreeIndexRole(RequestPoolRole):
 
 class ReqFreeRole(RequestPoolRole):
     fast_kind = "req_free"
+    fast_names = {"request": "req", "table": "req_to_token", "index": "req_pool_idx"}
     # `free(req)` releases through `free_rows([row])` on the same pool from 0.5.23: one release,
     # recorded once, by the outer call
     composite = True
@@ -96,6 +98,7 @@ class ReqFreeRole(RequestPoolRole):
 
 class ReqFreeRowsRole(RequestPoolRole):
     fast_kind = "req_free_rows"
+    fast_names = {"rows": "indices", "table": "req_to_token"}
     composite = True  # inside `free(req)` it is the same release (see ReqFreeRole)
     reads = {"indices": 0}
 
@@ -114,6 +117,7 @@ class ReqFreeRowsRole(RequestPoolRole):
 
 class ReqWriteRole(RequestPoolRole):
     fast_kind = "req_write"
+    fast_names = {"rows": "indices", "slots": "values"}
     reads = {"indices": 0, "values": 1}
 
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:

@@ -10,16 +10,16 @@ points at (`req_write_spans`: speculative decoding's row writer, a function arou
 `last_loc_source` remembers which rows a computed `last_loc` was read from, so a stale one can be
 named and, with `recompute-last-loc`, read again.
 
-Kept in step with kvdoctor/probe/csrc/sglang_paths.c: a role with a `fast_kind` has its healthy
-case done there in C, so a change to what such a role reads or records is made there too
-(tests/integration/test_hotpath.py compares the two paths).
+A role with a `fast_kind` has its healthy case done by the native path's ledger operation of
+that kind, reading the arguments and attributes its `fast_names` names: a change to what such a
+role records is made there too (tests/integration/test_native.py compares the two paths).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.base import fixes
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, NoteRole, Role, argument
 from kvdoctor.probe.base.objects import own
@@ -57,6 +57,7 @@ class SlotNoteRole(NoteRole):
 
 class AllocRole(SlotRole):
     fast_kind = "alloc"
+    fast_names = {"loc": "last_loc"}  # what the native path reads (native.READS says of each kind)
     composite = True
     wants_site = True
     only_page_starts = False
@@ -160,7 +161,7 @@ class FreeRole(SlotRole):
         if index is None or not hasattr(index, "numel") or index.numel() == 0:
             return
         with ledger.lock:
-            ledger.on_free(index, site, evicting=hotpath.evicting(), as_pages=self.as_pages)
+            ledger.on_free(index, site, evicting=native.evicting(), as_pages=self.as_pages)
 
     def rewrite(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, ctx: Any) -> tuple[Args, Kwargs]:
         if "dedup-free" not in probe.fixes or ctx is None or not args:
@@ -190,7 +191,7 @@ class GroupEndRole(SlotRole):
         with ledger.lock:
             for pages in staged:
                 if hasattr(pages, "numel") and pages.numel():
-                    ledger.on_free(pages, site, evicting=hotpath.evicting(), as_pages=True)
+                    ledger.on_free(pages, site, evicting=native.evicting(), as_pages=True)
         sglang_state(probe).judge_deferred_releases()
 
 
@@ -212,8 +213,12 @@ def _tree_size(tree: Any) -> int:
     return int(tree.evictable_size()) + int(tree.protected_size())
 
 
+_TREE_NAMES = {"owner": "token_to_kv_pool_allocator", "size": "evictable_size", "size_also": "protected_size", "prefix": "prefix_len"}
+
+
 class TreeInsertRole(SlotRole):
     fast_kind = "tree_insert"
+    fast_names = {**_TREE_NAMES, "carrier": "params", "slots": "value"}
     wants_site = True
     reads = {"params": 0}
 
@@ -245,6 +250,7 @@ class TreeInsertKeyValueRole(TreeInsertRole):
     """Before 0.5.9: `insert(key, value, chunked[, priority]) -> prefix_len`."""
 
     reads = {"key": 0, "value": 1}
+    fast_names = {**_TREE_NAMES, "carrier": "value"}
 
     def inserted_value(self, hook: Hook, args: Args, kwargs: Kwargs) -> Any:
         return hook.arg(args, kwargs, "value")
@@ -252,19 +258,21 @@ class TreeInsertKeyValueRole(TreeInsertRole):
 
 class TreeEvictRole(SlotRole):
     fast_kind = "tree_evict"
+    fast_names = {"owner": _TREE_NAMES["owner"]}
 
     def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         sglang_state(probe).tree_ledger(obj)
-        hotpath.evict_add(1)
+        native.evict_add(1)
         return True
 
     def finally_(self, probe: ProbeContext, ctx: Any) -> None:
         if ctx:
-            hotpath.evict_add(-1)
+            native.evict_add(-1)
 
 
 class TreeUnlockRole(SlotRole):
     fast_kind = "tree_unlock"
+    fast_names = {"node": "node", "count": "lock_ref", "root": "root_node"}
     wants_site = True
     reads = {"node": 0}
 
@@ -295,7 +303,8 @@ class TreeResetRole(SlotRole):
 class LastLocSourceRole(SlotRole):
     """`get_last_loc(req_to_token, req_pool_indices, prefix_lens)`: remember which rows it read."""
 
-    fast_kind = "last_loc"  # the compiled path stores the same tuple (hotpath.wrap_function)
+    fast_kind = "last_loc"  # the native path stores the same tuple (native.wrap_function)
+    fast_names = {"table": "req_to_token", "rows": "req_pool_indices_tensor", "prefix": "prefix_lens_tensor"}
     sources_max = MAX_LAST_LOC_SOURCES
     reads = {"req_to_token": 0, "req_pool_indices_tensor": 1, "prefix_lens_tensor": 2}
 

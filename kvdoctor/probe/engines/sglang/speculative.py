@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.base import objects
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.engines.sglang.state import SglangState, sglang_state
@@ -150,7 +150,7 @@ def note_row_ends(state: SglangState, table: Any, rows: Any, ends: Any) -> None:
         if getattr(table, "device", None) is None or table.device.type != "cpu" or len(table.shape) != 2:
             return
         extent = state.row_extent = np.zeros(int(table.shape[0]), dtype=np.int64)
-        hotpath.set_row_extent(extent)
+        native.set_row_extent(extent)
     if int(table.shape[0]) != extent.size:
         return  # not the table the releases are checked against
     r, e = rows.numpy().reshape(-1), ends.numpy().reshape(-1)

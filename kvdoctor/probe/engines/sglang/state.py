@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvdoctor.probe import hotpath
+from kvdoctor.probe import native
 from kvdoctor.probe.base.context import positive_ints
 from kvdoctor.probe.base.emitter import say
 from kvdoctor.probe.base.rank import ledger_name
@@ -38,6 +38,8 @@ MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the 
 # each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
 # (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
+# What the native path calls on the state, by operation (context.c's keys); the request table's are its own.
+NATIVE_CONTEXT = {"census": "census_if_due", "tree_seen": "tree", "row_written": "note_row_write", "rows_released": "request_rows_freed"}
 QUIET_S = 0.5  # an idle engine this long without a release gets its census from the writer thread
 SHUTDOWN_BUSY_WAIT_S = 3.0  # asked for a census at shutdown while busy: wait this long for quiet, then the rolling one stands
 
@@ -66,11 +68,11 @@ class SglangState:
         self.judging = CoverageJudge(self)
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
-        hotpath.sglang_context(self, self.last_loc_sources, self.requests)
+        native.set_context(self, self.requests, self.last_loc_sources, {**NATIVE_CONTEXT, **self.requests.native_names})
 
     @property
     def census_pending(self) -> bool:
-        """An idle census is due: the next allocation takes it (the compiled path steps aside)."""
+        """An idle census is due: the next allocation takes it (the native path steps aside)."""
         return self._census_pending
 
     @census_pending.setter
@@ -80,7 +82,7 @@ class SglangState:
 
     def _divert(self) -> None:
         """Allocations take the Python path while a census is due or the engine is still sought."""
-        hotpath.set_divert(self._census_pending or self.speculative.seeks_left > 0)
+        native.set_divert(self._census_pending or self.speculative.seeks_left > 0)
 
     # ----- ledgers -----
 
@@ -141,10 +143,10 @@ class SglangState:
         self.judging.judge_ledgers()
         if probe.rendezvous is not None:
             probe.rendezvous.register()
-        registered = hotpath.register_ledger(allocator, ledger, self.allocator_options(allocator))
+        registered = native.register_ledger(allocator, ledger, self.allocator_options(allocator))
         registered = register_device_ledger(allocator, ledger) or registered
         if registered and self.primary is ledger:
-            hotpath.set_primary(allocator)
+            native.set_primary(allocator)
         return ledger
 
     def _say_unproven(self, name: str, found: dict[str, Any]) -> None:
@@ -190,7 +192,7 @@ class SglangState:
             if table is None or getattr(table, "device", None) is None or table.device.type != "cpu":
                 return
             extent = self.row_extent = np.zeros(int(table.shape[0]), dtype=np.int64)
-            hotpath.set_row_extent(extent)
+            native.set_row_extent(extent)
         if isinstance(rows, int):
             if isinstance(columns, slice):
                 stop = columns.stop if columns.stop is not None else (columns.start or 0) + int(values.numel())

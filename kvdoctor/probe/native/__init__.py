@@ -1,4 +1,4 @@
-"""The compiled hot path (`_hotpath`, a C extension: kvdoctor/probe/csrc/), and the pure-Python
+"""The native path (`_native`, a C extension: kvdoctor/probe/native/csrc/), and the pure-Python
 fallback beside it.
 
 The probe's wrappers, re-entry bookkeeping and the slot ledger's healthy-case updates run in C
@@ -9,11 +9,11 @@ truth: the extension takes only the cases it has checked to be healthy and hands
 
 Index tensors are read where torch keeps their fields (places learned at start on `index_samples`
 and checked against DLPack's answers, every 1024th read compared again), else through torch's
-DLPack C table, else through its getters; `KVDOCTOR_HOTPATH_DIRECT=0` and `KVDOCTOR_HOTPATH_DLPACK=0`
+DLPack C table, else through its getters; `KVDOCTOR_NATIVE_DIRECT=0` and `KVDOCTOR_NATIVE_DLPACK=0`
 step down the first one or two.
 
-`KVDOCTOR_HOTPATH=0` keeps a process on the Python path (the tests compare the two); which path a
-process runs, and why, is `CHOICE` (hotpath_loader.py). Nothing here raises: a missing or
+`KVDOCTOR_NATIVE=0` keeps a process on the Python path (the tests compare the two); which path a
+process runs, and why, is `CHOICE` (native/loader.py). Nothing here raises: a missing or
 mismatched extension means the Python path.
 """
 
@@ -25,21 +25,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.base.context import Role
-from kvdoctor.probe.hotpath_loader import HotPathChoice, load
+from kvdoctor.probe.base.settings import env_text
+from kvdoctor.probe.native.loader import NativeChoice, load
 
 if TYPE_CHECKING:
     from kvdoctor.probe.base.context import Hook, ProbeContext
 
-ENV_DLPACK = "KVDOCTOR_HOTPATH_DLPACK"  # 0: index tensors read through torch's Python getters only
-ENV_DIRECT = "KVDOCTOR_HOTPATH_DIRECT"  # 0: never read torch's tensor fields in place (DLPack only)
+ENV_DLPACK = "KVDOCTOR_NATIVE_DLPACK"  # 0: index tensors read through torch's Python getters only
+ENV_DIRECT = "KVDOCTOR_NATIVE_DIRECT"  # 0: never read torch's tensor fields in place (DLPack only)
 MAX_LEDGER_BITS = 32
 MAX_ROLE_BITS = 64
 
 NATIVE: Any
-CHOICE: HotPathChoice  # which path this process runs, and why (said in the trace header)
+CHOICE: NativeChoice  # which path this process runs, and why (said in the trace header)
 NATIVE, CHOICE = load()
 
-# The fast path each role kind takes (`Role.fast_kind`); "" is the generic path.
+# The ledger operation each role kind is (`Role.fast_kind`); "" is the generic path.
 KINDS = (
     {}
     if NATIVE is None
@@ -48,16 +49,31 @@ KINDS = (
         "note": NATIVE.K_NOTE,
         "alloc": NATIVE.K_ALLOC,
         "free": NATIVE.K_FREE,
-        "tree_insert": NATIVE.K_TREE_INSERT,
-        "tree_evict": NATIVE.K_TREE_EVICT,
+        "tree_insert": NATIVE.K_TREE_IN,
+        "tree_evict": NATIVE.K_TREE_OUT,
         "tree_unlock": NATIVE.K_TREE_UNLOCK,
-        "req_write": NATIVE.K_REQ_WRITE,
-        "req_alloc": NATIVE.K_REQ_ALLOC,
-        "req_free": NATIVE.K_REQ_FREE,
-        "req_free_rows": NATIVE.K_REQ_FREE_ROWS,
+        "req_write": NATIVE.K_OWNER_WRITE,
+        "req_alloc": NATIVE.K_ROW_ALLOC,
+        "req_free": NATIVE.K_ROW_FREE,
+        "req_free_rows": NATIVE.K_ROWS_FREE,
         "last_loc": NATIVE.K_LAST_LOC,
     }
 )
+
+# What each operation reads: its arguments, then the attributes and methods of the host's objects,
+# by the keys under which a role's `fast_names` names them, in the order of the extension's slots
+# (native.h's A_* and T_*). The C knows no engine's names: a role declares them.
+READS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "alloc": (("loc",), ()),
+    "tree_insert": (("carrier",), ("owner", "size", "size_also", "slots", "prefix")),
+    "tree_evict": ((), ("owner",)),
+    "tree_unlock": (("node",), ("count", "root")),
+    "req_write": (("rows", "slots"), ()),
+    "req_alloc": (("requests",), ("id",)),
+    "req_free": (("request",), ("table",)),
+    "req_free_rows": (("rows",), ("table",)),
+    "last_loc": (("table", "rows", "prefix"), ()),
+}
 
 
 def active() -> bool:
@@ -117,19 +133,23 @@ def _fast_kind(role: Role) -> str:
     return ""
 
 
+def _reads(kind: str, role: Role, hook: Hook) -> dict[str, Any]:
+    """The arguments (position in the map's signature, name) and attributes the operation reads,
+    from the role's `fast_names`."""
+    names: dict[str, str] = dict(getattr(role, "fast_names", {}))
+    arg_keys, attr_keys = READS.get(kind, ((), ()))
+    args = tuple((int(hook.positions.get(names[k], -1)) if k in names else -1, names.get(k)) for k in arg_keys)
+    return {"args": args, "attrs": tuple(names.get(k) for k in attr_keys)}
+
+
 def wrap(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., Any]:
     """The compiled wrapper of one method: what `hooks.wrap_method` builds in Python."""
     import functools
 
     kind = _fast_kind(role)
-    positions = hook.positions
     options = hook.options
     group_attr = options.get("group_attr") or None
-
-    def position(name: str) -> int:
-        return int(positions.get(name, -1))
-
-    value_name = "params" if "params" in positions else "value"
+    index_attr = options.get("req_index_attr") or dict(getattr(role, "fast_names", {})).get("index")
     wrapper = NATIVE.Hooked(
         original,
         role,
@@ -147,26 +167,12 @@ def wrap(original: Callable[..., Any], role: Role, hook: Hook) -> Callable[..., 
         finally_=_overridden(role, "finally_"),
         prepare=_overridden(role, "prepare_args"),
         rewrite_result=_overridden(role, "rewrite_result"),
-        last_loc_pos=position("last_loc"),
-        last_loc_name="last_loc",
         only_page_starts=bool(getattr(role, "only_page_starts", False)),
         as_pages=bool(getattr(role, "as_pages", False)),
         group_attr=str(group_attr) if group_attr else None,
         group_open_when_false=options.get("group_open_when") == "false",
-        value_pos=position(value_name),
-        value_in_params=value_name == "params",
-        node_pos=position("node"),
-        indices_pos=position("indices"),
-        values_pos=position("values"),
-        value_name=value_name,
-        node_name="node",
-        indices_name="indices",
-        values_name="values",
-        req_pos=position("req"),
-        reqs_pos=position("reqs"),
-        req_name="req",
-        reqs_name="reqs",
-        req_index_path=tuple(str(options.get("req_index_attr", "req_pool_idx")).split(".")),
+        index_path=tuple(str(index_attr).split(".")) if index_attr else None,
+        **_reads(kind, role, hook),
     )
     functools.update_wrapper(wrapper, original)
     wrapper.__kvdoctor_role__ = hook.role
@@ -178,14 +184,7 @@ def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Calla
     its result (`get_last_loc`'s is done in C)."""
     import functools
 
-    positions = hook.positions
-    reads = getattr(role, "reads", {})
-    names = list(reads)
-
-    def named(index: int) -> str | None:
-        return names[index] if len(names) > index else None
-
-    kind = str(getattr(role, "fast_kind", "")) if len(names) == 3 else ""
+    kind = str(getattr(role, "fast_kind", ""))
     wrapper = NATIVE.Hooked(
         original,
         role,
@@ -197,12 +196,7 @@ def wrap_function(original: Callable[..., Any], role: Role, hook: Hook) -> Calla
         kind=KINDS.get(kind, NATIVE.K_GENERIC),
         after=_overridden(role, "after"),
         function=True,
-        table_pos=int(positions.get(names[0], -1)) if names else -1,
-        rows_pos=int(positions.get(names[1], -1)) if len(names) > 1 else -1,
-        prefix_pos=int(positions.get(names[2], -1)) if len(names) > 2 else -1,
-        table_name=named(0),
-        rows_name=named(1),
-        prefix_name=named(2),
+        **_reads(kind, role, hook),
         sources_max=int(getattr(role, "sources_max", 0)),  # only the last_loc kind remembers: its role says how many
     )
     functools.update_wrapper(wrapper, original)
@@ -246,7 +240,7 @@ def ensure_torch() -> None:
 
 
 def _switched_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
+    return (env_text(name) or "1").lower() not in ("0", "off", "false", "no")
 
 
 def index_samples(torch: Any) -> list[Any]:
@@ -315,9 +309,11 @@ def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> boo
     )
 
 
-def sglang_context(state: Any, last_loc_sources: dict[int, Any], requests: Any) -> None:
+def set_context(state: Any, requests: Any, sources: dict[int, Any], names: dict[str, str]) -> None:
+    """The engine's state, its request table and its last-loc sources, and the name each operation
+    the fast paths call has there (context.c's keys)."""
     if NATIVE is not None:
-        NATIVE.sglang_context(state, last_loc_sources, requests)
+        NATIVE.set_context(state, requests, sources, names)
 
 
 def set_primary(allocator: Any) -> None:

@@ -1,6 +1,6 @@
-"""The compiled hot path against the pure-Python one, on the real SGLang allocator, radix tree and
+"""The native path against the pure-Python one, on the real SGLang allocator, radix tree and
 request pool: the same ledgers (page by page, call sites as text), the same violations, censuses
-and statuses, the same host results; the healthy calls really take the compiled path; and a
+and statuses, the same host results; the healthy calls really take the native path; and a
 failure inside it turns the probe off without touching the host."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 import pytest
 from conftest import REPO, SUPPORT, sglang_env
 
-hotpath = pytest.importorskip("kvdoctor.probe.hotpath")
-pytestmark = pytest.mark.skipif(not hotpath.active(), reason="the compiled hot path is not built here")
+native = pytest.importorskip("kvdoctor.probe.native")
+pytestmark = pytest.mark.skipif(not native.active(), reason="the native path is not built here")
 
 FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc")
 CASES = [[page_size, fault, tree] for page_size in (1, 4) for fault in FAULTS for tree in ("radix", "unified")]
@@ -25,21 +25,21 @@ CASES += [[1, "double-free", "radix", ["double-free"]], [4, "stale-last-loc", "r
 CASES_059 = [[1, fault, "radix"] for fault in FAULTS]
 
 
-# the build this process runs (CI's sanitizer run names its own: KVDOCTOR_HOTPATH=<path>), or the package's
-COMPILED_BUILD = os.environ.get("KVDOCTOR_HOTPATH", "") if os.path.isfile(os.environ.get("KVDOCTOR_HOTPATH", "")) else "1"
+# the build this process runs (CI's sanitizer run names its own: KVDOCTOR_NATIVE=<path>), or the package's
+COMPILED_BUILD = os.environ.get("KVDOCTOR_NATIVE", "") if os.path.isfile(os.environ.get("KVDOCTOR_NATIVE", "")) else "1"
 
 
 def _start(compiled: bool, version: str, cases: list) -> subprocess.Popen:
     env = dict(
         sglang_env(version),
-        KVDOCTOR_HOTPATH=COMPILED_BUILD if compiled else "0",
+        KVDOCTOR_NATIVE=COMPILED_BUILD if compiled else "0",
         # the idle census is taken by whichever thread comes first: keep it on the scheduler's
         KVDOCTOR_IDLE_CENSUS_INTERVAL_S="0",
         KVDOCTOR_ROLLING_CENSUS_S="3600",
     )
     if not compiled:  # none of the C runs there: a sanitizer runtime (.ci/sanitize) would only slow it
         env.pop("LD_PRELOAD", None)
-    cmd = [sys.executable, os.path.join(SUPPORT, "hotpath_cases.py"), json.dumps(cases)]
+    cmd = [sys.executable, os.path.join(SUPPORT, "native_cases.py"), json.dumps(cases)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -96,15 +96,15 @@ def test_the_dlpack_reader_reads_what_the_getters_read():
     readers give the same element count, width, address and value, or both decline."""
     import torch
 
-    hotpath.ensure_torch()
-    assert hotpath.NATIVE.stats()["dlpack_reader"]
+    native.ensure_torch()
+    assert native.NATIVE.stats()["dlpack_reader"]
     base = torch.arange(40, dtype=torch.int64)
     more = [base[3:], base[::5], base.view(5, 8)[:, ::2], base.view(8, 5)[2], torch.tensor([7], dtype=torch.int32)]
     more += [base.view(2, 20).t().contiguous(), torch.empty(0, 3, dtype=torch.int64), base.to(torch.float64)]
-    for tensor in hotpath.index_samples(torch) + more:
-        assert hotpath.NATIVE.readers_agree(tensor), (tensor.shape, tensor.stride(), tensor.dtype)
+    for tensor in native.index_samples(torch) + more:
+        assert native.NATIVE.readers_agree(tensor), (tensor.shape, tensor.stride(), tensor.dtype)
     meta = torch.empty(4, dtype=torch.int64, device="meta")
-    assert hotpath.NATIVE.readers_agree(meta)  # DLPack declines it: the getters are asked
+    assert native.NATIVE.readers_agree(meta)  # DLPack declines it: the getters are asked
 
 
 def test_the_in_place_reader_reads_what_dlpack_reads_and_leaves_the_rest_to_it():
@@ -113,9 +113,9 @@ def test_the_in_place_reader_reads_what_dlpack_reads_and_leaves_the_rest_to_it()
     inline dimensions, meta, subclasses) is left to DLPack."""
     import torch
 
-    hotpath.ensure_torch()
-    native = hotpath.NATIVE
-    assert native.stats()["direct_reader"]
+    native.ensure_torch()
+    ext = native.NATIVE
+    assert ext.stats()["direct_reader"]
     base = torch.arange(60, dtype=torch.int64)
     with torch.inference_mode():
         inference = torch.arange(9, dtype=torch.int32)[1:]
@@ -125,10 +125,10 @@ def test_the_in_place_reader_reads_what_dlpack_reads_and_leaves_the_rest_to_it()
     left += [base.view(1, 2, 3, 2, 5, 1)]  # more dimensions than torch keeps inline
     left += [torch.empty(3, dtype=torch.int64, device="meta")]
     for tensor in read_here + left:
-        assert native.readers_agree(tensor), (tensor.shape, tensor.stride(), tensor.dtype)
-    assert [native.read_in_place(t) for t in read_here] == [True] * len(read_here)
-    assert [native.read_in_place(t) for t in left] == [False] * len(left)
-    assert not native.read_in_place(torch.nn.Parameter(base.float()))  # a subclass: not read by any reader here
+        assert ext.readers_agree(tensor), (tensor.shape, tensor.stride(), tensor.dtype)
+    assert [ext.read_in_place(t) for t in read_here] == [True] * len(read_here)
+    assert [ext.read_in_place(t) for t in left] == [False] * len(left)
+    assert not ext.read_in_place(torch.nn.Parameter(base.float()))  # a subclass: not read by any reader here
 
 
 def test_the_in_place_reader_is_compared_with_dlpack_and_turns_off_on_a_difference(tmp_path, monkeypatch):
@@ -143,36 +143,36 @@ def test_the_in_place_reader_is_compared_with_dlpack_and_turns_off_on_a_differen
     from kvdoctor.probe.core import runtime
     from kvdoctor.probe.engines.sglang.state import sglang_state
 
-    native = hotpath.NATIVE
-    hotpath._TORCH_SEEN = None  # learn afresh: the counters start at zero
+    ext = native.NATIVE
+    native._TORCH_SEEN = None  # learn afresh: the counters start at zero
     runtime.activate(str(tmp_path / "inplace.json"))
     try:
-        native.direct_check_every(1)
+        ext.direct_check_every(1)
         run_workload(WorkloadConfig(page_size=1, conversations=4, turns=2, pool_tokens=1024))
-        stats = native.stats()
+        stats = ext.stats()
         assert stats["direct_reader"] and stats["direct_mismatches"] == 0
         assert stats["direct_checked"] == stats["direct_reads"] > 100
 
         engine = Engine(pool_tokens=256, page_size=1)
         ledger = sglang_state(runtime.current()).ledger_for(engine.allocator)
-        native.direct_misread()
+        ext.direct_misread()
         slots = engine.allocator.alloc(6)  # an int64 tensor, now misread as int32
-        stats = native.stats()
+        stats = ext.stats()
         assert not stats["direct_reader"] and stats["direct_mismatches"] == 1
         assert [int(ledger.state[int(s)]) for s in slots] == [OWNED] * 6
-        assert native.readers_agree(torch.arange(5))
+        assert ext.readers_agree(torch.arange(5))
     finally:
-        native.direct_check_every(0)
+        ext.direct_check_every(0)
         runtime.deactivate()
-        hotpath._TORCH_SEEN = None
-        hotpath.ensure_torch()  # learned again: on for the tests after this one
-    assert native.stats()["direct_reader"]
-    monkeypatch.setenv(hotpath.ENV_DIRECT, "0")
-    hotpath.ensure_torch()
-    assert not native.stats()["direct_reader"] and native.stats()["dlpack_reader"]
-    monkeypatch.delenv(hotpath.ENV_DIRECT)
-    hotpath.ensure_torch()
-    assert native.stats()["direct_reader"]
+        native._TORCH_SEEN = None
+        native.ensure_torch()  # learned again: on for the tests after this one
+    assert ext.stats()["direct_reader"]
+    monkeypatch.setenv(native.ENV_DIRECT, "0")
+    native.ensure_torch()
+    assert not ext.stats()["direct_reader"] and ext.stats()["dlpack_reader"]
+    monkeypatch.delenv(native.ENV_DIRECT)
+    native.ensure_torch()
+    assert ext.stats()["direct_reader"]
 
 
 def test_the_compiled_path_on_sglang_0_5_9_leaves_exactly_what_the_python_path_leaves():
@@ -208,7 +208,7 @@ def test_a_failure_inside_a_compiled_fast_path_turns_the_probe_off_and_spares_th
     for kind in KINDS_THAT_FAIL:
         path = str(tmp_path / f"{kind}.json")
         runtime.activate(path)
-        hotpath.NATIVE.fail_after(hotpath.KINDS[kind])
+        native.NATIVE.fail_after(native.KINDS[kind])
         try:
             assert _workload() == baseline, kind
         finally:
@@ -244,11 +244,11 @@ def test_free_rows_called_by_itself_is_recorded_and_its_failure_spares_the_host(
                 engine.take_row(req)
             rows = [req.kv.req_pool_idx for req in reqs]
             if fail:
-                hotpath.NATIVE.fail_after(hotpath.KINDS["req_free_rows"])
+                native.NATIVE.fail_after(native.KINDS["req_free_rows"])
             engine.req_pool.free_rows(rows[:2])
             return sorted(engine.req_pool.free_slots), set(sglang_state(probe).requests.live)
         finally:
-            hotpath.NATIVE.fail_after(-1)
+            native.NATIVE.fail_after(-1)
             runtime.deactivate()
 
     free_slots, live = release_by_rows(fail=False)
@@ -259,7 +259,7 @@ def test_free_rows_called_by_itself_is_recorded_and_its_failure_spares_the_host(
 
 
 def test_the_compiled_path_keeps_the_request_table_as_its_methods_do(tmp_path, monkeypatch):
-    """The compiled path changes the request table's dicts itself: each row's rid live while held,
+    """The native path changes the request table's dicts itself: each row's rid live while held,
     then finished, a row taken again live once more, and only the newest `max_finished` finished
     rows remembered, oldest forgotten first, as `RequestTable.freed` keeps them."""
     from kvdoctor.demo.engine import Engine, Request
@@ -272,7 +272,7 @@ def test_the_compiled_path_keeps_the_request_table_as_its_methods_do(tmp_path, m
     try:
         engine = Engine(pool_tokens=256, page_size=1)
         table = sglang_state(probe).requests
-        before = hotpath.NATIVE.stats()["fast"]
+        before = native.NATIVE.stats()["fast"]
         reqs = [Request(f"table-{i}") for i in range(6)]
         for req in reqs[:5]:
             engine.take_row(req)
@@ -285,14 +285,14 @@ def test_the_compiled_path_keeps_the_request_table_as_its_methods_do(tmp_path, m
         row = int(reqs[5].kv.req_pool_idx)
         assert table.live == {row: "table-5"} and row not in table.finished
         assert table.describe(row) == f"req_pool_idx {row} (rid table-5, live)"
-        fast = [n - m for n, m in zip(hotpath.NATIVE.stats()["fast"], before, strict=True)]
-        assert fast[hotpath.KINDS["req_alloc"]] == 6 and fast[hotpath.KINDS["req_free"]] == 5  # all of them in C
+        fast = [n - m for n, m in zip(native.NATIVE.stats()["fast"], before, strict=True)]
+        assert fast[native.KINDS["req_alloc"]] == 6 and fast[native.KINDS["req_free"]] == 5  # all of them in C
     finally:
         runtime.deactivate()
 
 
 def test_the_ledger_lock_is_reentrant_owned_and_survives_fork():
-    lock = hotpath.new_lock()
+    lock = native.new_lock()
     with lock:
         with lock:  # the census takes it inside a hooked call that holds it
             assert lock._is_owned()
@@ -356,13 +356,13 @@ def test_a_fast_path_waits_for_a_ledger_lock_another_thread_holds(tmp_path):
         worker = threading.Thread(target=holder)
         worker.start()
         held.wait()
-        before = hotpath.NATIVE.stats()["fast"][hotpath.KINDS["alloc"]]
+        before = native.NATIVE.stats()["fast"][native.KINDS["alloc"]]
         slots = engine.allocator.alloc(5)
         order.append("allocated")
         worker.join()
         assert order == ["held", "released", "allocated"]
         assert seen["while_held"] == 0  # nothing changed under the holder
-        assert hotpath.NATIVE.stats()["fast"][hotpath.KINDS["alloc"]] == before + 1
+        assert native.NATIVE.stats()["fast"][native.KINDS["alloc"]] == before + 1
         assert all(ledger.state[int(s)] == OWNED for s in slots)
         engine.allocator.free(slots)
         assert all(ledger.state[int(s)] == FREE for s in slots)

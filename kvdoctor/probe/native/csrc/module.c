@@ -1,10 +1,10 @@
-/* The probe's compiled hot path: the wrapper every hooked method gets, and the slot ledger's
+/* The probe's native path: the wrapper every hooked method gets, and the slot ledger's
  * healthy-case updates, without a Python frame.
  *
- * Why: SGLang's scheduler is CPU-bound at small batches, and a Python wrapper that reads index
+ * Why: an engine's scheduler is CPU-bound at small batches, and a Python wrapper that reads index
  * tensors through torch's Python API and updates the ledger with numpy costs 9-21 us per hooked
- * call there. This extension does the same work as `kvdoctor.probe.hooks.wrap_method` plus the
- * roles it knows (`kind`), in C:
+ * call there. This extension does the same work as `kvdoctor.probe.core.hooks.wrap_method` plus the
+ * ledger operations it knows (`kind`), in C:
  *
  * - dispatch (here): the probe's switches, re-entry (composite roles), the hooked-call count, and
  *   the fast path of the hook's kind (FAST_PATHS), else the generic path (generic.c);
@@ -12,7 +12,9 @@
  * - index tensors (tensors.c): read in place, through torch's DLPack C table, or its getters;
  * - the ledger (ledger.c): the numpy arrays the Python `SlotLedger` owns, through their buffers,
  *   under a lock whose uncontended acquire is two stores (lock.c);
- * - SGLang's roles (sglang_paths.c), kept in step with kvdoctor/probe/sglang/roles.py.
+ * - the ledger operations (slot_ops.c, tree_ops.c, row_ops.c), each the healthy case of the roles
+ *   that declare it, reading what those roles name (native.h says how), and the engine's state
+ *   called by operation (context.c).
  *
  * It only ever takes the healthy case: every rule is checked first, and anything else (a
  * violation, an index it cannot read, a census due, a fix on, a fault injected) goes to the
@@ -20,16 +22,16 @@
  * what the Python path would have written; the tests compare the two on the same workloads.
  * Never raises into the host: its own failures go to `probe.fail`, like the Python wrapper's.
  */
-#include "hotpath.h"
+#include "native.h"
 
 #include <structmember.h>
 
-HotPathState H;
+NativeState H;
 _Thread_local ThreadState this_thread;
 
-#define HOTPATH_DEFINE_NAME(var, text) PyObject *S_##var;
-HOTPATH_NAMES(HOTPATH_DEFINE_NAME)
-#undef HOTPATH_DEFINE_NAME
+#define NATIVE_DEFINE_NAME(var, text) PyObject *S_##var;
+NATIVE_NAMES(NATIVE_DEFINE_NAME)
+#undef NATIVE_DEFINE_NAME
 
 /* ------------------------------------------------------------------ dispatch */
 
@@ -45,13 +47,13 @@ static const FastPath FAST_PATHS[K_COUNT] = {
     [K_NOTE] = fast_note,
     [K_ALLOC] = fast_alloc,
     [K_FREE] = fast_free,
-    [K_TREE_INSERT] = fast_tree_insert,
-    [K_TREE_EVICT] = fast_tree_evict,
+    [K_TREE_IN] = fast_tree_in,
+    [K_TREE_OUT] = fast_tree_out,
     [K_TREE_UNLOCK] = fast_tree_unlock,
-    [K_REQ_WRITE] = fast_req_write,
-    [K_REQ_ALLOC] = fast_req_alloc,
-    [K_REQ_FREE] = fast_req_free,
-    [K_REQ_FREE_ROWS] = fast_req_free_rows,
+    [K_OWNER_WRITE] = fast_owner_write,
+    [K_ROW_ALLOC] = fast_row_alloc,
+    [K_ROW_FREE] = fast_row_free,
+    [K_ROWS_FREE] = fast_rows_free,
 };
 
 static PyObject *
@@ -81,6 +83,65 @@ hooked_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyOb
 
 /* ------------------------------------------------------------------ the Hooked type */
 
+/* The attributes each operation cannot go without (T_SLOTS is optional: without it the carrier
+ * argument is the slots). */
+static const unsigned REQUIRED_ATTRS[K_COUNT] = {
+    [K_TREE_IN] = 1u << T_OWNER | 1u << T_SIZE | 1u << T_SIZE_ALSO | 1u << T_PREFIX,
+    [K_TREE_OUT] = 1u << T_OWNER,
+    [K_TREE_UNLOCK] = 1u << T_COUNT | 1u << T_ROOT,
+    [K_ROW_ALLOC] = 1u << T_ID,
+    [K_ROW_FREE] = 1u << T_TABLE,
+    [K_ROWS_FREE] = 1u << T_TABLE,
+};
+
+/* `args`: up to MAX_ARGS (position, keyword) pairs, by slot (A_*); `attrs`: up to MAX_ATTRS names or
+ * None, by slot (T_*). */
+static int
+hooked_reads(Hooked *self, PyObject *args, PyObject *attrs)
+{
+    for (int i = 0; i < MAX_ARGS; i++) {
+        self->arg_pos[i] = -1;
+        Py_CLEAR(self->arg_name[i]);
+    }
+    for (int i = 0; i < MAX_ATTRS; i++)
+        Py_CLEAR(self->attr[i]);
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) > MAX_ARGS || !PyTuple_CheckExact(attrs) ||
+        PyTuple_GET_SIZE(attrs) > MAX_ATTRS) {
+        PyErr_SetString(PyExc_TypeError, "args: a tuple of (position, name) pairs; attrs: a tuple of names or None");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(args, i), *name = NULL;
+        Py_ssize_t pos;
+        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "nO", &pos, &name))
+            return PyErr_Occurred() ? -1 : (PyErr_SetString(PyExc_TypeError, "args: (position, name) pairs"), -1);
+        if (name != Py_None && !PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "args: an argument's name is a str or None");
+            return -1;
+        }
+        self->arg_pos[i] = pos;
+        self->arg_name[i] = name == Py_None ? NULL : Py_NewRef(name);
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attrs); i++) {
+        PyObject *name = PyTuple_GET_ITEM(attrs, i);
+        if (name == Py_None)
+            continue;
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "attrs: names or None");
+            return -1;
+        }
+        self->attr[i] = Py_NewRef(name);
+        PyUnicode_InternInPlace(&self->attr[i]);
+    }
+    for (int i = 0; i < MAX_ATTRS; i++) {
+        if ((REQUIRED_ATTRS[self->kind] >> i & 1u) && self->attr[i] == NULL) {
+            PyErr_Format(PyExc_ValueError, "fast-path kind %d needs attrs[%d]", self->kind, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int
 hooked_init(Hooked *self, PyObject *args, PyObject *kwargs)
 {
@@ -100,65 +161,49 @@ hooked_init(Hooked *self, PyObject *args, PyObject *kwargs)
                             "finally_",
                             "prepare",
                             "rewrite_result",
-                            "last_loc_pos",
-                            "last_loc_name",
                             "only_page_starts",
                             "as_pages",
                             "group_attr",
                             "group_open_when_false",
-                            "value_pos",
-                            "value_in_params",
-                            "node_pos",
-                            "indices_pos",
-                            "values_pos",
-                            "value_name",
-                            "node_name",
-                            "indices_name",
-                            "values_name",
-                            "req_pos",
-                            "reqs_pos",
-                            "req_name",
-                            "reqs_name",
-                            "req_index_path",
+                            "args",
+                            "attrs",
+                            "index_path",
                             "function",
-                            "table_pos",
-                            "rows_pos",
-                            "prefix_pos",
-                            "table_name",
-                            "rows_name",
-                            "prefix_name",
                             "sources_max",
                             NULL};
-    PyObject *original, *role, *hook, *name,
-        *before = Py_None, *after = Py_None, *rewrite = Py_None, *finally_ = Py_None, *prepare = Py_None,
-        *rewrite_result = Py_None, *last_loc_name = Py_None, *group_attr = Py_None, *value_name = Py_None,
-        *node_name = Py_None, *indices_name = Py_None, *values_name = Py_None, *req_name = Py_None,
-        *reqs_name = Py_None, *req_index_path = Py_None, *table_name = Py_None, *rows_name = Py_None,
-        *prefix_name = Py_None;
+    PyObject *original, *role, *hook, *name, *before = Py_None, *after = Py_None, *rewrite = Py_None,
+                                             *finally_ = Py_None, *prepare = Py_None, *rewrite_result = Py_None,
+                                             *group_attr = Py_None, *index_path = Py_None;
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL)
+        return -1;
+    PyObject *reads = empty, *attrs = empty;
     int function = 0;
-    Py_ssize_t table_pos = -1, rows_pos = -1, prefix_pos = -1, sources_max = 64;
+    Py_ssize_t sources_max = 64;
     int role_id, composite = 0, wants_site = 0, kind = K_GENERIC, only_page_starts = 0, as_pages = 0,
-                 group_open_when_false = 0, value_in_params = 0;
+                 group_open_when_false = 0;
     unsigned int ledger_mask = 0;
     unsigned long long role_bit = 0;
-    Py_ssize_t last_loc_pos = -1, value_pos = -1, node_pos = -1, indices_pos = -1, values_pos = -1, req_pos = -1,
-               reqs_pos = -1;
-    if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOUiIK|ppiOOOOOOnOppOpnpnnnOOOOnnOOOpnnnOOOn", names, &original, &role, &hook, &name,
-            &role_id, &ledger_mask, &role_bit, &composite, &wants_site, &kind, &before, &after, &rewrite, &finally_,
-            &prepare, &rewrite_result, &last_loc_pos, &last_loc_name, &only_page_starts, &as_pages, &group_attr,
-            &group_open_when_false, &value_pos, &value_in_params, &node_pos, &indices_pos, &values_pos, &value_name,
-            &node_name, &indices_name, &values_name, &req_pos, &reqs_pos, &req_name, &reqs_name, &req_index_path,
-            &function, &table_pos, &rows_pos, &prefix_pos, &table_name, &rows_name, &prefix_name, &sources_max))
-        return -1;
-    if (kind < 0 || kind >= K_COUNT) {
+    int ok = PyArg_ParseTupleAndKeywords(args, kwargs, "OOOUiIK|ppiOOOOOOppOpOOOpn", names, &original, &role, &hook,
+                                         &name, &role_id, &ledger_mask, &role_bit, &composite, &wants_site, &kind,
+                                         &before, &after, &rewrite, &finally_, &prepare, &rewrite_result,
+                                         &only_page_starts, &as_pages, &group_attr, &group_open_when_false, &reads,
+                                         &attrs, &index_path, &function, &sources_max);
+    if (ok && (kind < 0 || kind >= K_COUNT)) {
         PyErr_SetString(PyExc_ValueError, "unknown fast-path kind");
-        return -1;
+        ok = 0;
     }
-    if (req_index_path != Py_None && !PyTuple_CheckExact(req_index_path)) {
-        PyErr_SetString(PyExc_TypeError, "req_index_path must be a tuple of attribute names");
-        return -1;
+    if (ok && index_path != Py_None && !PyTuple_CheckExact(index_path)) {
+        PyErr_SetString(PyExc_TypeError, "index_path must be a tuple of attribute names");
+        ok = 0;
     }
+    if (ok) {
+        self->kind = kind;
+        ok = hooked_reads(self, reads, attrs) == 0;
+    }
+    Py_DECREF(empty);
+    if (!ok)
+        return -1;
 #define SET(field, value) Py_XSETREF(self->field, (value) == Py_None ? NULL : Py_NewRef(value))
     Py_XSETREF(self->original, Py_NewRef(original));
     Py_XSETREF(self->role, Py_NewRef(role));
@@ -170,41 +215,19 @@ hooked_init(Hooked *self, PyObject *args, PyObject *kwargs)
     SET(finally_, finally_);
     SET(prepare, prepare);
     SET(rewrite_result, rewrite_result);
-    SET(last_loc_name, last_loc_name);
     SET(group_attr, group_attr);
-    SET(value_name, value_name);
-    SET(node_name, node_name);
-    SET(indices_name, indices_name);
-    SET(values_name, values_name);
-    SET(req_name, req_name);
-    SET(reqs_name, reqs_name);
-    SET(req_index_path, req_index_path);
-    SET(table_name, table_name);
-    SET(rows_name, rows_name);
-    SET(prefix_name, prefix_name);
+    SET(index_path, index_path);
 #undef SET
     self->function = function;
-    self->table_pos = table_pos;
-    self->rows_pos = rows_pos;
-    self->prefix_pos = prefix_pos;
     self->sources_max = sources_max;
-    self->req_pos = req_pos;
-    self->reqs_pos = reqs_pos;
     self->role_id = role_id;
     self->ledger_mask = ledger_mask;
     self->role_bit = role_bit;
     self->composite = composite;
     self->wants_site = wants_site;
-    self->kind = kind;
-    self->last_loc_pos = last_loc_pos;
     self->only_page_starts = only_page_starts;
     self->as_pages = as_pages;
     self->group_open_when_false = group_open_when_false;
-    self->value_pos = value_pos;
-    self->value_in_params = value_in_params;
-    self->node_pos = node_pos;
-    self->indices_pos = indices_pos;
-    self->values_pos = values_pos;
     self->vectorcall = hooked_vectorcall;
     return 0;
 }
@@ -213,8 +236,11 @@ static PyObject *
 hooked_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwargs))
 {
     Hooked *self = (Hooked *)type->tp_alloc(type, 0);
-    if (self != NULL)
+    if (self != NULL) {
         self->vectorcall = hooked_vectorcall;
+        for (int i = 0; i < MAX_ARGS; i++)
+            self->arg_pos[i] = -1;
+    }
     return (PyObject *)self;
 }
 
@@ -248,18 +274,12 @@ hooked_clear(Hooked *self)
     Py_CLEAR(self->finally_);
     Py_CLEAR(self->prepare);
     Py_CLEAR(self->rewrite_result);
-    Py_CLEAR(self->last_loc_name);
     Py_CLEAR(self->group_attr);
-    Py_CLEAR(self->value_name);
-    Py_CLEAR(self->node_name);
-    Py_CLEAR(self->indices_name);
-    Py_CLEAR(self->values_name);
-    Py_CLEAR(self->req_name);
-    Py_CLEAR(self->reqs_name);
-    Py_CLEAR(self->req_index_path);
-    Py_CLEAR(self->table_name);
-    Py_CLEAR(self->rows_name);
-    Py_CLEAR(self->prefix_name);
+    Py_CLEAR(self->index_path);
+    for (int i = 0; i < MAX_ARGS; i++)
+        Py_CLEAR(self->arg_name[i]);
+    for (int i = 0; i < MAX_ATTRS; i++)
+        Py_CLEAR(self->attr[i]);
     return 0;
 }
 
@@ -296,7 +316,7 @@ static PyGetSetDef hooked_getset[] = {{"__dict__", PyObject_GenericGetDict, PyOb
                                       {NULL}};
 
 static PyTypeObject HookedType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvdoctor.probe._hotpath.Hooked",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvdoctor.probe.native._native.Hooked",
     .tp_basicsize = sizeof(Hooked),
     .tp_dealloc = (destructor)hooked_dealloc,
     .tp_vectorcall_offset = offsetof(Hooked, vectorcall),
@@ -305,7 +325,7 @@ static PyTypeObject HookedType = {
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
-    .tp_doc = "A hooked engine method: the probe's wrapper, with compiled fast paths for the slot ledger.",
+    .tp_doc = "A hooked engine method: the probe's wrapper, with native fast paths for the slot ledger.",
     .tp_traverse = (traverseproc)hooked_traverse,
     .tp_clear = (inquiry)hooked_clear,
     .tp_members = hooked_members,
@@ -343,7 +363,7 @@ static PyObject *
 m_reset(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 {
     ledgers_release();
-    sglang_forget();
+    context_forget();
     Py_CLEAR(H.site_at);
     Py_CLEAR(H.probe);
     H.active = 0;
@@ -422,7 +442,8 @@ static PyMethodDef module_methods[] = {
      "Tests: whether the readers (in place, DLPack, getters) read a tensor alike."},
     {"register_ledger", (PyCFunction)(void (*)(void))m_register_ledger, METH_VARARGS | METH_KEYWORDS,
      "A host slot ledger the fast paths may update (its numpy arrays, shape, lock)."},
-    {"sglang_context", m_sglang_context, METH_VARARGS, "The SGLang state and its last_loc sources."},
+    {"set_context", (PyCFunction)(void (*)(void))m_set_context, METH_VARARGS | METH_KEYWORDS,
+     "The engine's state, its request table and last-loc sources, and what each operation is called there."},
     {"set_primary", m_set_primary, METH_O, "The allocator whose slots request rows point at."},
     {"set_row_extent", m_set_row_extent, METH_O, "How far each request row was written (int64 array)."},
     {"set_divert", m_set_divert, METH_O, "True: a census is due; allocations take the Python path."},
@@ -448,14 +469,14 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "_hotpath",
-    .m_doc = "The probe's compiled hot path (see kvdoctor/probe/csrc/module.c).",
+    .m_name = "_native",
+    .m_doc = "The probe's native path: the hooked methods' wrapper and the ledger operations (see csrc/module.c).",
     .m_size = -1,
     .m_methods = module_methods,
 };
 
-/* The vocabulary Python reads back: the ledger's states (checked against ledger_vocabulary.py) and the
- * fast-path kinds (hotpath.KINDS). */
+/* The vocabulary Python reads back: the ledger's states (checked against base/vocabulary.py) and the
+ * fast-path kinds (the Python side's KINDS). */
 static const struct {
     const char *name;
     int value;
@@ -468,25 +489,25 @@ static const struct {
     {"K_NOTE", K_NOTE},
     {"K_ALLOC", K_ALLOC},
     {"K_FREE", K_FREE},
-    {"K_TREE_INSERT", K_TREE_INSERT},
-    {"K_TREE_EVICT", K_TREE_EVICT},
+    {"K_TREE_IN", K_TREE_IN},
+    {"K_TREE_OUT", K_TREE_OUT},
     {"K_TREE_UNLOCK", K_TREE_UNLOCK},
-    {"K_REQ_WRITE", K_REQ_WRITE},
-    {"K_REQ_ALLOC", K_REQ_ALLOC},
-    {"K_REQ_FREE", K_REQ_FREE},
-    {"K_REQ_FREE_ROWS", K_REQ_FREE_ROWS},
+    {"K_OWNER_WRITE", K_OWNER_WRITE},
+    {"K_ROW_ALLOC", K_ROW_ALLOC},
+    {"K_ROW_FREE", K_ROW_FREE},
+    {"K_ROWS_FREE", K_ROWS_FREE},
     {"K_LAST_LOC", K_LAST_LOC},
     {"MAX_SITE_KEYS", MAX_SITE_KEYS},
 };
 
 PyMODINIT_FUNC
-PyInit__hotpath(void)
+PyInit__native(void)
 {
-#define HOTPATH_INTERN_NAME(var, text)                        \
+#define NATIVE_INTERN_NAME(var, text)                         \
     if ((S_##var = PyUnicode_InternFromString(text)) == NULL) \
         return NULL;
-    HOTPATH_NAMES(HOTPATH_INTERN_NAME)
-#undef HOTPATH_INTERN_NAME
+    NATIVE_NAMES(NATIVE_INTERN_NAME)
+#undef NATIVE_INTERN_NAME
     H.fail_after_kind = -1;
     if (PyType_Ready(&HookedType) < 0 || PyType_Ready(&FastLockType) < 0)
         return NULL;

@@ -1,6 +1,12 @@
-/* What the compiled hot path's units share: the process state (H), a thread's hooked calls in
+/* What the native path's units share: the process state (H), a thread's hooked calls in
  * progress, the integer view of an index tensor (Ints), a host ledger (Ledger), a hooked method
  * (Hooked), and the calls every fast path makes into the host.
+ *
+ * The units know no engine. A fast path is a ledger operation (alloc, free, tree-in, tree-out,
+ * tree unlock, owner write, last-loc check and source, request row alloc and free); every name it
+ * reads on the host's objects (Hooked's *_attr fields) and every call it makes into the engine's
+ * Python state (NativeState's context) is handed over from Python when a method is wrapped or the
+ * context is set: the roles declare them (`fast_names`), the maps version them.
  *
  * One concern a unit (module.c says what the extension does, and why):
  *   lock.c          FastLock, the ledger's lock
@@ -8,17 +14,20 @@
  *                   start, torch's DLPack C table, torch's getters
  *   callsites.c     the call site of a hooked call (the only unit built with Py_BUILD_CORE)
  *   ledger.c        the slot ledger's rules: when an update is healthy, and the update itself
- *   sglang_paths.c  SGLang's fast paths, kept in step with kvdoctor/probe/sglang/roles.py
+ *   slot_ops.c      alloc and free (with the last-loc check of a paged alloc)
+ *   tree_ops.c      tree-in, tree-out, tree unlock
+ *   row_ops.c       owner write, request row alloc and free, the last-loc source
+ *   context.c       the engine's state as the fast paths call it, and the module's setters for it
  *   generic.c       the generic path (hooks.wrap_method's wrapper in C), hooked module functions,
- *                   and where the hot path's own failures go
+ *                   and where the native path's own failures go
  *   launch.c        the GPU ledger's compiled Triton kernels launched through the CUDA driver
  *   module.c        the Hooked type, the fast path of each kind, the module's functions
  *
  * Everything here is hidden from other libraries (setup.py builds with -fvisibility=hidden): the
- * one exported symbol is PyInit__hotpath. The GIL guards all of it.
+ * one exported symbol is PyInit__native. The GIL guards all of it.
  */
-#ifndef KVDOCTOR_HOTPATH_H
-#define KVDOCTOR_HOTPATH_H
+#ifndef KVDOCTOR_NATIVE_H
+#define KVDOCTOR_NATIVE_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,7 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 #ifdef Py_GIL_DISABLED
-#error "the hot path's state is guarded by the GIL"
+#error "the native path's state is guarded by the GIL"
 #endif
 
 /* What the units declare here is hidden too (-fvisibility=hidden covers only definitions): the
@@ -44,29 +53,31 @@
 #define COLD
 #endif
 
-/* The ledger's vocabulary (kvdoctor/probe/ledger_vocabulary.py; hotpath_loader.py checks they agree). */
+/* The ledger's vocabulary (kvdoctor/probe/base/vocabulary.py; the loader checks they agree). */
 #define ST_FREE 1
 #define ST_OWNED 2
 #define ST_TREE 4
 #define ST_RESERVED 8
 
-/* What the fast path knows how to do for a hooked method (hotpath.KINDS names them). */
+/* The ledger operation a hooked method is (the Python side's KINDS names them by role). */
 enum {
-    K_GENERIC = 0,   /* dispatch only: the Python role does the rest */
-    K_NOTE,          /* changes no slot: call through */
-    K_ALLOC,         /* alloc / alloc_extend / alloc_decode */
-    K_FREE,          /* free / free_segment / free_pages */
-    K_TREE_INSERT,   /* RadixCache.insert */
-    K_TREE_EVICT,    /* RadixCache.evict */
-    K_TREE_UNLOCK,   /* RadixCache.dec_lock_ref */
-    K_REQ_WRITE,     /* ReqToTokenPool.write */
-    K_REQ_ALLOC,     /* ReqToTokenPool.alloc(reqs) */
-    K_REQ_FREE,      /* ReqToTokenPool.free(req) */
-    K_REQ_FREE_ROWS, /* ReqToTokenPool.free_rows(indices) */
-    K_LAST_LOC,      /* get_last_loc(req_to_token, req_pool_indices, prefix_lens): a module function */
+    K_GENERIC = 0, /* dispatch only: the Python role does the rest */
+    K_NOTE,        /* changes no slot: call through */
+    K_ALLOC,       /* slots handed out: the result holds them (a paged alloc checks its last-loc first) */
+    K_FREE,        /* slots (or pages) given back: the first argument holds them */
+    K_TREE_IN,     /* slots moved into the tree: the part past the matched prefix of the inserted value */
+    K_TREE_OUT,    /* slots leaving the tree: frees inside it leave the tree bit alone */
+    K_TREE_UNLOCK, /* a tree node's lock count lowered: one already at 0 goes to the role */
+    K_OWNER_WRITE, /* a request row's table written: the slots written belong to the row */
+    K_ROW_ALLOC,   /* request rows handed to requests */
+    K_ROW_FREE,    /* one request row given back */
+    K_ROWS_FREE,   /* request rows given back as a list */
+    K_LAST_LOC,    /* a module function computing last-loc: its result remembered with what it read */
     K_COUNT
 };
 
+#define MAX_ARGS 3           /* arguments an operation reads */
+#define MAX_ATTRS 5          /* attributes and methods it reads on the host's objects */
 #define MAX_DEPTH 32        /* nested hooked calls remembered per thread */
 #define MAX_LEDGERS 64      /* allocators with a host ledger (more stay on the Python path) */
 #define MAX_SITE_KEYS 65536 /* (caller, caller's caller) keys remembered */
@@ -88,8 +99,8 @@ typedef struct {
 extern _Thread_local ThreadState this_thread;
 
 /* A call that must pass straight through: the same role on the same object is in progress, or
- * (composite roles) any composite role on that object is: free_segment -> free_page_ids -> free
- * is recorded once, by the outermost. */
+ * (composite roles) any composite role on that object is: a free that frees through another, which frees through a
+ * third, is recorded once, by the outermost. */
 static inline int
 blocked(void *obj, int role_id, int composite)
 {
@@ -241,6 +252,21 @@ void call_site_stats(Py_ssize_t *keys, Py_ssize_t *slots, int *direct_frames);
 
 /* ------------------------------------------------------------------ the process state */
 
+/* What the fast paths call on the engine's state and its request table, by operation: set_context
+ * is given the name each has there (context.c reads them from its `names` dict by these keys). */
+enum {
+    C_CENSUS,        /* state: census(), the idle census a release asked for, before an alloc */
+    C_TREE_SEEN,     /* state: the attribute naming the tree the fast paths look at */
+    C_ROW_WRITTEN,   /* state: row_written(pool, row, columns, values), a write whose slots C does not read */
+    C_ROWS_RELEASED, /* state: rows_released(), after request rows were given back */
+    C_ROW_ALLOCATED, /* table: row_allocated(row, id) */
+    C_ROW_FREED,     /* table: row_freed(row) */
+    C_ROWS_LIVE,     /* table: its dict of live rows (row -> id) */
+    C_ROWS_FINISHED, /* table: its dict of finished rows, oldest first */
+    C_ROWS_KEPT,     /* table: how many finished rows it keeps */
+    C_NAMES
+};
+
 typedef struct {
     PyObject *probe; /* strong; NULL: every wrapper passes through */
     int active;      /* probe set and its ledgers on */
@@ -255,13 +281,14 @@ typedef struct {
 
     PyObject *site_at; /* CallSites.at(frame) */
 
-    PyObject *sg_state; /* SglangState */
-    PyObject *requests; /* its RequestTable */
-    PyObject *req_live, *req_finished; /* its dicts, changed here as its methods change them */
-    Py_ssize_t req_max_finished;
-    PyObject *last_loc_sources;
-    PyObject *tree_seen; /* strong: the tree the state was last told about */
-    int divert;          /* a census is pending: allocations take the Python path */
+    /* The engine's state as the fast paths call it (context.c): the state, its request table and
+     * its last-loc sources, and the names of what they call there (C_* below); NULL: no context. */
+    PyObject *state, *requests, *sources;
+    PyObject *names[C_NAMES];
+    PyObject *rows_live, *rows_finished; /* the table's dicts, changed here as its methods change them */
+    Py_ssize_t rows_kept;                /* finished rows it remembers */
+    PyObject *tree_seen;                 /* strong: the tree the state was last told about */
+    int divert;                          /* a census is pending: allocations take the Python path */
     Ledger ledgers[MAX_LEDGERS];
     int n_ledgers;
     Ledger *primary;
@@ -271,52 +298,38 @@ typedef struct {
     Py_ssize_t extent_n;
 
     PyObject *tensor_type, *dtype_int64, *dtype_int32;
-} HotPathState;
+} NativeState;
 
-extern HotPathState H; /* one per process */
+extern NativeState H; /* one per process */
 
-/* Attribute and method names, interned once (module.c). */
-#define HOTPATH_NAMES(X)                          \
-    X(numel, "numel")                             \
-    X(is_cpu, "is_cpu")                           \
-    X(dtype, "dtype")                             \
-    X(is_contiguous, "is_contiguous")             \
-    X(data_ptr, "data_ptr")                       \
-    X(acquire, "acquire")                         \
-    X(release, "release")                         \
-    X(on_alloc, "on_alloc")                       \
-    X(on_free, "on_free")                         \
-    X(on_tree_insert, "on_tree_insert")           \
-    X(evictable_size, "evictable_size")           \
-    X(protected_size, "protected_size")           \
-    X(value, "value")                             \
-    X(prefix_len, "prefix_len")                   \
-    X(kv_allocator, "token_to_kv_pool_allocator") \
-    X(lock_ref, "lock_ref")                       \
-    X(root_node, "root_node")                     \
-    X(only_page_starts, "only_page_starts")       \
-    X(evicting, "evicting")                       \
-    X(as_pages, "as_pages")                       \
-    X(tree_attr, "tree")                          \
-    X(dim, "dim")                                 \
-    X(note_row_write, "note_row_write")           \
-    X(on_owner, "on_owner")                       \
-    X(on_last_loc_alloc, "on_last_loc_alloc")     \
-    X(check_last_loc, "check_last_loc")           \
-    X(census_if_due, "census_if_due")             \
-    X(allocated, "allocated")                     \
-    X(freed, "freed")                             \
-    X(request_rows_freed, "request_rows_freed")   \
-    X(rid, "rid")                                 \
-    X(req_to_token, "req_to_token")               \
-    X(launch_enter_hook, "launch_enter_hook")     \
-    X(launch_exit_hook, "launch_exit_hook")       \
-    X(hook_calls, "calls")                        \
-    X(unknown_rid, "?")
+/* The names of torch's, the ledgers' and Triton's own methods, interned once (module.c). Nothing
+ * of an engine's: those come from Python (NativeState.names, Hooked.attr). */
+#define NATIVE_NAMES(X)                       \
+    X(numel, "numel")                         \
+    X(is_cpu, "is_cpu")                       \
+    X(dtype, "dtype")                         \
+    X(is_contiguous, "is_contiguous")         \
+    X(data_ptr, "data_ptr")                   \
+    X(dim, "dim")                             \
+    X(acquire, "acquire")                     \
+    X(release, "release")                     \
+    X(on_alloc, "on_alloc")                   \
+    X(on_free, "on_free")                     \
+    X(on_tree_insert, "on_tree_insert")       \
+    X(on_owner, "on_owner")                   \
+    X(on_last_loc_alloc, "on_last_loc_alloc") \
+    X(check_last_loc, "check_last_loc")       \
+    X(only_page_starts, "only_page_starts")   \
+    X(evicting, "evicting")                   \
+    X(as_pages, "as_pages")                   \
+    X(launch_enter_hook, "launch_enter_hook") \
+    X(launch_exit_hook, "launch_exit_hook")   \
+    X(hook_calls, "calls")                    \
+    X(unknown_id, "?")
 
-#define HOTPATH_DECLARE_NAME(var, text) extern PyObject *S_##var;
-HOTPATH_NAMES(HOTPATH_DECLARE_NAME)
-#undef HOTPATH_DECLARE_NAME
+#define NATIVE_DECLARE_NAME(var, text) extern PyObject *S_##var;
+NATIVE_NAMES(NATIVE_DECLARE_NAME)
+#undef NATIVE_DECLARE_NAME
 
 /* ------------------------------------------------------------------ the hooked method */
 
@@ -336,25 +349,65 @@ typedef struct {
     uint64_t role_bit;
     int kind;
     /* fast-path parameters */
-    Py_ssize_t last_loc_pos; /* -1: none */
-    PyObject *last_loc_name;
     int only_page_starts;
     int as_pages;
     PyObject *group_attr; /* NULL: no free groups */
     int group_open_when_false;
-    Py_ssize_t value_pos;                                          /* tree insert: where params (or value) is */
-    int value_in_params;                                           /* tree insert: value is params.value */
-    Py_ssize_t node_pos;                                           /* tree unlock */
-    Py_ssize_t indices_pos, values_pos;                            /* req write */
-    PyObject *value_name, *node_name, *indices_name, *values_name; /* the same arguments by keyword */
-    Py_ssize_t req_pos, reqs_pos;                                  /* request pool: where the request(s) are */
-    PyObject *req_name, *reqs_name;
-    PyObject *req_index_path; /* tuple of attribute names: the request's row (`kv.req_pool_idx`) */
-    int function;             /* a module-level function: no object first, `after` on the result only */
-    Py_ssize_t table_pos, rows_pos, prefix_pos; /* get_last_loc's arguments */
-    PyObject *table_name, *rows_name, *prefix_name;
-    Py_ssize_t sources_max; /* get_last_loc results remembered */
+    /* What the operation reads, as its role declared it (`fast_names`, placed by the Python side's
+     * READS): its arguments by position (-1: by keyword only) and by keyword (NULL: none), and the
+     * attributes and methods it reads on the host's objects (NULL: none), in the slots below. */
+    Py_ssize_t arg_pos[MAX_ARGS];
+    PyObject *arg_name[MAX_ARGS];
+    PyObject *attr[MAX_ATTRS];
+    PyObject *index_path;   /* row free: the attributes from the request to its row, a tuple */
+    int function;           /* a module-level function: no object first, `after` on the result only */
+    Py_ssize_t sources_max; /* last-loc sources remembered */
 } Hooked;
+
+/* The argument slots (Hooked.arg_*) of each operation. */
+#define A_LOC 0      /* alloc: the last-loc it checks */
+#define A_CARRIER 0  /* tree-in: the inserted value, or what carries it (T_SLOTS) */
+#define A_NODE 0     /* tree unlock: the node */
+#define A_ROWS 0     /* owner write: (rows, columns); rows free: the rows */
+#define A_SLOTS 1    /* owner write: the slots written */
+#define A_REQUESTS 0 /* row alloc: the requests */
+#define A_REQUEST 0  /* row free: the request, or its row */
+#define A_TABLE 0    /* last-loc source: the table it read, the rows, their prefix lengths */
+#define A_SOURCE_ROWS 1
+#define A_PREFIX 2
+/* The attribute slots (Hooked.attr). */
+#define T_OWNER 0     /* tree-in, tree-out: the tree's allocator */
+#define T_SIZE 1      /* tree-in: the tree's size is the sum of these two methods' results */
+#define T_SIZE_ALSO 2
+#define T_SLOTS 3     /* tree-in: the slots on the carrier (NULL: the carrier is the slots) */
+#define T_PREFIX 4    /* tree-in: the matched prefix's length on the result (else the result is it) */
+#define T_COUNT 0     /* tree unlock: the node's lock count, and the tree's root */
+#define T_ROOT 1
+#define T_ID 0        /* row alloc: the request's id */
+#define T_TABLE 0     /* row free(s): the pool's table of rows */
+
+/* An argument by keyword, else by position (args[0] is the object): borrowed, NULL if absent. */
+static inline PyObject *
+arg_at(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos, PyObject *name)
+{
+    if (kwnames != NULL && name != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (k == name || PyUnicode_Compare(k, name) == 0)
+                return args[nargs + i];
+        }
+    }
+    if (pos >= 0 && pos + 1 < nargs)
+        return args[pos + 1];
+    return NULL;
+}
+
+static inline PyObject *
+hook_arg(Hooked *self, int slot, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return arg_at(args, nargs, kwnames, self->arg_pos[slot], self->arg_name[slot]);
+}
 
 /* A fast path: the host's result, NULL with an error the host raised, or DIVERT (declined before
  * the host's call: the generic path takes the call). */
@@ -398,41 +451,55 @@ int maybe_test_failure(Hooked *self);
 PyObject *generic(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *function_call(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
-/* ------------------------------------------------------------------ SGLang's fast paths (sglang_paths.c) */
+/* ------------------------------------------------------------------ the fast paths, by operation */
 
+/* slot_ops.c */
 PyObject *fast_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *fast_tree_insert(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *fast_tree_evict(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+/* tree_ops.c */
+PyObject *fast_tree_in(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_tree_out(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *fast_tree_unlock(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *fast_req_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *fast_req_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *fast_req_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *fast_req_free_rows(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
-/* get_last_loc's result remembered with the rows it read (the K_LAST_LOC function path). */
-int remember_last_loc(Hooked *self, PyObject *result, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-void sglang_forget(void);
-PyObject *m_sglang_context(PyObject *m, PyObject *a);
+/* row_ops.c */
+PyObject *fast_owner_write(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_row_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_row_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *fast_rows_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, PyObject *kwnames);
+/* A last-loc source function's result remembered with what it read (the K_LAST_LOC function path). */
+int remember_source(Hooked *self, PyObject *result, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+/* context.c: the engine's state, called by operation (each 0 done, -1 an error set) */
+int context_census(void);
+int context_note_tree(PyObject *tree);
+int context_row_written(PyObject *const *pool_row_columns_values);
+int context_rows_released(void);
+int context_row_allocated(PyObject *row, PyObject *id);
+int context_row_freed(PyObject *row);
+/* The rows a last-loc was read from, where its source function's hook remembered them (`*rows`
+ * borrowed, NULL for none): 1, or 0 where the lookup failed (the Python role takes the call). */
+int context_source_rows(PyObject *last, PyObject **rows);
+void context_forget(void);
+PyObject *m_set_context(PyObject *m, PyObject *a, PyObject *kw);
 PyObject *m_set_primary(PyObject *m, PyObject *allocator);
 PyObject *m_set_row_extent(PyObject *m, PyObject *arr);
 PyObject *m_set_divert(PyObject *m, PyObject *flag);
 
-/* launch.c: a compiled Triton kernel launched through the CUDA driver (kvdoctor/probe/ledger/launch.py),
+/* launch.c: a compiled Triton kernel launched through the CUDA driver (the ledgers' launch.py),
  * and the GPU slot ledgers whose healthy update is one such launch from the fast paths. */
 PyObject *m_launch_kernel(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 
 #define DEVICE_MAX_PARAMS 32
 /* Which kernel a call takes: its rule (alloc, or free with as_pages/evicting), then the index
- * tensor's width and alignment, as ledger/kernels.py's device_rule keys them. */
+ * tensor's width and alignment, as ledgers/kernels.py's device_rule keys them. */
 #define DEVICE_RULE_ALLOC(page_starts) ((page_starts) ? 1 : 0)
 #define DEVICE_RULE_FREE(as_pages, evicting) (4 | ((as_pages) ? 2 : 0) | ((evicting) ? 1 : 0))
-/* The owner kernel's plans (req_to_token writes) come after the 32 alloc and free ones: 4 for a
+/* The owner kernel's plans (owner writes) come after the 32 alloc and free ones: 4 for a
  * row given as one integer (the slots' width and alignment), 16 for rows given as a tensor (the
- * slots', then the rows' width and alignment), as ledger/kernels.py's owner_slot keys them. */
+ * slots', then the rows' width and alignment), as ledgers/kernels.py's owner_slot keys them. */
 #define DEVICE_ROWS_SLOT(base, tensor, slots_bits, rows_bits) \
     ((base) + ((tensor) ? 4 + ((slots_bits) << 2 | (rows_bits)) : (slots_bits)))
 #define DEVICE_OWNER_SLOT(tensor, slots_bits, rows_bits) DEVICE_ROWS_SLOT(32, tensor, slots_bits, rows_bits)
-/* The last_loc check's (a paged alloc's): the same 20, for last_loc and the rows it was read for. */
+/* The last-loc check's (a paged alloc's): the same 20, for the last-loc and the rows it was read for. */
 #define DEVICE_LAST_LOC_SLOT(tensor, slots_bits, rows_bits) DEVICE_ROWS_SLOT(52, tensor, slots_bits, rows_bits)
 /* The check fused with the alloc's update (one launch after the host's call): the check's 20, then
  * the allocated slots' width and alignment. */
@@ -452,7 +519,7 @@ typedef struct {
     uint64_t cells[DEVICE_MAX_PARAMS]; /* the fixed ones; the index, its count and the site per call */
     int at_index, at_count, at_site;
     int at_rows; /* the owner kernel's: where the rows' address goes (at_site then holds the row); else -1 */
-    int at_last, at_last_count; /* the fused last_loc check's: where last_loc and its count go; else -1 */
+    int at_last, at_last_count; /* the fused last-loc check's: where the last-loc and its count go; else -1 */
 } DevicePlan;
 
 typedef struct DeviceLedger {
@@ -471,10 +538,10 @@ DeviceLedger *device_ledger_of(PyObject *allocator);
 /* The healthy case of a hooked call on a device ledger: its rule's kernel launched on the current
  * stream. 1 launched, 0 not taken here (the Python ledger method takes it), -1 an error (set). */
 int device_update(DeviceLedger *d, int rule, PyObject *index, int site);
-/* A req_to_token write's owner update: `values` the slots written, `rows` the rows' tensor or NULL
+/* An owner write's update: `values` the slots written, `rows` the rows' tensor or NULL
  * for one row `row`. Both are read before the host's call (`device_owner_reads`: 1 they are the
  * ledger's kind, 0 not, the Python role takes the call); `device_owner` after it, with the same
- * answers as device_update. A paged alloc's last_loc check reads last_loc and the rows it was read
+ * answers as device_update. A paged alloc's last-loc check reads the last-loc and the rows it was read
  * for the same way (rows of another length are dropped, as the Python check drops them), and
  * `device_last_loc` launches its check before the host's call. */
 typedef struct {
@@ -484,7 +551,7 @@ typedef struct {
 } OwnerCall;
 int device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall *call);
 int device_owner(DeviceLedger *d, const OwnerCall *call, long row);
-int device_last_loc_reads(DeviceLedger *d, PyObject *last_loc, PyObject *rows, OwnerCall *call);
+int device_last_loc_reads(DeviceLedger *d, PyObject *last, PyObject *rows, OwnerCall *call);
 int device_last_loc(DeviceLedger *d, const OwnerCall *call, int site);
 /* The check and the alloc's update of `slots` (the host's result) in one launch, after the host's
  * call: 1 launched, 0 not (no plan yet, a call of more than a block; nothing was launched). */

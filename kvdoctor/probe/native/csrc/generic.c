@@ -1,12 +1,12 @@
 /* The generic path: `hooks.wrap_method`'s wrapper, step for step, for every hooked call no fast
  * path takes (a role that prepares or rewrites its arguments, a fix on, a fault injected, a case a
- * fast path declined); hooked module-level functions; and where the hot path's own failures go.
+ * fast path declined); hooked module-level functions; and where the native path's own failures go.
  *
  * Never raises into the host: a failure of ours goes to `probe.fail` (or `fix_failed` for a fix),
  * which turns the probe off and says why, as the Python wrapper does. A BaseException that is not
  * an Exception (KeyboardInterrupt) propagates, as it does through the Python wrapper.
  */
-#include "hotpath.h"
+#include "native.h"
 
 /* ------------------------------------------------------------------ failures */
 
@@ -222,7 +222,7 @@ out:
 /* ------------------------------------------------------------------ hooked module-level functions */
 
 /* A hooked module-level function: the host's call, then the role's `after` on its result (the
- * K_LAST_LOC kind remembers get_last_loc's result in C). */
+ * K_LAST_LOC kind remembers a last-loc source's result in C). */
 PyObject *
 function_call(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -234,7 +234,7 @@ function_call(Hooked *self, PyObject *const *args, size_t nargsf, PyObject *kwna
     if (self->kind == K_LAST_LOC) {
         rc = maybe_test_failure(self);
         if (rc == 0)
-            rc = remember_last_loc(self, result, args, nargs, kwnames);
+            rc = remember_source(self, result, args, nargs, kwnames);
         H.n_fast[K_LAST_LOC]++;
     }
     else if (self->after != NULL) {

@@ -11,7 +11,7 @@
  * Layouts learned at run time live here and nowhere else; every 1024th in-place read is compared
  * with DLPack's, and one difference turns the in-place reader off for good.
  */
-#include "hotpath.h"
+#include "native.h"
 
 /* ------------------------------------------------------------------ DLPack (the open standard's C ABI) */
 
@@ -204,7 +204,7 @@ sample agrees on one place (a pointer is followed only where it points where DLP
 or data are). A tensor is then read this way only if its TensorImpl and StorageImpl are of the very
 classes the samples had, on the CPU, of an index dtype, with dispatch keys a sample had; anything
 else is asked of DLPack. One read in CHECK_EVERY is also read through DLPack and compared: a
-difference turns this reader off for good. KVDOCTOR_HOTPATH_DIRECT=0 never uses it. */
+difference turns this reader off for good. KVDOCTOR_NATIVE_DIRECT=0 never uses it. */
 
 #define DIRECT_CHECK_EVERY 1024
 #define DIRECT_MAX_KEYSETS 4

@@ -3,11 +3,11 @@
  * new key, then remembered here).
  *
  * On 3.11 and 3.12 the key is read from the interpreter's own frame records, without making frame
- * objects: the one place the hot path needs CPython's internal headers (Py_BUILD_CORE), kept to
+ * objects: the one place the native path needs CPython's internal headers (Py_BUILD_CORE), kept to
  * this unit. Every new key it makes is checked against the public API first, and one disagreement
  * turns it off for good.
  */
-#include "hotpath.h"
+#include "native.h"
 
 #if PY_VERSION_HEX < 0x030B0000
 #include <frameobject.h>

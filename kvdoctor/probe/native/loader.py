@@ -1,11 +1,11 @@
-"""Which hot path this process runs, and why: the compiled extension (`_hotpath`, built with the
-package where a C compiler is present) or the pure-Python path, several times the cost per hooked
+"""Which path this process's hooks run, and why: the native path (the `_native` extension, built with
+the package where a C compiler is present) or the pure-Python path, several times the cost per hooked
 call. The extension is optional, so its absence must never be silent: `kvdoctor probes`, the first
 line `kvdoctor run` prints and every probed process's trace header name the path and the reason
-(`KVDOCTOR_HOTPATH=0` is set; never built; its build failed, as setup.py noted beside the package;
+(`KVDOCTOR_NATIVE=0` is set; never built; its build failed, as setup.py noted beside the package;
 built for another Python; it does not load here).
 
-`KVDOCTOR_HOTPATH` may also name a build of the extension to load in place of the package's own
+`KVDOCTOR_NATIVE` may also name a build of the extension to load in place of the package's own
 (CI runs its sanitizer build that way). Nothing here raises.
 """
 
@@ -20,18 +20,19 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from kvdoctor.probe.base.settings import env_name, env_text
 from kvdoctor.probe.base.vocabulary import FREE, OWNED, RESERVED, TREE
 
-ENV_HOTPATH = "KVDOCTOR_HOTPATH"
-MODULE = "kvdoctor.probe._hotpath"
-BUILD_ERROR_NOTE = "_hotpath.build-error"  # setup.py writes it beside the package where the build failed
+ENV_NATIVE = "KVDOCTOR_NATIVE"
+MODULE = "kvdoctor.probe.native._native"
+BUILD_ERROR_NOTE = "_native.build-error"  # setup.py writes it beside the package where the build failed
 OFF = ("0", "off", "false", "no")
 ON = ("", "1", "on", "true", "yes")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclasses.dataclass(frozen=True)
-class HotPathChoice:
+class NativeChoice:
     """`compiled`: whether hooked calls run in C; `reason`: the build in use, or why none is."""
 
     compiled: bool
@@ -43,42 +44,43 @@ class HotPathChoice:
 
     def header(self) -> dict[str, str]:
         """What a probed process's trace header records of it."""
-        return {"hot_path": self.name, "hot_path_reason": self.reason}
+        return {"native_path": self.name, "native_path_reason": self.reason}
 
     def describe(self) -> str:
-        """One line, e.g. `compiled (kvdoctor/probe/_hotpath....so)` or `pure Python: KVDOCTOR_HOTPATH=0 is set`."""
+        """One line, e.g. `compiled (kvdoctor/probe/native/_native....so)` or `pure Python: KVDOCTOR_NATIVE=0 is set`."""
         return f"compiled ({self.reason})" if self.compiled else f"pure Python: {self.reason}"
 
 
-def load() -> tuple[ModuleType | None, HotPathChoice]:
+def load() -> tuple[ModuleType | None, NativeChoice]:
     """The extension to use (None: the Python path), and the choice as it is to be said."""
-    asked = os.environ.get(ENV_HOTPATH, "").strip()
+    name = env_name(ENV_NATIVE)  # KVDOCTOR_HOTPATH, its old name, still works
+    asked = env_text(ENV_NATIVE)
     if asked.lower() in OFF:
-        return None, HotPathChoice(False, f"{ENV_HOTPATH}={asked} is set")
+        return None, NativeChoice(False, f"{name}={asked} is set")
     try:
         if asked.lower() in ON:
             module: Any = importlib.import_module(MODULE)
             if getattr(module, "__file__", None) is None:  # a folder of that name, not the extension
-                return None, HotPathChoice(False, _why_not_built())
-            where = os.path.relpath(str(module.__file__), os.path.dirname(os.path.dirname(HERE)))
+                return None, NativeChoice(False, _why_not_built())
+            where = os.path.relpath(str(module.__file__), os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
         else:
-            module, where = _load_file(asked), asked
+            module, where = _load_file(name, asked), asked
         vocabulary = tuple(getattr(module, name, None) for name in ("FREE", "OWNED", "TREE", "RESERVED"))
     except ModuleNotFoundError as exc:
         if exc.name != MODULE:
-            return None, HotPathChoice(False, f"the compiled hot path does not load: {exc}")
-        return None, HotPathChoice(False, _why_not_built())
+            return None, NativeChoice(False, f"the native path does not load: {exc}")
+        return None, NativeChoice(False, _why_not_built())
     except Exception as exc:
-        return None, HotPathChoice(False, f"the compiled hot path does not load here: {type(exc).__name__}: {exc}")
+        return None, NativeChoice(False, f"the native path does not load here: {type(exc).__name__}: {exc}")
     if vocabulary != (FREE, OWNED, TREE, RESERVED):  # never mix two ledger vocabularies
-        return None, HotPathChoice(False, f"{where} was built from another ledger vocabulary: reinstall kvdoctor to rebuild it")
-    return module, HotPathChoice(True, where)
+        return None, NativeChoice(False, f"{where} was built from another ledger vocabulary: reinstall kvdoctor to rebuild it")
+    return module, NativeChoice(True, where)
 
 
-def _load_file(path: str) -> ModuleType:
+def _load_file(name: str, path: str) -> ModuleType:
     """The extension built at `path` (a sanitizer build, say), under the package's own name."""
     if not os.path.isfile(path):
-        raise ImportError(f"{ENV_HOTPATH}={path}: no such file (0 turns the compiled path off, 1 or unset uses the package's)")
+        raise ImportError(f"{name}={path}: no such file (0 turns the native path off, 1 or unset uses the package's)")
     loader = importlib.machinery.ExtensionFileLoader(MODULE, path)
     spec = importlib.machinery.ModuleSpec(MODULE, loader, origin=path)
     module = importlib.util.module_from_spec(spec)
@@ -91,16 +93,16 @@ def _why_not_built() -> str:
     try:
         with open(os.path.join(HERE, BUILD_ERROR_NOTE)) as fh:
             failure = fh.read().strip()[:300]
-        return f"the compiled hot path failed to build when kvdoctor was installed ({failure}); reinstall it with `pip install -v` to see the compiler's errors"
+        return f"the native path failed to build when kvdoctor was installed ({failure}); reinstall it with `pip install -v` to see the compiler's errors"
     except OSError:
         pass
     try:
-        others = sorted(f for f in os.listdir(HERE) if f.startswith("_hotpath.") and f.endswith((".so", ".pyd")))
+        others = sorted(f for f in os.listdir(HERE) if f.startswith("_native.") and f.endswith((".so", ".pyd")))
     except OSError:
         others = []
     if others:
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        return f"the compiled hot path was built for another Python ({', '.join(others)}), not this {version}: reinstall kvdoctor with this Python"
-    return (
-        "the compiled hot path is not built here (kvdoctor was installed without a C compiler): reinstall it where gcc or clang is present"
-    )
+        return (
+            f"the native path was built for another Python ({', '.join(others)}), not this {version}: reinstall kvdoctor with this Python"
+        )
+    return "the native path is not built here (kvdoctor was installed without a C compiler): reinstall it where gcc or clang is present"

@@ -1,9 +1,9 @@
 """Runs the real-SGLang workload cases under the probe and prints what the ledger ended with:
 every ledger's arrays (hashed), the violation/census/status events in order, the hooked-call
-count and the host's own results. Run once with KVDOCTOR_HOTPATH=0 and once without, in fresh
-interpreters, the two outputs must be equal: the compiled path changes nothing but the cost.
+count and the host's own results. Run once with KVDOCTOR_NATIVE=0 and once without, in fresh
+interpreters, the two outputs must be equal: the native path changes nothing but the cost.
 
-Each case also reports (compiled path only, left out of the comparison) how many calls of each
+Each case also reports (native path only, left out of the comparison) how many calls of each
 fast-path kind were taken in C, diverted to Python before the host call, or finished in Python.
 
 argv[1]: JSON list of cases [page_size, fault, tree, fixes] (tree and fixes optional).
@@ -26,7 +26,7 @@ WRITER_THREAD_COMPONENTS = {"memory_classes"}  # statuses said from the writer t
 
 def ledger_digest(ledger, site_names):
     """What a ledger holds, page by page, with call sites as text: site ids are per process and the
-    compiled path interns a healthy free's site only when a violation needs it. The sink page (where
+    native path interns a healthy free's site only when a violation needs it. The sink page (where
     out-of-range and mid-page slots are parked, never read) is left out."""
     body = slice(0, ledger.num_pages + 1)
     sites = [site_names[i] if 0 <= i < len(site_names) else f"?{i}" for i in ledger.alloc_site[body].tolist()]
@@ -43,7 +43,7 @@ def ledger_digest(ledger, site_names):
 def main() -> None:
     cases = json.loads(sys.argv[1])
     from kvdoctor.demo.workload import WorkloadConfig, run_workload
-    from kvdoctor.probe import hotpath
+    from kvdoctor.probe import native
     from kvdoctor.probe.core import runtime
     from kvdoctor.probe.engines.sglang.state import sglang_state
     from kvdoctor.trace.reader import iter_events
@@ -55,14 +55,14 @@ def main() -> None:
         tree = case[2] if len(case) > 2 else "radix"
         fixes = case[3] if len(case) > 3 else []
         path = os.path.join(tmp, f"{page_size}-{fault}-{tree}-{len(out)}.json")
-        before = hotpath.NATIVE.stats() if hotpath.active() else {}
+        before = native.NATIVE.stats() if native.active() else {}
         probe = runtime.activate(path, fixes=fixes)
         result = run_workload(WorkloadConfig(page_size=page_size, fault=fault, tree=tree))
         state = sglang_state(probe)
         ledgers = {ledger.name: ledger_digest(ledger, probe.sites.names) for ledger in state.ledgers.values()}
         extent = hashlib.sha256(state.row_extent.tobytes()).hexdigest()[:16] if state.row_extent is not None else None
         calls, failures, ledger_on = probe.calls, probe.failures, probe.ledger_on
-        after = hotpath.NATIVE.stats() if hotpath.active() else {}
+        after = native.NATIVE.stats() if native.active() else {}
         paths = {k: [a - b for a, b in zip(after[k], before[k], strict=True)] for k in ("fast", "diverted", "slow")} if after else {}
         runtime.deactivate()
         events = [
@@ -73,7 +73,7 @@ def main() -> None:
         out.append(
             {
                 "case": case,
-                "compiled": hotpath.active(),
+                "compiled": native.active(),
                 "ledgers": ledgers,
                 "row_extent": extent,
                 "events": events,
@@ -84,7 +84,7 @@ def main() -> None:
                 "digest": result.outputs_digest,
                 "sglang_check": result.sglang_check,
                 "paths": paths,
-                # how the compiled path read tensors and keyed call sites (not compared)
+                # how the native path read tensors and keyed call sites (not compared)
                 "readers": {k: after.get(k) for k in ("dlpack_reader", "direct_frames")},
             }
         )

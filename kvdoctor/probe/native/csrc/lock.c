@@ -4,9 +4,9 @@
  * acquire is a thread-id compare and two stores: no lock of the system's. A thread that finds it
  * held by another (one that let go of the GIL inside its locked section, as a census in the writer
  * thread can) waits without the GIL, looking again every 50 us. Python uses it as
- * `with ledger.lock:`; hotpath.new_lock() makes one per ledger and resets them in a forked child.
+ * `with ledger.lock:`; the native side's new_lock() makes one per ledger and resets them in a forked child.
  */
-#include "hotpath.h"
+#include "native.h"
 
 #include <time.h>
 
@@ -126,11 +126,11 @@ static PyMethodDef fastlock_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 PyTypeObject FastLockType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvdoctor.probe._hotpath.FastLock",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvdoctor.probe.native._native.FastLock",
     .tp_basicsize = sizeof(FastLock),
     .tp_dealloc = (destructor)fastlock_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A reentrant lock the compiled path takes without a method call (see threading.RLock).",
+    .tp_doc = "A reentrant lock the native path takes without a method call (see threading.RLock).",
     .tp_weaklistoffset = offsetof(FastLock, weakrefs),
     .tp_methods = fastlock_methods,
     .tp_new = fastlock_new,

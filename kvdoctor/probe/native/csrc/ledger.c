@@ -1,12 +1,12 @@
 /* The slot ledger's rules, on the numpy arrays the Python `SlotLedger` owns (state byte, owner row
  * and allocation site per page), read and written through their buffers.
  *
- * The rules are those of kvdoctor/probe/ledger/slots.py: each update below checks first that every
+ * The rules are those of kvdoctor/probe/ledgers/slots.py: each update below checks first that every
  * element is healthy (a free page handed out, a held page freed, ...) and writes only then;
  * anything else is left to the Python ledger method (ledger_slow), which records the violation and
  * its evidence exactly as without this extension.
  */
-#include "hotpath.h"
+#include "native.h"
 
 Ledger *
 ledger_of(PyObject *allocator)
@@ -278,7 +278,7 @@ row_still_owns(const Ledger *l, const Ints *table, Py_ssize_t first, Py_ssize_t 
     return 0;
 }
 
-/* last_loc must point into a page its request still holds (-1: no prefix). */
+/* A last-loc must point into a page its request still holds (-1: no prefix). */
 int
 last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req)
 {

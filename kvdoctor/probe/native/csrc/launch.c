@@ -2,7 +2,7 @@
  *
  * Why: Triton's launcher for a compiled kernel is Python before its C call (about 10 us a launch
  * on an H100), and the scheduler thread pays it for every hooked call on the GPU path before it
- * can launch the next step. kvdoctor/probe/ledger/launch.py keeps the compiled kernel and, where
+ * can launch the next step. The ledgers' launch.py keeps the compiled kernel and, where
  * the kernel needs nothing Triton's launcher adds (no scratch memory, one CTA per program, no
  * cluster, cooperative or programmatic launch, no launch hooks), calls this with the kernel's
  * handle and its parameters already in the kernel's order.
@@ -15,11 +15,11 @@
  * found, every call returns -1 and the caller goes back to Triton's launcher.
  *
  * Device ledgers: the same launch without Python at all. A hooked alloc or free on a GPU slot
- * ledger (sglang_paths.c) reads the index tensor through DLPack (no value, no sync), picks the
+ * ledger (slot_ops.c) reads the index tensor through DLPack (no value, no sync), picks the
  * kernel its rule, index width and alignment select, fills in the index's address, its count and
  * the call site, and launches on the current stream: the update the Python role makes through
- * ledger/kernels.py for a call of at most one block (one fused kernel). A request-table write (the owner kernel) and
- * a paged alloc's last_loc check take a kernel over slots and, per slot, a row (a tensor, or one
+ * ledgers/kernels.py for a call of at most one block (one fused kernel). A request-table write (the owner kernel) and
+ * a paged alloc's last-loc check take a kernel over slots and, per slot, a row (a tensor, or one
  * row given as a number), as many programs as it needs; a paged alloc's check and its update are
  * one kernel after the host's call (`device_last_loc_alloc`), the check alone where no slots came
  * back; an alloc or free of more than a block is its check, then its write, as the Python path
@@ -28,7 +28,7 @@
  * itself (`device_plan`); a call with no plan yet, a launch hook set or a refused
  * launch takes the Python path, which records exactly as it did before.
  */
-#include "hotpath.h"
+#include "native.h"
 
 #include <dlfcn.h>
 
@@ -150,7 +150,7 @@ device_ledger_of(PyObject *allocator)
 }
 
 /* Whether a launch hook (a profiler's) is set: Triton's launcher calls it, this launch cannot
- * (ledger/launch.py's _hooks_set). Anything unexpected counts as set. */
+ * (ledgers/launch.py's _hooks_set). Anything unexpected counts as set. */
 static int
 hooks_set(PyObject *knobs)
 {
@@ -345,7 +345,7 @@ index_read(DeviceLedger *d, PyObject *t, const void **data, Py_ssize_t *n, int *
 }
 
 /* The rows beside `slots` (NULL for none); `drop_other`: rows of another length are dropped (the
- * last_loc check drops them), else they decline the call (the owner update, which the Python role
+ * last-loc check drops them), else they decline the call (the owner update, which the Python role
  * then leaves alone). */
 static int
 rows_reads(DeviceLedger *d, PyObject *slots, PyObject *rows, OwnerCall *call, int drop_other)
@@ -372,12 +372,12 @@ device_owner_reads(DeviceLedger *d, PyObject *values, PyObject *rows, OwnerCall 
 }
 
 int
-device_last_loc_reads(DeviceLedger *d, PyObject *last_loc, PyObject *rows, OwnerCall *call)
+device_last_loc_reads(DeviceLedger *d, PyObject *last, PyObject *rows, OwnerCall *call)
 {
-    return rows_reads(d, last_loc, rows, call, 1);
+    return rows_reads(d, last, rows, call, 1);
 }
 
-/* A kernel over slots and, per slot, a row (the owner kernel and the last_loc check): its plan
+/* A kernel over slots and, per slot, a row (the owner kernel and the last-loc check): its plan
  * selected from `base` by whether there is a rows' tensor and both widths and alignments; `value`
  * goes where the plan's site is (the row, or the call site). As many programs as the kernel's
  * BLOCK needs. */
@@ -504,7 +504,7 @@ m_register_device_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *
     Py_RETURN_TRUE;
 }
 
-/* One kernel of a device ledger, as ledger/kernels.py launched it: the slot its rule, width and
+/* One kernel of a device ledger, as ledgers/kernels.py launched it: the slot its rule, width and
  * alignment select, the compiled function, the kinds and values of its runtime parameters (the
  * index, count and site positions' values are filled in per call). False: no such ledger. */
 PyObject *
@@ -522,7 +522,7 @@ m_device_plan(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
                                      &block, &shared, &PyTuple_Type, &values, &at_index, &at_count, &at_site, &at_rows,
                                      &at_last, &at_last_count))
         return NULL;
-    /* the owner, last_loc and large calls' check plans name where their rows go */
+    /* the owner, last-loc and large calls' check plans name where their rows go */
     int fused = slot >= DEVICE_LAST_LOC_ALLOC_SLOT(0, 0, 0, 0) && slot < DEVICE_BLOCKS_CHECK_SLOT(0);
     int rows = slot >= DEVICE_OWNER_SLOT(0, 0, 0) && slot < DEVICE_BLOCKS_WRITE_SLOT(0);
     if (slot < 0 || slot >= DEVICE_PLAN_SLOTS || n + 2 > DEVICE_MAX_PARAMS || PyTuple_GET_SIZE(values) != n ||

@@ -1,0 +1,247 @@
+/* The engine's state as the fast paths call it, by operation, and the module's setters for it.
+ *
+ * The fast paths know no engine: set_context hands over the engine's state object, its request
+ * table and its last-loc sources, with the name each operation has there (the C_* keys), from the
+ * engine's package. A fast path calls `context_census()`, never a method it names itself.
+ */
+#include "native.h"
+
+static const char *const CONTEXT_KEYS[C_NAMES] = {
+    [C_CENSUS] = "census",
+    [C_TREE_SEEN] = "tree_seen",
+    [C_ROW_WRITTEN] = "row_written",
+    [C_ROWS_RELEASED] = "rows_released",
+    [C_ROW_ALLOCATED] = "row_allocated",
+    [C_ROW_FREED] = "row_freed",
+    [C_ROWS_LIVE] = "rows_live",
+    [C_ROWS_FINISHED] = "rows_finished",
+    [C_ROWS_KEPT] = "rows_kept",
+};
+
+static void context_clear(void);
+
+static int
+call_state(int what, PyObject *const *args, size_t nargs)
+{
+    if (H.state == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "no engine context");
+        return -1;
+    }
+    PyObject *a[5] = {H.state};
+    for (size_t i = 0; i < nargs && i < 4; i++)
+        a[i + 1] = args[i];
+    PyObject *r = PyObject_VectorcallMethod(H.names[what], a, nargs + 1, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+int
+context_census(void)
+{
+    return call_state(C_CENSUS, NULL, 0);
+}
+
+/* Tells the state which tree the fast paths look at, once per tree. */
+int
+context_note_tree(PyObject *tree)
+{
+    if (H.tree_seen == tree)
+        return 0;
+    if (H.state == NULL || PyObject_SetAttr(H.state, H.names[C_TREE_SEEN], tree) < 0)
+        return -1;
+    Py_INCREF(tree);
+    Py_XSETREF(H.tree_seen, tree);
+    return 0;
+}
+
+int
+context_row_written(PyObject *const *pool_row_columns_values)
+{
+    return call_state(C_ROW_WRITTEN, pool_row_columns_values, 4);
+}
+
+int
+context_rows_released(void)
+{
+    return call_state(C_ROWS_RELEASED, NULL, 0);
+}
+
+/* The table's row_allocated and row_freed, done on its two dicts where it has them, else through
+ * its methods. Its lock orders its changes against the writer thread's reads; here the GIL is held
+ * from the first change to the last and nothing between them runs Python code (the keys are ints,
+ * the values strings), which gives those reads the same. */
+int
+context_row_allocated(PyObject *row, PyObject *id)
+{
+    if (H.rows_live == NULL) {
+        PyObject *a[3] = {H.requests, row, id};
+        PyObject *r = PyObject_VectorcallMethod(H.names[C_ROW_ALLOCATED], a, 3, NULL);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    if (PyDict_SetItem(H.rows_live, row, id) < 0)
+        return -1;
+    int finished = PyDict_Contains(H.rows_finished, row);
+    return finished < 0 ? -1 : finished ? PyDict_DelItem(H.rows_finished, row) : 0;
+}
+
+int
+context_row_freed(PyObject *row)
+{
+    if (H.rows_live == NULL) {
+        PyObject *a[2] = {H.requests, row};
+        PyObject *r = PyObject_VectorcallMethod(H.names[C_ROW_FREED], a, 2, NULL);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    PyObject *id = PyDict_GetItemWithError(H.rows_live, row);
+    if (id == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(id);
+    int rc = PyDict_DelItem(H.rows_live, row);
+    if (rc == 0)
+        rc = PyDict_SetItem(H.rows_finished, row, id);
+    Py_DECREF(id);
+    if (rc == 0 && PyDict_GET_SIZE(H.rows_finished) > H.rows_kept) { /* forget the oldest */
+        Py_ssize_t pos = 0;
+        PyObject *oldest, *value;
+        if (PyDict_Next(H.rows_finished, &pos, &oldest, &value)) {
+            Py_INCREF(oldest);
+            rc = PyDict_DelItem(H.rows_finished, oldest);
+            Py_DECREF(oldest);
+        }
+    }
+    return rc;
+}
+
+int
+context_source_rows(PyObject *last, PyObject **rows)
+{
+    *rows = NULL;
+    if (H.sources == NULL)
+        return 1;
+    PyObject *key = PyLong_FromVoidPtr(last);
+    if (key == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *source = PyDict_GetItemWithError(H.sources, key); /* borrowed */
+    Py_DECREF(key);
+    if (source == NULL && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (source != NULL && PyTuple_Check(source) && PyTuple_GET_SIZE(source) >= 2 &&
+        PyTuple_GET_ITEM(source, 0) == last && PyTuple_GET_ITEM(source, 1) != Py_None)
+        *rows = PyTuple_GET_ITEM(source, 1);
+    return 1;
+}
+
+/* set_context(state, requests, sources, names): `names` maps each operation (CONTEXT_KEYS) to its
+ * name on the state or the table. */
+PyObject *
+m_set_context(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *kw[] = {"state", "requests", "sources", "names", NULL};
+    PyObject *state, *requests, *sources, *names;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!", kw, &state, &requests, &PyDict_Type, &sources,
+                                     &PyDict_Type, &names))
+        return NULL;
+    PyObject *found[C_NAMES];
+    for (int i = 0; i < C_NAMES; i++) {
+        found[i] = PyDict_GetItemString(names, CONTEXT_KEYS[i]); /* borrowed */
+        if (found[i] == NULL || !PyUnicode_CheckExact(found[i])) {
+            PyErr_Format(PyExc_TypeError, "set_context: names[%s] must be a str", CONTEXT_KEYS[i]);
+            return NULL;
+        }
+    }
+    context_clear();
+    for (int i = 0; i < C_NAMES; i++) {
+        PyObject *name = Py_NewRef(found[i]);
+        PyUnicode_InternInPlace(&name);
+        H.names[i] = name;
+    }
+    H.state = Py_NewRef(state);
+    H.requests = Py_NewRef(requests);
+    H.sources = Py_NewRef(sources);
+    PyObject *live = PyObject_GetAttr(requests, H.names[C_ROWS_LIVE]);
+    PyObject *finished = live == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_FINISHED]);
+    PyObject *kept = finished == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_KEPT]);
+    Py_ssize_t rows_kept = kept == NULL ? -1 : PyLong_AsSsize_t(kept);
+    if (live != NULL && finished != NULL && PyDict_CheckExact(live) && PyDict_CheckExact(finished) && rows_kept >= 0) {
+        H.rows_live = Py_NewRef(live); /* else its methods are called */
+        H.rows_finished = Py_NewRef(finished);
+        H.rows_kept = rows_kept;
+    }
+    PyErr_Clear();
+    Py_XDECREF(live);
+    Py_XDECREF(finished);
+    Py_XDECREF(kept);
+    Py_RETURN_NONE;
+}
+
+PyObject *
+m_set_primary(PyObject *Py_UNUSED(module), PyObject *allocator)
+{
+    H.primary = ledger_of(allocator);
+    H.primary_device = H.primary == NULL ? device_ledger_of(allocator) : NULL;
+    return PyBool_FromLong(H.primary != NULL || H.primary_device != NULL);
+}
+
+PyObject *
+m_set_row_extent(PyObject *Py_UNUSED(module), PyObject *arr)
+{
+    if (H.extent != NULL) {
+        PyBuffer_Release(&H.b_extent);
+        H.extent = NULL;
+        H.extent_n = 0;
+    }
+    if (arr == Py_None)
+        Py_RETURN_NONE;
+    if (PyObject_GetBuffer(arr, &H.b_extent, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (H.b_extent.itemsize != 8) {
+        PyBuffer_Release(&H.b_extent);
+        PyErr_SetString(PyExc_ValueError, "row extents must be int64");
+        return NULL;
+    }
+    H.extent = H.b_extent.buf;
+    H.extent_n = H.b_extent.len / 8;
+    Py_RETURN_NONE;
+}
+
+PyObject *
+m_set_divert(PyObject *Py_UNUSED(module), PyObject *flag)
+{
+    int v = PyObject_IsTrue(flag);
+    if (v < 0)
+        return NULL;
+    H.divert = v;
+    Py_RETURN_NONE;
+}
+
+static void
+context_clear(void)
+{
+    Py_CLEAR(H.state);
+    Py_CLEAR(H.requests);
+    Py_CLEAR(H.rows_live);
+    Py_CLEAR(H.rows_finished);
+    Py_CLEAR(H.sources);
+    Py_CLEAR(H.tree_seen);
+    for (int i = 0; i < C_NAMES; i++)
+        Py_CLEAR(H.names[i]);
+}
+
+/* Forgets the engine's state, its request rows and the tree last seen (the probe was deactivated). */
+void
+context_forget(void)
+{
+    if (H.extent != NULL) {
+        PyBuffer_Release(&H.b_extent);
+        H.extent = NULL;
+        H.extent_n = 0;
+    }
+    context_clear();
+    H.divert = 0;
+}
