@@ -12,6 +12,7 @@ host: every error is swallowed.
 
 import os
 import sys
+from typing import Any
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _OFF = ("", "0", "false", "no", "off")  # KVDOCTOR_ATTRIBUTION: not asked for
@@ -31,17 +32,64 @@ def _activate() -> None:
         pass
 
 
+class _ProbeFirst:
+    """The engine's own loader, turning the probe on just before the engine's first module runs.
+
+    Not in find_spec: the import system calls finders holding its global import lock, and the
+    probe's own imports made there wait on every other thread's import while one of those may wait
+    on them (a thread a sitecustomize started, importing `json`, hung servers at start-up so)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # is_package, get_code, get_resource_reader: the engine's loader's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        try:  # the module keeps its own loader
+            if getattr(module.__spec__, "loader", None) is self:
+                module.__spec__.loader = self.inner
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self.inner
+        except Exception:
+            pass
+        _activate()
+        self.inner.exec_module(module)
+
+
 class _EngineWatch:
-    """Turns the probe on when an engine's top-level package is first looked up, then steps aside."""
+    """Turns the probe on as an engine's top-level package is first imported, then steps aside:
+    finds the engine's spec with the finders after it and hands it back with a loader that starts
+    the probe first (one with no exec_module: the probe starts here, as it did before)."""
 
     @classmethod
-    def find_spec(cls, name: str, path: object = None, target: object = None) -> None:
-        if path is None and name in ENGINE_PACKAGES:
-            try:
-                sys.meta_path.remove(cls)
-            except ValueError:
-                pass
-            _activate()
+    def find_spec(cls, name: str, path: object = None, target: object = None) -> Any:
+        if path is not None or name not in ENGINE_PACKAGES:
+            return None
+        try:
+            sys.meta_path.remove(cls)
+        except ValueError:
+            pass
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                spec = find(name, path, target) if find is not None else None
+                if spec is None:
+                    continue
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ProbeFirst(spec.loader)
+                    return spec
+                break
+            else:
+                return None  # the engine is not installed: nothing to probe
+        except Exception:
+            return None  # the import goes on as if the probe were not here
+        _activate()
         return None
 
 
