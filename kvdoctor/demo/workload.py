@@ -18,7 +18,7 @@ from kvdoctor.demo.engine import Engine, Request
 
 __all__ = ["FAULTS", "Engine", "Request", "WorkloadConfig", "WorkloadResult", "run_workload"]
 
-FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc")
+FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc", "tree-unseen")
 
 
 @dataclasses.dataclass
@@ -36,6 +36,12 @@ class WorkloadConfig:
     seed: int = 0
     vocab: int = 500
     token_base: int = 0
+
+    @property
+    def victim(self) -> int:
+        """The request the fault is planted in: the last one for tree-unseen (what the tree took
+        unseen is still there at the exit census), else `fault_at_request`."""
+        return self.conversations * self.turns - 1 if self.fault == "tree-unseen" else self.fault_at_request
 
 
 @dataclasses.dataclass
@@ -87,13 +93,13 @@ def run_workload(config: WorkloadConfig, engine: Engine | None = None) -> Worklo
             live.append(item)
         for step in range(config.output_tokens):
             for item in live:
-                fault_here = item.number == config.fault_at_request and step >= config.output_tokens // 2 and not result.planted
+                fault_here = item.number == config.victim and step >= config.output_tokens // 2 and not result.planted
                 token = _decode(engine, item, result, config, rng, fault_here)
                 item.tokens.append(token)
         for item in live:
             conv = int(item.req.rid.split("-")[0][4:])
             histories[conv] = list(item.tokens)
-            _finish(engine, item, result, config, item.number == config.fault_at_request)
+            _finish(engine, item, result, config, item.number == config.victim)
             result.outputs_digest = (result.outputs_digest * 31 + sum(item.tokens)) % (1 << 61)
         result.requests = request_no
     result.sglang_check = engine.sglang_leak_check()
@@ -198,7 +204,11 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
         engine.allocator.free(own)
         result.planted["double_free"] = int(own.numel())
     else:
-        new_prefix = engine.insert(item.tokens[:aligned], kv[:aligned], item.prefix_len)
+        if fault == "tree-unseen":
+            new_prefix = engine.insert_unseen(item.tokens[:aligned], kv[:aligned])
+            result.planted["tree_unseen_slots"] = max(aligned - max(new_prefix, item.prefix_len), 0)
+        else:
+            new_prefix = engine.insert(item.tokens[:aligned], kv[:aligned], item.prefix_len)
         if new_prefix > item.prefix_len:
             engine.allocator.free(kv[item.prefix_len : new_prefix])
         if aligned < item.seq_len:

@@ -8,7 +8,7 @@ import pytest
 from conftest import run_cases
 
 FAULTS_ALL_PAGES = ["none", "leak", "double-free", "index-out-of-range", "double-alloc"]
-CASES_0523 = [[ps, f] for ps in (1, 4) for f in FAULTS_ALL_PAGES] + [[4, "stale-last-loc"]]
+CASES_0523 = [[ps, f] for ps in (1, 4) for f in FAULTS_ALL_PAGES + ["tree-unseen"]] + [[4, "stale-last-loc"]]
 # 0.5.23's default tree, UnifiedRadixCache (a Rust tree core), under the same workload
 CASES_0523_UNIFIED = [
     [ps, f, "unified"]
@@ -17,7 +17,7 @@ CASES_0523_UNIFIED = [
     if not (ps == 1 and f == "stale-last-loc")
 ]
 # 0.5.9's paged alloc_extend/alloc_decode launch Triton kernels unconditionally: CPU covers page_size 1.
-CASES_059 = [[1, f] for f in FAULTS_ALL_PAGES]
+CASES_059 = [[1, f] for f in FAULTS_ALL_PAGES + ["tree-unseen"]]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,15 @@ def check_case(result):
         oor = [f for f in result["findings"] if f["kind"] == "index_out_of_range" and "_decode" in f["site"]]
         assert oor, result["findings"]
         assert oor[0]["evidence"]["bad_index"] == result["sglang_check"]["total"] + result["page_size"]
+    elif fault == "tree-unseen":
+        # The last request's slots reach the tree past the hooked insert (as 0.5.23's HiCache load
+        # back gave loaded slots to tree nodes): SGLang's books balance, the ledger's tree holds
+        # fewer slots than SGLang's, and the ledger says it cannot judge instead of naming a leak.
+        assert result["sglang_check"]["diff"] == 0
+        assert errors(result) == [], result["findings"]
+        unseen = [f for f in result["findings"] if f["kind"] == "probe_partial" and "tree_unseen_slots" in f["evidence"]]
+        assert [f["evidence"]["tree_unseen_slots"] for f in unseen] == [planted["tree_unseen_slots"]], result["findings"]
+        assert planted["tree_unseen_slots"] > 0
     elif fault == "double-alloc":
         kinds = {f["kind"] for f in errors(result)}
         assert "double_alloc" in kinds

@@ -30,6 +30,7 @@ class OrphanSlotsDetector:
         self.latest_ts: dict[tuple[int, str], float] = {}
         self.max_seen: dict[tuple[int, str], int] = {}
         self.at_release: dict[tuple[int, str], dict[str, Any]] = {}  # slots leaked at a request's release
+        self.tree_unseen: set[tuple[int, str]] = set()  # ledgers whose tree took slots they never saw
         self.censuses = 0
         # ledgers beyond MAX_LEDGER_ENTRIES (a crafted trace): the latest orphan count of each, by
         # hash, then a sum of the counts of those that found no room even there
@@ -47,6 +48,13 @@ class OrphanSlotsDetector:
         if event.name != schema.CENSUS:
             return
         if args.get("judged") is False:
+            if as_count(args.get("tree_unseen_slots")) and len(self.tree_unseen) < MAX_LEDGER_ENTRIES:
+                # the tree took slots the ledger never saw: what a request's release or a rolling
+                # census (no tree audit) named may be those very slots, so neither is a verdict
+                self.tree_unseen.add(key)
+                if self.latest.get(key, {}).get("reason") == "rolling":
+                    self.latest.pop(key, None)
+                    self.latest_ts.pop(key, None)
             return  # the probe said it cannot prove it sees every holder of this pool: no verdict
         if not schema.census_is_readable(args):
             return  # a damaged count is no verdict, least of all a clean one
@@ -124,6 +132,8 @@ class OrphanSlotsDetector:
     def findings(self) -> list[Finding]:
         out = self._left_findings()
         for key, found in self.at_release.items():
+            if key in self.tree_unseen:
+                continue  # its censuses said why they cannot judge (the analysis's not-judged ledgers)
             if key in self.latest and self.latest_ts[key] >= found["last_ts"]:
                 self.latest[key] = {**self.latest[key], "leaked_at_release": found}
                 continue

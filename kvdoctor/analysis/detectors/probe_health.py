@@ -32,6 +32,7 @@ class ProbeHealthDetector:
         self.dropped: dict[int, int] = {}  # pid: most events dropped so far
         self.write_error: dict[int, str] = {}
         self.disagree: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): the census
+        self.tree_unseen: dict[tuple[int, str], dict[str, Any]] = {}  # (pid, allocator): the census its tree outgrew
         self.fixes: dict[tuple[int, str], int] = {}  # (pid, fix): corrections made
         self.pids_with_violations: set[int] = set()
         # entries beyond the tables' bounds (a crafted trace), by the finding kind they would make
@@ -72,6 +73,10 @@ class ProbeHealthDetector:
             key = (event.pid, str(args.get("allocator")))
             if self._room(self.disagree, key, schema.LEDGER_DISAGREES):
                 self.disagree[key] = args
+        if event.name == schema.CENSUS and as_count(args.get("tree_unseen_slots")):
+            key = (event.pid, str(args.get("allocator")))
+            if self._room(self.tree_unseen, key, schema.PROBE_PARTIAL):
+                self.tree_unseen[key] = args
         elif event.name == schema.FIX_APPLIED:
             key = (event.pid, str(args.get("fix")))
             if self._room(self.fixes, key, schema.FIX_APPLIED):
@@ -125,6 +130,18 @@ class ProbeHealthDetector:
                     f"the probe hooked only part of the engine in pid {pid}: {reason}",
                     0,
                     {"reason": reason, "pid": pid},
+                    pid,
+                )
+            )
+        for (pid, allocator), args in self.tree_unseen.items():
+            reason = str(args.get("not_judged", ""))
+            out.append(
+                Finding(
+                    schema.PROBE_PARTIAL,
+                    WARNING,
+                    f"the ledger of {allocator} in pid {pid} cannot judge leaks: {reason} (the {args.get('reason', '')} census)",
+                    0,
+                    {"reason": reason, "pid": pid, "allocator": allocator, "tree_unseen_slots": as_count(args.get("tree_unseen_slots"))},
                     pid,
                 )
             )

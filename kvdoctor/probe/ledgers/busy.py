@@ -151,6 +151,8 @@ class RollingCensus:
         }
         if ledger.not_judged:
             self.last.update(judged=False, not_judged=ledger.not_judged)
+        elif ledger.readback.tree_unseen:  # the tree's own count, read on the engine's thread, disagreed last
+            self.last.update(judged=False, not_judged=ledger.readback.tree_unseen)
         now = time.monotonic()
         if key == self._reported and now - self._reported_s < ROLLING_REPORT_S:
             return None

@@ -19,6 +19,14 @@ from kvdoctor.trace import schema
 Emit = Callable[[str, dict[str, Any]], None]
 
 
+def tree_unseen_reason(args: dict[str, Any]) -> str:
+    host = int(args.get("tree_evictable_slots", 0)) + int(args.get("tree_protected_slots", 0))
+    return (
+        f"SGLang's radix tree holds {host} slots by its own count, the ledger saw it take {args.get('tree_slots', 0)}: "
+        f"{args['tree_unseen_slots']} reached the tree through a path the probe does not hook, so this census names no orphan"
+    )
+
+
 class LedgerArrays(Protocol):
     """What the readback reads of its ledger (`slots.SlotLedger`): the arrays, their sizes, where
     events go and the lock the native path holds too."""
@@ -55,6 +63,7 @@ class SlotReadback:
         self._pending: Any = None
         self._pending_kind = ""
         self._pending_counts: Any = None
+        self.tree_unseen = ""  # why the last census could not judge: its tree took slots unseen ("" if it agreed)
 
     def poll(self, force: bool = False) -> None:
         """Harvests violations without blocking: starts an async read, finishes it next time."""
@@ -217,11 +226,16 @@ class SlotReadback:
             }
             if tree_sizes:
                 args.update(tree_sizes)
+                args.update(self._compare_tree_with_host(args, tree_sizes))
             if host_free_pages is not None:
                 args.update(self._compare_with_host(body, host_free_pages))
             args.update(self.before_attach(orphan_pages, owner))
             if self.ledger.not_judged:
                 args.update(judged=False, not_judged=self.ledger.not_judged)
+            elif args.get("tree_unseen_slots"):
+                args.update(judged=False, not_judged=tree_unseen_reason(args))
+            if tree_sizes:
+                self.tree_unseen = tree_unseen_reason(args) if args.get("tree_unseen_slots") else ""
             self.ledger.emit(schema.CENSUS, args)
             return args
 
@@ -234,6 +248,17 @@ class SlotReadback:
             "orphan_before_attach_slots": int(early.size) * self.ledger.page_size,
             "orphan_before_attach_slot_ids": self._slot_ids(early),
         }
+
+    @staticmethod
+    def _compare_tree_with_host(args: dict[str, Any], tree_sizes: dict[str, int]) -> dict[str, Any]:
+        """SGLang's own count of what its tree holds against the ledger's: a tree holding more than
+        the ledger gave it took slots through a path the probe does not see (0.5.23's HiCache load
+        back, for one), and the ledger would name those as leaked."""
+        evictable, protected = tree_sizes.get("tree_evictable_slots"), tree_sizes.get("tree_protected_slots")
+        if not isinstance(evictable, int) or not isinstance(protected, int):
+            return {}
+        unseen = evictable + protected - int(args.get("tree_slots", 0))
+        return {"tree_unseen_slots": unseen} if unseen > 0 else {}
 
     def _compare_with_host(self, body: np.ndarray, host_free_pages: Any) -> dict[str, Any]:
         """The allocator's own free list against the ledger: a disagreement the ledger cannot
