@@ -20,7 +20,7 @@ export KVDOCTOR_SRC=$C/src SERVER_CARRY=$C PYTHONPATH=$SITE:$C/src PYTHONUNBUFFE
 echo "install $(( $(date +%s) - T0 )) s; kvdoctor $(cat $C/src/COMMIT)" | tee -a "$OUT/build.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/build.log"
 python3 -c "import torch,sys,sglang,triton;print('torch',torch.__version__,'python',sys.version.split()[0],'sglang',sglang.__version__,'triton',triton.__version__)" 2>&1 | tee -a "$OUT/build.log"
-python3 -c "from kvdoctor.probe.maps.loader.loader import available_maps as m; print(len(m('sglang')), 'SGLang maps')" 2>&1 | tee -a "$OUT/build.log"
+python3 -c "from kvdoctor.probe.maps.loader import available_maps as m; print(len(m('sglang')), 'SGLang maps')" 2>&1 | tee -a "$OUT/build.log"
 W=/tmp/suite-$(date +%H%M%S)
 timeout ${SUITE_TIMEOUT:-540} python3 bench/gpu/server_suite.py --out $W --cases "${CASES:-clean-p1,clean-p16,clean-noradix,clean-chunked,fault-leak,fault-safety}" ${SUITE_ARGS:-}
 rc=$?

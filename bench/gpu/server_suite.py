@@ -609,6 +609,7 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
     results: dict[str, dict] = {}
     live: dict[str, GpuServer] = {}
     log = open(os.path.join(out, "suite.log"), "a")
+    summary_lock = threading.Lock()
 
     def say(msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {msg}"
@@ -656,6 +657,8 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
             except Exception:
                 r.update(verdict="FAIL", why=[traceback.format_exc()[-2000:]])
         r.setdefault("verdict", "pass" if r.get("bench", {}).get("output_throughput") else "FAIL")
+        with summary_lock:
+            write_summary(out, results, cpu)
         say(
             f"{case.name}: {r.get('verdict')} {r.get('why', '')} {r.get('errors', '')} {json.dumps(r.get('bench', {}).get('output_throughput'))}"
         )
