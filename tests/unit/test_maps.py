@@ -225,3 +225,22 @@ def test_a_bound_inside_a_range_is_refused_with_the_hook_named(tmp_path):
     body = '[[classes]]\nmodule = "m"\nclass = "Pool"\nkind = "tree"\nsince = "1.1"\n[classes.methods]\ninsert = "tree_insert"\n'
     with pytest.raises(ValueError, match=r"demo.toml: Pool \(m\): '1.1' is not where one of its \[maps\] ranges starts"):
         load_maps(_engine_file(tmp_path, body))
+
+
+def test_a_source_checkout_with_nothing_installed_finds_its_maps(tmp_path):
+    """Where kvdoctor runs from its sources on PYTHONPATH (the GPU machine's copy; no install, so no
+    `kvdoctor.probes` package data): the maps are `probes/` beside the package, whatever floor of
+    the probe the loader lives on. Run without site-packages, so no editable install can answer."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    program = (
+        f"import sys; sys.path.insert(0, {repo!r})\n"
+        "from kvdoctor.probe.maps.loader import maps_dir, available_maps\n"
+        "print(maps_dir()); print(len(available_maps('sglang')), len(available_maps('vllm')))\n"
+    )
+    run = subprocess.run([sys.executable, "-S", "-c", program], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    where, counts = run.stdout.split("\n")[:2]
+    assert where == os.path.join(repo, "probes")
+    assert [int(n) for n in counts.split()] == [len(available_maps("sglang")), len(available_maps("vllm"))]

@@ -24,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
 
-MAPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "probes")
+MAPS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..", "probes")
 
 
 @dataclasses.dataclass

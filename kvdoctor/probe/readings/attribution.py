@@ -40,6 +40,7 @@ from kvdoctor.probe.base.settings import DAY_S, env_count, env_number
 from kvdoctor.trace import schema
 
 ENV_ATTRIBUTION = "KVDOCTOR_ATTRIBUTION"
+PROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvdoctor/probe, never named as the host's
 ENV_PERIOD_S = "KVDOCTOR_ATTRIBUTION_PERIOD_S"
 ENV_WINDOW_S = "KVDOCTOR_ATTRIBUTION_WINDOW_S"
 ENV_SAMPLE_HZ = "KVDOCTOR_ATTRIBUTION_SAMPLE_HZ"
@@ -188,7 +189,7 @@ class Attribution:
         return snapshot.filter_traces(
             [
                 tracemalloc.Filter(False, tracemalloc.__file__),
-                tracemalloc.Filter(False, os.path.join(os.path.dirname(os.path.abspath(__file__)), "*")),
+                tracemalloc.Filter(False, os.path.join(PROBE_DIR, "*")),  # the probe's own allocations, every floor of it
                 tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
             ]
         )

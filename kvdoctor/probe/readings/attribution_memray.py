@@ -60,7 +60,7 @@ MEMORY_INTERVAL_MS = 1000  # memray's RSS samples inside a capture; the probe re
 MAX_RECORDS = 50_000  # aggregated records read per window (memory bound on the reading side)
 STACK_FRAMES = 4
 NO_PYTHON_STACK = "(no Python stack)"
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvdoctor/probe: every floor of the probe
 
 METHOD = (
     "memray (the C allocator hooked: malloc, posix_memalign, mmap, ...; Python stacks) over the window: "
