@@ -425,3 +425,48 @@ ledgers_release(void)
     H.primary = NULL;
     device_ledgers_release();
 }
+
+/* Tests: one ledger operation on a registered host ledger, as the fast paths apply it (checked,
+ * then written only where every element passes), so that one table of cases runs against the C,
+ * the numpy ledger and the torch ledger alike (tests/unit/test_ledger_operations.py).
+ * apply_op(allocator, op, indices, flag=0, value=0): op is alloc (flag: only page starts; value:
+ * the site), free (flag: as pages; value: evicting), tree_in, owner (value: the row) or last_loc
+ * (a check: nothing written). True: healthy and written; False: not healthy, nothing written. */
+PyObject *
+m_apply_op(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *allocator, *index;
+    const char *op;
+    int flag = 0;
+    long value = 0;
+    if (!PyArg_ParseTuple(args, "OsO|il", &allocator, &op, &index, &flag, &value))
+        return NULL;
+    Ledger *l = ledger_of(allocator);
+    if (l == NULL) {
+        PyErr_SetString(PyExc_KeyError, "apply_op: no host ledger is registered for that allocator");
+        return NULL;
+    }
+    Ints v;
+    int rc = read_ints(index, &v);
+    if (rc != 1) {
+        if (rc == 0)
+            PyErr_SetString(PyExc_TypeError, "apply_op: the indices must be a CPU int32 or int64 tensor");
+        return NULL;
+    }
+    if (strcmp(op, "alloc") == 0)
+        rc = ledger_alloc(l, &v, flag, (int)value);
+    else if (strcmp(op, "free") == 0)
+        rc = ledger_free(l, &v, flag, value != 0);
+    else if (strcmp(op, "tree_in") == 0)
+        rc = ledger_tree_insert(l, &v, 0, v.n);
+    else if (strcmp(op, "owner") == 0)
+        rc = ledger_owner(l, &v, (int32_t)value);
+    else if (strcmp(op, "last_loc") == 0)
+        rc = last_loc_is_healthy(l, &v, NULL);
+    else {
+        PyErr_Format(PyExc_ValueError, "apply_op: no ledger operation %s", op);
+        rc = -1;
+    }
+    ints_clear(&v);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
+}

@@ -440,6 +440,8 @@ static PyMethodDef module_methods[] = {
      "reader must agree with its getters before it is used (False: not used); use_dlpack=False keeps the getters."},
     {"readers_agree", m_readers_agree, METH_O,
      "Tests: whether the readers (in place, DLPack, getters) read a tensor alike."},
+    {"apply_op", m_apply_op, METH_VARARGS,
+     "Tests: one ledger operation on a registered host ledger, as the fast paths apply it (True: healthy, written)."},
     {"register_ledger", (PyCFunction)(void (*)(void))m_register_ledger, METH_VARARGS | METH_KEYWORDS,
      "A host slot ledger the fast paths may update (its numpy arrays, shape, lock)."},
     {"set_context", (PyCFunction)(void (*)(void))m_set_context, METH_VARARGS | METH_KEYWORDS,

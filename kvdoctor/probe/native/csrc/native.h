@@ -241,6 +241,7 @@ int row_still_owns(const Ledger *l, const Ints *table, Py_ssize_t first, Py_ssiz
 int ledger_slow(Ledger *l, PyObject *method, PyObject *const *args, size_t nargs, PyObject *kwnames);
 void ledgers_release(void);
 PyObject *m_register_ledger(PyObject *m, PyObject *a, PyObject *kw);
+PyObject *m_apply_op(PyObject *m, PyObject *a);
 
 /* ------------------------------------------------------------------ call sites (callsites.c) */
 
