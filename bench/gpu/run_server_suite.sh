@@ -2,8 +2,9 @@
 # Issue #47 on the device machine: a whole SGLang 0.5.23 server under `kvdoctor run`, in the cases of
 # bench/gpu/server_suite.py. Needs .carry/server (bench/gpu/server_pack.sh makes it here; carry
 # [".carry/server"]). CASES (comma-separated, the first one starts alone) picks the cases.
-# $OUT receives summary.json, summary.md, suite.log, build.log and traces.tar.gz (each case's
-# kvdoctor trace, replay, planted faults, bench results and server log).
+# $OUT receives summary.json, summary.md (both after every case: a run stopped at the device's limit
+# keeps what it finished), suite.log, build.log and traces.tar.gz (each case's kvdoctor trace,
+# replay, planted faults, bench results, server log and CPU by thread).
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch,sys,sglang,triton;print('torch',torch.__version__,'python',sys.version.split()[0],'sglang',sglang.__version__,'triton',triton.__version__)" 2>&1 | tee -a "$OUT/build.log"
 python3 -c "from kvdoctor.probe.maps.loader import available_maps as m; print(len(m('sglang')), 'SGLang maps')" 2>&1 | tee -a "$OUT/build.log"
 W=/tmp/suite-$(date +%H%M%S)
-timeout ${SUITE_TIMEOUT:-540} python3 bench/gpu/server_suite.py --out $W --cases "${CASES:-clean-p1,clean-p16,clean-noradix,clean-chunked,fault-leak,fault-safety}" ${SUITE_ARGS:-}
+SUITE_COPY_TO="$OUT" timeout ${SUITE_TIMEOUT:-540} python3 bench/gpu/server_suite.py --out $W --cases "${CASES:-clean-p1,clean-p16,clean-noradix,clean-chunked,fault-leak,fault-safety}" ${SUITE_ARGS:-}
 rc=$?
 echo "suite rc=$rc after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/build.log"
 cp $W/summary.json $W/summary.md $W/suite.log "$OUT/" 2>/dev/null
