@@ -97,3 +97,19 @@ def test_a_host_thread_importing_at_start_up_never_hangs_the_server(tmp_path, fa
         except subprocess.TimeoutExpired:
             pytest.fail(f"start {start + 1} of 8 hung at the engine's import")
         assert run.returncode == 0 and run.stdout.strip() == "True", (start, run.stdout, run.stderr[-2000:])
+
+
+def test_both_ways_in_hold_the_same_watch():
+    """The sitecustomize cannot import the start-up hook (a process that never imports an engine
+    loads nothing of kvdoctor), so each holds the watch: the same lines, kept alike here."""
+
+    def watch_of(path: str) -> str:
+        source = open(path).read()
+        start = source.index("class _ProbeFirst:")
+        tail = "        _activate()\n        return None\n"
+        end = source.index(tail, source.index("def find_spec", start)) + len(tail)
+        return source[start:end].replace("class _EngineWatch:", "class EngineWatch:")
+
+    ours = watch_of(os.path.join(PYTHONPATH_DIR, "sitecustomize.py"))
+    hooks = watch_of(os.path.join(REPO, "kvdoctor", "probe", "core", "entry.py"))
+    assert ours == hooks
