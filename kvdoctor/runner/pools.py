@@ -21,6 +21,7 @@ from kvdoctor.probe.maps.loader import ProbeMap
 
 SCANNED_PACKAGES = ("sglang.srt.mem_cache", "sglang.srt.disaggregation")
 POOL_SUFFIXES = ("Allocator", "ReqToTokenPool")
+JUDGED_KINDS = ("allocator", "requests", "metadata_allocator")  # map kinds whose ledger judges the class it hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ def pool_classes(probe_map: ProbeMap) -> list[PoolClass]:
         for module, path in _package_files(package):
             for node in _classes(path):
                 found.setdefault(node.name, (module, node))
-    hooked = {spec.cls: spec for spec in probe_map.classes if spec.kind in ("allocator", "requests")}
+    hooked = {spec.cls: spec for spec in probe_map.classes if spec.kind in JUDGED_KINDS}
 
     def mapped_ancestors(name: str, seen: frozenset[str] = frozenset()) -> list[str]:
         if name in seen or name not in found:

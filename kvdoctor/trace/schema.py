@@ -45,6 +45,7 @@ CONNECTOR_OVERDUE = "connector_overdue"  # ph i: a KV connector has held a finis
 CONNECTOR_LATE_RELEASE = "connector_late_release"  # ph i: an overdue connector hold ended at last
 CONTAINER_SIZES = "container_sizes"  # ph i: len() of the engine's containers reachable from a hooked object, by path
 MAMBA_POOL = "mamba_pool"  # ph i: a Mamba pool's census: free, tree, rows, waiting and running holders, unaccounted (when changed)
+METADATA_POOL = "metadata_pool"  # ph i: a PD metadata row allocator's census: free, held, leaked, judged (when changed, and at exit)
 LORA_POOL = "lora_pool"  # ph i: a LoRA memory pool's uids vs the adapters loaded (at load/unload when changed, and at exit)
 PD_TRANSFERS = "pd_transfers"  # ph i: PD decode's transfer queue: requests by KVPoll state, the oldest with their age (when changed)
 PD_TRANSFER = "pd_transfer"  # ph i: one PD decode transfer's abort or release, with its state and age
@@ -84,6 +85,9 @@ LORA_GHOST_UID = "lora_ghost_uid"  # an unloaded LoRA adapter's uid still holds 
 SWA_SLOT_FREED_LIVE = "swa_slot_freed_live"  # a deferred SWA free took a live SWA slot its full slot was re-pointed at
 PD_TRANSFER_FREED_IN_FLIGHT = "pd_transfer_freed_in_flight"  # PD decode pages freed while the prefill may still write them
 PD_TRANSFER_STUCK = "pd_transfer_stuck"  # a PD decode transfer in WaitingForInput/Transferring past the deadline
+METADATA_DOUBLE_FREE = "metadata_double_free"  # a PD metadata buffer row index freed while already free
+METADATA_INDEX_OUT_OF_RANGE = "metadata_index_out_of_range"  # a PD metadata buffer row index freed outside the pool
+METADATA_ROWS_LEAKED = "metadata_rows_leaked"  # PD metadata buffer rows held by no live request
 
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
@@ -123,6 +127,9 @@ FINDING_KINDS = (
     SWA_SLOT_FREED_LIVE,
     PD_TRANSFER_FREED_IN_FLIGHT,
     PD_TRANSFER_STUCK,
+    METADATA_DOUBLE_FREE,
+    METADATA_INDEX_OUT_OF_RANGE,
+    METADATA_ROWS_LEAKED,
     CONNECTOR_HELD_BLOCKS,
     MM_FEATURES_HELD,
     CONTAINER_GROWTH,

@@ -17,6 +17,11 @@ from kvdoctor.analysis.detectors.lora_ghost_uid import LoraGhostUidDetector
 from kvdoctor.analysis.detectors.mamba_orphan_slots import MambaOrphanSlotsDetector
 from kvdoctor.analysis.detectors.memory_classes import MemoryClassGrowthDetector
 from kvdoctor.analysis.detectors.memory_growth import MemoryGrowthDetector
+from kvdoctor.analysis.detectors.metadata_rows import (
+    MetadataDoubleFreeDetector,
+    MetadataIndexOutOfRangeDetector,
+    MetadataRowsLeakedDetector,
+)
 from kvdoctor.analysis.detectors.mm_features_held import MmFeaturesHeldDetector
 from kvdoctor.analysis.detectors.orphan_slots import OrphanSlotsDetector
 from kvdoctor.analysis.detectors.pd_transfer_freed import PdTransferFreedDetector
@@ -50,6 +55,9 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         SwaFreedLiveDetector(),
         PdTransferFreedDetector(),
         PdTransferStuckDetector(),
+        MetadataDoubleFreeDetector(),
+        MetadataIndexOutOfRangeDetector(),
+        MetadataRowsLeakedDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
         MmFeaturesHeldDetector(),
