@@ -228,15 +228,14 @@ class SlotReadback:
                 args.update(tree_sizes)
                 if not self._reported.any():  # after a double free or alloc the books differ for a reason already named
                     args.update(self._compare_tree_with_host(args, tree_sizes))
+                self.tree_unseen = tree_unseen_reason(args) if args.get("tree_unseen_slots") else ""
             if host_free_pages is not None:
                 args.update(self._compare_with_host(body, host_free_pages))
             args.update(self.before_attach(orphan_pages, owner))
             if self.ledger.not_judged:
                 args.update(judged=False, not_judged=self.ledger.not_judged)
-            elif args.get("tree_unseen_slots"):
-                args.update(judged=False, not_judged=tree_unseen_reason(args))
-            if tree_sizes:
-                self.tree_unseen = tree_unseen_reason(args) if args.get("tree_unseen_slots") else ""
+            elif tree_sizes and self.tree_unseen:
+                args.update(judged=False, not_judged=self.tree_unseen)
             self.ledger.emit(schema.CENSUS, args)
             return args
 
