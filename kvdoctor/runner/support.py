@@ -12,7 +12,7 @@ import dataclasses
 from kvdoctor.probe.core.hooks import REGISTRY
 from kvdoctor.probe.core.patching import ENGINE_LABELS
 from kvdoctor.probe.core.verify import MapCheck, check_map, nearest_resolving_map
-from kvdoctor.probe.engines.sglang.hicache import GraphReplayRole
+from kvdoctor.probe.engines.sglang.hicache_graphs import GraphReplayRole
 from kvdoctor.probe.maps.loader import ProbeMap, available_maps, installed_version, map_for
 from kvdoctor.probe.maps.releases import Release, ci_sentence, release, releases
 from kvdoctor.probe.native import CHOICE as NATIVE_PATH

@@ -65,7 +65,7 @@ KINDS = (
 # (native.h's A_* and T_*). The C knows no engine's names: a role declares them.
 READS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "alloc": (("loc",), ()),
-    "tree_insert": (("carrier",), ("owner", "size", "size_also", "slots", "prefix")),
+    "tree_insert": (("carrier",), ("owner", "size", "size_also", "slots", "prefix", "aside")),
     "tree_evict": ((), ("owner",)),
     "tree_unlock": (("node",), ("count", "root")),
     "req_write": (("rows", "slots"), ()),
@@ -291,6 +291,8 @@ def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> boo
         return False
     group_attr = options.get("group_attr") or None
     ensure_torch()
+    history = getattr(ledger, "history", None)  # its flight recorder, which the C writes too
+    recorder = {} if history is None else {"hist": history.hist, "head": history.head, "clock": history.clock, "hist_n": history.entries}
     return bool(
         NATIVE.register_ledger(
             allocator,
@@ -305,6 +307,7 @@ def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> boo
             ledger.lock,
             str(group_attr) if group_attr else None,
             options.get("group_open_when") == "false",
+            **recorder,
         )
     )
 

@@ -2,7 +2,7 @@
 
 Allocation roles (`alloc`, `alloc_extend`, `alloc_decode`) hand slots to a request and check the
 `last_loc` they are given; free roles return slots (or whole pages); tree roles move slots to
-and from the radix tree; request-pool roles say which rows are live and which slots each row
+and from the radix tree (tree_roles.py); request-pool roles say which rows are live and which slots each row
 points at (`req_write_spans`: speculative decoding's row writer, a function around a kernel;
 `req_write_extend`: a prefill batch's, likewise).
 `retract_path`, `preempt_path` and `batch_result` say which path gives a row back and at which forward step
@@ -38,8 +38,8 @@ from kvdoctor.probe.engines.sglang.requests import (
 )
 from kvdoctor.probe.engines.sglang.speculative import ReqWriteSpansRole, RestoreStateRole
 from kvdoctor.probe.engines.sglang.state import MAX_LAST_LOC_SOURCES, group_open, sglang_state
+from kvdoctor.probe.engines.sglang.tree_roles import TreeEvictRole, TreeInsertKeyValueRole, TreeInsertRole, TreeResetRole, TreeUnlockRole
 from kvdoctor.probe.ledgers.slots import SlotLedger
-from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
     from kvdoctor.probe.base.context import ProbeContext
@@ -207,97 +207,6 @@ class ClearRole(SlotRole):
         ledger = state.ledger_for(obj)
         with ledger.lock:
             ledger.reset_all_free()
-
-
-def _tree_size(tree: Any) -> int:
-    return int(tree.evictable_size()) + int(tree.protected_size())
-
-
-_TREE_NAMES = {"owner": "token_to_kv_pool_allocator", "size": "evictable_size", "size_also": "protected_size", "prefix": "prefix_len"}
-
-
-class TreeInsertRole(SlotRole):
-    fast_kind = "tree_insert"
-    fast_names = {**_TREE_NAMES, "carrier": "params", "slots": "value"}
-    wants_site = True
-    reads = {"params": 0}
-
-    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        ledger = sglang_state(probe).tree_ledger(obj)
-        if ledger is None:
-            return None
-        return (ledger, site, _tree_size(obj))
-
-    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        if ctx is None:
-            return
-        ledger, site, size_before = ctx
-        value = self.inserted_value(hook, args, kwargs)
-        if value is None or not hasattr(value, "numel"):
-            return
-        grown = _tree_size(obj) - size_before
-        prefix_len = getattr(result, "prefix_len", result if isinstance(result, int) else None)
-        if grown <= 0 or not isinstance(prefix_len, int):
-            return
-        with ledger.lock:
-            ledger.on_tree_insert(value[prefix_len : prefix_len + grown], site)
-
-    def inserted_value(self, hook: Hook, args: Args, kwargs: Kwargs) -> Any:
-        return getattr(hook.arg(args, kwargs, "params"), "value", None)
-
-
-class TreeInsertKeyValueRole(TreeInsertRole):
-    """Before 0.5.9: `insert(key, value, chunked[, priority]) -> prefix_len`."""
-
-    reads = {"key": 0, "value": 1}
-    fast_names = {**_TREE_NAMES, "carrier": "value"}
-
-    def inserted_value(self, hook: Hook, args: Args, kwargs: Kwargs) -> Any:
-        return hook.arg(args, kwargs, "value")
-
-
-class TreeEvictRole(SlotRole):
-    fast_kind = "tree_evict"
-    fast_names = {"owner": _TREE_NAMES["owner"]}
-
-    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        sglang_state(probe).tree_ledger(obj)
-        native.evict_add(1)
-        return True
-
-    def finally_(self, probe: ProbeContext, ctx: Any) -> None:
-        if ctx:
-            native.evict_add(-1)
-
-
-class TreeUnlockRole(SlotRole):
-    fast_kind = "tree_unlock"
-    fast_names = {"node": "node", "count": "lock_ref", "root": "root_node"}
-    wants_site = True
-    reads = {"node": 0}
-
-    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
-        node = hook.arg(args, kwargs, "node")
-        lock_ref = getattr(node, "lock_ref", None)
-        if isinstance(lock_ref, int) and lock_ref <= 0 and node is not getattr(obj, "root_node", None):
-            probe.emitter.emit(
-                schema.VIOLATION,
-                {
-                    "kind": schema.LOCK_UNDERFLOW,
-                    "count": 1,
-                    "site": probe.sites.name(site),
-                    "note": "dec_lock_ref on a node whose lock_ref is already 0: its slots become evictable while a request still uses them",
-                },
-            )
-        return None
-
-
-class TreeResetRole(SlotRole):
-    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
-        ledger = sglang_state(probe).tree_ledger(obj)
-        if ledger is not None:
-            with ledger.lock:
-                ledger.on_tree_reset()
 
 
 class LastLocSourceRole(SlotRole):

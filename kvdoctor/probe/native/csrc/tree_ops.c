@@ -64,6 +64,17 @@ fast_tree_in(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t narg
     Ledger *l = owner_ledger(self, obj, &no_allocator);
     if (l == NULL) /* the Python role decides what a tree without our allocator means */
         return DIVERT;
+    if (self->attr[T_ASIDE] != NULL) { /* e.g. HiCache: an insert can take slots inside the prefix */
+        PyObject *aside = PyObject_GetAttr(obj, self->attr[T_ASIDE]);
+        if (aside == NULL)
+            PyErr_Clear();
+        else {
+            int set = aside != Py_None;
+            Py_DECREF(aside);
+            if (set)
+                return DIVERT;
+        }
+    }
     if (context_note_tree(obj) < 0) {
         PyErr_Clear();
         return DIVERT;
@@ -136,7 +147,7 @@ fast_tree_in(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t narg
         if (dim == 1) {
             Py_ssize_t start = prefix < v.n ? prefix : v.n;
             Py_ssize_t stop = prefix + grown < v.n ? prefix + grown : v.n;
-            healthy = ledger_tree_insert(l, &v, start, stop);
+            healthy = ledger_tree_insert(l, &v, start, stop, site);
             if (healthy < 0)
                 goto failed;
         }
