@@ -9,6 +9,10 @@ KVDOCTOR_TEST_FAULT_OUT (a leak may be planted twice: "N,+M" also skips the Mth 
 - `leak`: the Nth `free_segment` (part of a request's row given back: at its release, or the
   duplicates a tree insert exposed) is skipped;
 - `double-free`: the Nth `free_segment` runs twice;
+- `swa-leak`: on a sliding-window pool, the SWA side of the Nth segment a request gives back
+  (`SWATokenToKVPoolAllocator.free_segment`'s `free_swa_segment`) is skipped, its full side freed:
+  its SWA slots stay allocated, still mapped from the freed full slots (KVDOCTOR_TEST_FAULT_SWA_AT,
+  if set, picks the call instead of KVDOCTOR_TEST_FAULT_AT);
 - `stale-last-loc`: the Nth `alloc_decode` whose first request continues a page gets, as that
   request's `last_loc`, a slot in a free page;
 - `index-out-of-range`: the same, with -5 (only -1, "no prefix", is legal below 0).
@@ -37,12 +41,14 @@ _FAULTS = {f for f in os.environ.get("KVDOCTOR_TEST_FAULT", "").split(",") if f}
 _AT_SPEC = [a for a in os.environ.get("KVDOCTOR_TEST_FAULT_AT", "0").split(",") if a]
 _AT = int(_AT_SPEC[0] or 0) if _AT_SPEC else 0
 _AT_AFTER_ATTACH = int(_AT_SPEC[1].lstrip("+")) if len(_AT_SPEC) > 1 else 0
+_SWA_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_SWA_AT", "0") or 0) or _AT
 _attached = threading.Event()
 _OUT = os.environ.get("KVDOCTOR_TEST_FAULT_OUT", "")
 _ATTACH_PARAMS = os.environ.get("KVDOCTOR_TEST_ATTACH_PARAMS", "")
 _MODULES = {
     "sglang.srt.mem_cache.allocator.base": ("leak", "double-free"),
     "sglang.srt.mem_cache.allocator.paged": ("leak", "double-free", "stale-last-loc", "index-out-of-range"),
+    "sglang.srt.mem_cache.allocator.swa": ("swa-leak",),
 }
 _lock = threading.Lock()
 _seen = {}
@@ -133,7 +139,8 @@ def _patch_free_segment(cls):
             return original(self, free_index, start_pos=start_pos)
         slots = [int(s) for s in free_index.reshape(-1)]
         pages = sorted({s // self.page_size for s in slots})
-        _record(fault, {"slot_ids": sorted(slots), "pages": len(pages), "count": len(pages) * self.page_size, "page_size": self.page_size})
+        payload = {"slot_ids": sorted(slots), "pages": len(pages), "count": len(pages) * self.page_size, "page_size": self.page_size}
+        _record(fault, {**payload, "rid": _request_in_frames()})
         if fault == "leak":
             return None
         original(self, free_index, start_pos=start_pos)
@@ -217,7 +224,39 @@ def _patch_paged(module):
     cls.alloc_decode = alloc_decode
 
 
-_PATCHES = {"sglang.srt.mem_cache.allocator.base": _patch_base, "sglang.srt.mem_cache.allocator.paged": _patch_paged}
+def _request_in_frames():
+    frame = sys._getframe(2)
+    for _ in range(32):
+        if frame is None:
+            return ""
+        rid = getattr(frame.f_locals.get("req"), "rid", None) if "req" in frame.f_code.co_varnames else None
+        if isinstance(rid, str):
+            return rid
+        frame = frame.f_back
+    return ""
+
+
+def _patch_swa(module):
+    cls = module.SWATokenToKVPoolAllocator
+    original = cls.free_swa_segment
+
+    def free_swa_segment(self, free_index, *, start_pos):
+        from_release = sys._getframe(1).f_code.co_name == "free_segment"  # a row's segment, not the window's slide
+        if type(self) is not cls or not _hit("free_swa_segment", from_release and free_index.numel() > 0, _SWA_AT):
+            return original(self, free_index, start_pos=start_pos)
+        full = [int(s) for s in free_index.reshape(-1)]
+        swa = [int(s) for s in self.full_to_swa_index_mapping[free_index].reshape(-1) if int(s) > 0]
+        _record("swa-leak", {"slot_ids": sorted(swa), "full_slot_ids": sorted(full), "count": len(swa), "rid": _request_in_frames()})
+        return None
+
+    cls.free_swa_segment = free_swa_segment
+
+
+_PATCHES = {
+    "sglang.srt.mem_cache.allocator.base": _patch_base,
+    "sglang.srt.mem_cache.allocator.paged": _patch_paged,
+    "sglang.srt.mem_cache.allocator.swa": _patch_swa,
+}
 
 
 class _Loader(importlib.abc.Loader):

@@ -7,8 +7,10 @@ engine's `req_to_token_pool` is a hooked request pool. It does not hold for:
 
 - an allocator of a class the map does not name (SWA, Mamba, hybrid and unified composites): its
   methods are hooked only where it inherits them from a mapped base;
-- an allocator inside such a composite (the full and SWA token allocators of an SWA pool): its slots
-  are also held through the composite's own mappings, which the probe does not follow;
+- an allocator inside such a composite: its slots are also held through the composite's own
+  mappings, which the probe does not follow. SGLang's SWA pool (`SWATokenToKVPoolAllocator`) is
+  the exception, judged as one pool of two sides (`swa_sides.py`): its full part's ledger holds
+  the composite's tree and rows, its SWA part's holders are read from SGLang at idle and exit;
 - a request pool that is not a hooked class (PD decode's `DecodeReqToTokenPool`), or one whose row
   writer is its own (a subclass overriding `write`): which request owns a slot is not seen, so slots
   in use would look orphaned;
@@ -44,7 +46,7 @@ MAX_SPECULATIVE_SEEKS = 8  # allocations whose callers are searched for the engi
 ENGINE_ATTRS = ("token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache")
 
 
-def _caller_selves() -> Iterator[tuple[str, Any]]:
+def caller_selves() -> Iterator[tuple[str, Any]]:
     """(function name, its `self`) for each caller that has a `self`, nearest first, within
     MAX_FRAMES; only frames that name `self` have their locals read."""
     frame: FrameType | None = sys._getframe(1)
@@ -61,7 +63,7 @@ def _caller_selves() -> Iterator[tuple[str, Any]]:
 
 def engine_callers(target: Any) -> Iterator[Any]:
     """Each caller's `self` (nearest first) that names an engine's allocator, `target` excepted."""
-    for _, obj in _caller_selves():
+    for _, obj in caller_selves():
         if obj is not target and own(obj, "token_to_kv_pool_allocator") is not None:
             yield obj
 
@@ -76,7 +78,7 @@ def part_name(allocator: Any) -> str:
     the composite's `full_attn_allocator` / `swa_attn_allocator`), found from the callers' `self`
     (the composite whose call reached it, or an engine object whose allocator holds it); '' when
     no caller holds it as a part. Read once, when its ledger is made."""
-    for _, obj in _caller_selves():
+    for _, obj in caller_selves():
         for holder in (obj, own(obj, "token_to_kv_pool_allocator")):
             if holder is None or holder is allocator:
                 continue
@@ -88,7 +90,7 @@ def part_name(allocator: Any) -> str:
 
 def constructing(obj: Any) -> bool:
     """`obj`'s own `__init__` is among the callers: the object is being built."""
-    return any(name == "__init__" and caller is obj for name, caller in _caller_selves())
+    return any(name == "__init__" and caller is obj for name, caller in caller_selves())
 
 
 def _part_label(attribute: str) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdoctor.probe.base import objects
 from kvdoctor.probe.base.emitter import say
-from kvdoctor.probe.engines.sglang import coverage
+from kvdoctor.probe.engines.sglang import coverage, swa_sides
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ class JudgedState(Protocol):
     ledgers: dict[int, SlotLedger]
     hosts: dict[int, Any]
     speculative: coverage.SpeculativeRows
+    rolling: dict[int, Any]
+    rolling_interval_s: float
 
     def _divert(self) -> None: ...
 
@@ -43,6 +45,7 @@ class CoverageJudge:
         self.engine_pools: dict[str, str] = {}  # the last holder's pools by role, for the coverage line
         self.untracked_said = ""  # the pools no ledger counts, as last said on stderr
         self.dirty = False  # a ledger or an engine's pools came since the last judgement
+        self.swa_parts: dict[int, Any] = {}  # id(part) -> the SWA pool holding it, once met
 
     def note_engine(self, holder: Any) -> None:
         """A scheduler, batch or tree: it names an allocator of the engine and the request pool beside it."""
@@ -52,6 +55,9 @@ class CoverageJudge:
         allocator = objects.own(holder, "token_to_kv_pool_allocator")
         if allocator is None:
             return
+        for part in swa_sides.parts(allocator) or ():
+            self.swa_parts.setdefault(id(part), allocator)
+        allocator = swa_sides.full_side(allocator)  # an SWA pool's rows and tree name its full part's slots
         requests = objects.own(holder, "req_to_token_pool")
         known = self.engine_pools_by_allocator.get(id(allocator))
         if known is not None and (requests is None or known[1] is requests):
@@ -97,11 +103,13 @@ class CoverageJudge:
                     composites.setdefault(id(value), other)
         for ledger in open_ledgers:
             allocator = self.state.hosts.get(id(ledger))
+            holder = composites.get(id(allocator)) or self.swa_composite(allocator)
             requests = self.engine_pools_by_allocator.get(id(allocator), (None, None))[1]
+            side = self.swa_side(ledger, allocator, holder)
+            if side is not None and holder is not None:  # a side of an SWA pool: one pool, with its full part's request pool
+                holder, requests = None, self.engine_pools_by_allocator.get(id(swa_sides.full_side(holder)), (None, None))[1]
             prefill_rows = coverage.prefill_rows_unseen(requests, probe_map.prefill_rows_unhooked if probe_map else "")
-            reason = coverage.why_not_judged(
-                allocator, composites.get(id(allocator)), requests, classes, methods, speculative_rows, prefill_rows
-            )
+            reason = side or coverage.why_not_judged(allocator, holder, requests, classes, methods, speculative_rows, prefill_rows)
             if reason:
                 ledger.not_judged = reason
                 changed = True
@@ -122,6 +130,9 @@ class CoverageJudge:
             if uncounted != self.untracked_said:
                 self.untracked_said = uncounted
                 say(f"pools kvdoctor does not count (their slots are neither tracked nor judged): {uncounted}")
+        composite_standing = self.composites_judged()
+        if composite_standing:
+            reason += "; " + "; ".join(f"{name}: {text}" for name, text in composite_standing.items())
         listed = list(self.state.ledgers.values())[-MAX_LEDGERS_LISTED:]
         self.state.probe.emitter.emit(
             schema.PROBE_STATUS,
@@ -132,11 +143,49 @@ class CoverageJudge:
                 "ledgers": {ledger.name: ledger.not_judged or "judged" for ledger in listed},
                 "not_judged_ledgers": len(not_judged),
                 "engine_pools": self.engine_pools,
+                "composites": composite_standing,
                 "untracked_pools": unseen,
                 "speculative": self.state.speculative.algorithm or "",
                 "speculative_row_writers": writers,
             },
         )
+
+    def swa_composite(self, allocator: Any) -> Any:
+        """The SWA pool `allocator` is a part of: as met (an engine object named it, or a call of it
+        reached the part), else None."""
+        found = self.swa_parts.get(id(allocator))
+        if found is None and len(self.swa_parts) < 2 * MAX_ENGINE_POOLS:
+            found = swa_sides.composite_in_callers(allocator)
+            for part in swa_sides.parts(found) or ():
+                self.swa_parts.setdefault(id(part), found)
+        return found
+
+    def swa_side(self, ledger: SlotLedger, allocator: Any, holder: Any) -> str | None:
+        """None where `allocator` is no part of an SWA pool; '' for a side judged (its ledger put
+        in the pool's books), else why the side is not. An SWA part whose pool was not found is
+        not judged: its rows never name its slots."""
+        if swa_sides.parts(holder) is None:
+            if holder is None and not swa_sides.may_be_primary(ledger.name):
+                return "an SWA part of a sliding-window pool the probe did not find"
+            return None
+        why = swa_sides.standing(holder)
+        if why:
+            return f"a part of {swa_sides.SWA_CLASS}, not judged: {why}"
+        if not swa_sides.install(self.state, holder, ledger, allocator):
+            return f"more than {swa_sides.MAX_COMPOSITES} {swa_sides.SWA_CLASS} pools in one process"
+        return ""
+
+    def composites_judged(self) -> dict[str, str]:
+        """Each SWA pool met and its standing, for the coverage line."""
+        out: dict[str, str] = {}
+        for side in swa_sides.sides(self.state.probe).sides.values():
+            full, swa = side.full, side.swa
+            if full is not None and swa is not None and not full.not_judged and not swa.not_judged:
+                out[swa_sides.SWA_CLASS] = (
+                    f"judged as one pool: {full.name} (its full side) and {swa.name} (its SWA side, whose holders are read "
+                    "from SGLang at idle and exit censuses and checked at each release)"
+                )
+        return out
 
     def request_methods(self) -> dict[str, list[str]]:
         probe_map = self.state.probe.maps.get("sglang")

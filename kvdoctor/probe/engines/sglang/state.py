@@ -21,7 +21,7 @@ from kvdoctor.probe.base.context import positive_ints
 from kvdoctor.probe.base.emitter import say
 from kvdoctor.probe.base.rank import ledger_name
 from kvdoctor.probe.base.settings import env_positive
-from kvdoctor.probe.engines.sglang import coverage
+from kvdoctor.probe.engines.sglang import coverage, swa_sides
 from kvdoctor.probe.engines.sglang.adopt import adopt, host_free_pages, needs_adoption
 from kvdoctor.probe.engines.sglang.judging import CoverageJudge
 from kvdoctor.probe.engines.sglang.release_paths import ReleasePaths
@@ -87,7 +87,7 @@ class SglangState:
     # ----- ledgers -----
 
     def ledger_for(self, allocator: Any) -> SlotLedger:
-        ledger = self.ledgers.get(id(allocator))
+        ledger = self.ledgers.get(id(allocator := swa_sides.full_side(allocator)))  # an SWA pool's tree, rows: its full part's
         if ledger is not None:
             return ledger
         size, page_size = positive_ints(allocator, "size", "page_size")
@@ -99,7 +99,7 @@ class SglangState:
         )
         self.ledgers[id(allocator)] = ledger
         self.hosts[id(ledger)] = allocator
-        if self.primary is None:
+        if self.primary is None and swa_sides.may_be_primary(name):
             self.primary = ledger
         status = {
             "component": "ledger",
@@ -231,15 +231,15 @@ class SglangState:
 
     def judge_deferred_releases(self) -> None:
         """At a free group's end, once its frees are in the ledger."""
-        pending, self.deferred_releases = self.deferred_releases, []
         ledger = self.primary
-        if ledger is None:
+        if ledger is None or swa_sides.group_still_open(self, ledger):  # an SWA pool's full part ends its group last
             return
+        pending, self.deferred_releases = self.deferred_releases, []
         for slots, row, rid, context in pending:
             self._judge_release(ledger, slots, row, rid, context)
 
     def _judge_release(self, ledger: SlotLedger, slots: Any, row: int, rid: str, context: dict[str, Any]) -> None:
-        self.emit_violations(self.paths.judge_release(ledger, slots, row, rid, context))
+        self.emit_violations(self.paths.judge_release(ledger, slots, row, rid, context) + swa_sides.released(self, ledger, slots, row, rid))
 
     def _emit_from_ledger(self, name: str, args: dict[str, Any]) -> None:
         """A ledger's event; a violation flagged inside a path named in violations says so."""
@@ -305,16 +305,16 @@ class SglangState:
         for ledger in list(self.ledgers.values()):
             try:
                 out.append(
-                    ledger.census(reason=reason, host_free_pages=host_free_pages(self.hosts.get(id(ledger))), tree_sizes=self._tree_sizes())
+                    ledger.census(reason=reason, host_free_pages=host_free_pages(self.hosts.get(id(ledger))), tree_sizes=self._tree(ledger))
                 )
             except Exception as exc:
                 probe.fail("census", exc)
         return out
 
-    def _tree_sizes(self) -> dict[str, int]:
-        tree = self.tree
-        if tree is None:
-            return {}
+    def _tree(self, ledger: SlotLedger) -> dict[str, int]:
+        tree, swa = self.tree, swa_sides.census_tree_sizes(self, ledger)  # an SWA side's: its SWA holdings
+        if tree is None or swa is not None:
+            return swa or {}
         try:
             return {"tree_evictable_slots": int(tree.evictable_size()), "tree_protected_slots": int(tree.protected_size())}
         except Exception:
