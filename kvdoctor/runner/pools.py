@@ -5,8 +5,9 @@ The standing of a class follows the rules the running probe applies (`probe/engi
 - judged: a class the map hooks by name (an allocator or a request pool), or a request pool that
   derives from one without writing or giving back rows in its own methods;
 - hooked, not judged: a class that inherits some hooked methods but is not one the map describes
-  (an SWA or Mamba composite over token allocators, a request pool with its own row writer): its
-  ledger counts and says why it does not judge;
+  (a Mamba or unified composite over token allocators, a request pool with its own row writer, a
+  class deriving from the SWA pool with free paths of its own): its ledger counts and says why it
+  does not judge, and so does this listing;
 - not covered: nothing of it is hooked.
 """
 
@@ -21,7 +22,9 @@ from kvdoctor.probe.maps.loader import ProbeMap
 
 SCANNED_PACKAGES = ("sglang.srt.mem_cache", "sglang.srt.disaggregation")
 POOL_SUFFIXES = ("Allocator", "ReqToTokenPool")
-JUDGED_KINDS = ("allocator", "requests", "metadata_allocator")  # map kinds whose ledger judges the class it hooks
+# the SWA pool's methods whose own version in a subclass takes a path the SWA ledger does not follow
+SWA_PATHS = {"alloc", "alloc_extend", "alloc_decode", "free", "free_swa", "free_segment", "free_swa_segment", "free_group_end", "clear"}
+JUDGED_KINDS = ("allocator", "requests", "metadata_allocator", "swa_allocator")  # map kinds whose ledger judges the class it hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,12 @@ def pool_classes(probe_map: ProbeMap) -> list[PoolClass]:
             out.append(PoolClass(name, module, "not covered", "derives from no class the map hooks"))
             continue
         kinds = {hooked[a].kind for a in ancestors}
+        swa = next((a for a in ancestors if hooked[a].kind == "swa_allocator"), "")
+        if swa:
+            own = sorted({m for cls in [name, *unmapped_ancestors(name)] for m in _methods(found[cls][1])} & SWA_PATHS)
+            why = f"derives from {swa} with its own {', '.join(own) or 'methods'}: the SWA ledger follows {swa}'s free paths only"
+            out.append(PoolClass(name, module, "hooked, not judged", why))
+            continue
         if kinds == {"requests"}:
             own = {m for cls in [name, *unmapped_ancestors(name)] for m in _methods(found[cls][1])}
             overridden = sorted(own & {m for a in ancestors for m in hooked[a].methods})
@@ -126,10 +135,10 @@ def pool_classes(probe_map: ProbeMap) -> list[PoolClass]:
 
 
 def summary(classes: list[PoolClass]) -> list[str]:
-    """One line per standing, the classes named."""
+    """One line per standing, the classes named (those hooked but not judged with why)."""
     lines = []
     for standing in ("judged", "hooked, not judged", "not covered"):
-        names = [c.name for c in classes if c.standing == standing]
+        names = [f"{c.name} ({c.why})" if c.why and standing == "hooked, not judged" else c.name for c in classes if c.standing == standing]
         if names:
             lines.append(f"{standing} ({len(names)}): {', '.join(names)}")
     return lines
