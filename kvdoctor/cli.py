@@ -197,12 +197,13 @@ def replay(
         metavar="DIR",
         help="also write where host memory grew (the trace's --attribution windows) as pprof profiles into DIR",
     ),
+    slot: int | None = typer.Option(None, "--slot", metavar="N", help="instead, print the history the trace holds of KV slot N"),
     force: bool = FORCE_OPTION,
 ) -> int:
     """Analyse a recorded trace again: exit 0 clean, 1 error findings, 2 unusable input."""
     from kvdoctor.commands.replay import replay as replay_command
 
-    return replay_command(trace, output_format, output, force=force, pprof=pprof)
+    return replay_command(trace, output_format, output, force=force, pprof=pprof, slot=slot)
 
 
 @_command("kvdoctor demo", "kvdoctor demo --fault double-free --format json")

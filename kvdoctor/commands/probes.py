@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvdoctor.errors import EXIT_OK
 from kvdoctor.outputs import to_stdout
+from kvdoctor.probe.ledgers.history import setting_line
 from kvdoctor.runner.support import (
     graph_replays_line,
     installed_graph_replays,
@@ -22,7 +23,7 @@ def probes(table: bool = False) -> int:
     if table:
         to_stdout("\n\n".join(markdown_table(engine) for engine in SERVING_ENGINES))
         return EXIT_OK
-    lines = ["installed here:", f"  native path: {native_path_line()}"]
+    lines = ["installed here:", f"  native path: {native_path_line()}", f"  slot history: {setting_line()}"]
     for engine in SERVING_ENGINES:
         lines.append(f"  {installed_line(engine)}")
         lines += [f"    pools {line}" for line in installed_pools(engine)]

@@ -89,6 +89,16 @@ METADATA_DOUBLE_FREE = "metadata_double_free"  # a PD metadata buffer row index 
 METADATA_INDEX_OUT_OF_RANGE = "metadata_index_out_of_range"  # a PD metadata buffer row index freed outside the pool
 METADATA_ROWS_LEAKED = "metadata_rows_leaked"  # PD metadata buffer rows held by no live request
 
+# A slot ledger's flight recorder (kvdoctor/probe/ledgers/history.py): a violation or census naming
+# pages carries, under SLOT_HISTORY, a list of {page, first_slot, page_size, entries}, each entry
+# {op (one of HISTORY_OPS), site, row (int, None or the owner's sentence), seq, thread, ago_ms},
+# oldest first; where the ledger keeps none, HISTORY_OFF says why; a census whose orphans' histories
+# are those its ledger's previous census gave says HISTORY_UNCHANGED instead.
+SLOT_HISTORY = "history"
+HISTORY_OFF = "history_off"
+HISTORY_UNCHANGED = "history_unchanged"
+HISTORY_OPS = ("", "alloc", "free", "evict", "owner", "tree", "restore_free", "restore_hold", "last_loc")
+
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
 # A probe_status "off" with this `cause`: a part stopped because reading the host cost more than it

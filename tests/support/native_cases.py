@@ -37,7 +37,20 @@ def ledger_digest(ledger, site_names):
         "flags": bytes(memoryview(ledger.flags)),
         "counters": bytes(memoryview(ledger.counters)),
     }
+    if ledger.history is not None:  # the flight recorder: every word but the time, sites as text
+        hist = ledger.history.hist
+        named = [site_names[i] if 0 <= i < len(site_names) else f"?{i}" for i in hist[:, 1].tolist()]
+        parts["history"] = bytes(memoryview(hist[:, [0, 2, 3]].copy())) + bytes(memoryview(ledger.history.head)) + "\n".join(named).encode()
     return {name: hashlib.sha256(data).hexdigest()[:16] for name, data in parts.items()}
+
+
+def untimed(args):
+    """An event's arguments without the flight recorder's times (the two runs' clocks differ)."""
+    if isinstance(args.get("history"), list):
+        args = dict(
+            args, history=[dict(p, entries=[{k: v for k, v in e.items() if k != "ago_ms"} for e in p["entries"]]) for p in args["history"]]
+        )
+    return args
 
 
 def main() -> None:
@@ -66,7 +79,7 @@ def main() -> None:
         paths = {k: [a - b for a, b in zip(after[k], before[k], strict=True)] for k in ("fast", "diverted", "slow")} if after else {}
         runtime.deactivate()
         events = [
-            {"name": e.name, "args": e.args}
+            {"name": e.name, "args": untimed(e.args)}
             for e in iter_events(path)
             if e.name in COMPARED and e.args.get("component") not in WRITER_THREAD_COMPONENTS
         ]

@@ -109,8 +109,8 @@ def _probes_output(table: bool, forced: str = "") -> str:
                 os.environ.pop("KVDOCTOR_SGLANG_VERSION", None)
             else:
                 os.environ["KVDOCTOR_SGLANG_VERSION"] = old
-    # the native path line says how this checkout was built, not what the maps say
-    return "\n".join(line for line in buffer.getvalue().splitlines() if not line.startswith("  native path: "))
+    # the native path and slot history lines say how this checkout was built and set, not what the maps say
+    return "\n".join(line for line in buffer.getvalue().splitlines() if not line.startswith(("  native path: ", "  slot history: ")))
 
 
 FORCED = ["", "0.5.18", "0.5.3.post2", "0.5.99"]

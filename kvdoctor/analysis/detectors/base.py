@@ -7,6 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.named import merge_named
+from kvdoctor.analysis.slot_history import clean_pages
 from kvdoctor.trace import schema
 from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import as_count
@@ -120,6 +121,8 @@ class ViolationDetector:
             evidence = {k: v for k, v in group["first"].items() if k not in ("kind", "count")}
             evidence["events"] = group["events"]
             evidence["pid"] = pid
+            if schema.SLOT_HISTORY in evidence:  # the first event's flight recorder, its fields checked
+                evidence[schema.SLOT_HISTORY] = clean_pages(evidence[schema.SLOT_HISTORY])
             message = self.message(group["count"], allocator, site, evidence)
             found = Finding(self.kind, self.severity, message, group["count"], evidence, pid, first_ts_us=group["first_ts_us"])
             found.unit, found.page_size = self.unit, group["page_size"]

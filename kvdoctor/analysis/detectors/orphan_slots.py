@@ -18,6 +18,7 @@ from typing import Any
 from kvdoctor.analysis.detectors.base import MAX_LABELS_COUNTED, MAX_LEDGER_ENTRIES, LeftOut, as_list, left_out_finding
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.named import NOT_NAMED, merge_named
+from kvdoctor.analysis.slot_history import clean_pages, pages_for_slots
 from kvdoctor.trace import schema
 from kvdoctor.units import as_count, finite_number
 
@@ -37,6 +38,7 @@ class OrphanSlotsDetector:
         self.left_latest: dict[int, int] = {}
         self.left_overflow = 0
         self.left_releases = LeftOut()
+        self.histories: dict[tuple[int, str], Any] = {}  # each ledger's orphans' histories, as its last census that gave them
 
     def feed(self, event: schema.Event) -> None:
         args = event.args
@@ -65,6 +67,10 @@ class OrphanSlotsDetector:
         self.max_seen[key] = max(self.max_seen.get(key, 0), as_count(args.get("orphan_slots")))
         if self._too_soon_to_overrule(key, args, event.ts):
             return
+        if schema.SLOT_HISTORY in args:  # kept: a later census whose orphans' histories are the same says only that
+            self.histories[key] = args[schema.SLOT_HISTORY]
+        elif args.get(schema.HISTORY_UNCHANGED) is True and key in self.histories:
+            args = {**args, schema.SLOT_HISTORY: self.histories[key]}
         self.latest[key] = args
         self.latest_ts[key] = event.ts
 
@@ -213,6 +219,11 @@ class OrphanSlotsDetector:
             "total_slots": args.get("total_slots"),
             "pid": pid,
         }
+        if schema.SLOT_HISTORY in args:  # the census's flight recorder, for the pages this finding names
+            history = args[schema.SLOT_HISTORY]
+            evidence[schema.SLOT_HISTORY] = clean_pages(history) if whole else pages_for_slots(history, ids)
+        elif isinstance(args.get(schema.HISTORY_OFF), str):
+            evidence[schema.HISTORY_OFF] = args[schema.HISTORY_OFF]
         for table, key in (("orphan_requests", "requests"), ("orphan_allocated_at", "allocated_at")):
             if whole and isinstance(args.get(table + NOT_NAMED), dict):  # a census that named more than analysis keeps
                 evidence[key + NOT_NAMED] = args[table + NOT_NAMED]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING
 from kvdoctor.analysis.gate_growth import growth_not_judged
+from kvdoctor.analysis.slot_history import report_lines
 from kvdoctor.formats.reports.bounded import PROCESSES_SHOWN, first_processes, shown_findings
 from kvdoctor.outputs import one_line, printable
 from kvdoctor.trace.schema import STATUS_KINDS
@@ -70,6 +71,7 @@ def render_text(analysis: Analysis) -> str:
             elif isinstance(value, list):
                 value = ", ".join(str(v) for v in value[:16]) + (" ..." if len(value) > 16 else "")
             lines.append(f"        {key}: {one_line(value)}")
+        lines += [one_line(line) for line in report_lines(finding.evidence, "        ")]  # the flight recorder's timeline
     lines += [rest.sentence() for rest in left]
     unjudged = growth_not_judged(analysis)
     if unjudged:

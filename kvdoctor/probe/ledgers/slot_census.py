@@ -51,6 +51,7 @@ class LedgerArrays(Protocol):
     not_judged: str
 
     def fill(self, arr: Any, where: Any, value: int) -> None: ...
+    def history_of(self, pages: Any) -> dict[str, Any]: ...
 
 
 class SlotReadback:
@@ -232,6 +233,7 @@ class SlotReadback:
             if host_free_pages is not None:
                 args.update(self._compare_with_host(body, host_free_pages))
             args.update(self.before_attach(orphan_pages, owner))
+            args.update(self.ledger.history_of(orphan_pages) if orphan_pages.size else {})  # their flight recorder
             if self.ledger.not_judged:
                 args.update(judged=False, not_judged=self.ledger.not_judged)
             elif tree_sizes and self.tree_unseen:

@@ -6,6 +6,7 @@ with a few vectorised gathers and scatters on the device the indices live on. Ru
 call set violation bits and counters; `poll()` reads those asynchronously and emits events with
 the slot ids, call site and request as evidence. A census (at idle and at exit) counts every
 page and names the orphans: pages neither free, nor in the tree, nor owned by a live request.
+A host ledger keeps each page's last transitions too (history.py: 161 bytes a page at N = 8).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvdoctor.probe import native
 from kvdoctor.probe.base.callsites import CallSites
 from kvdoctor.probe.base.settings import env_switch
 from kvdoctor.probe.base.vocabulary import FREE, KIND_BITS, KIND_SLOT, OWNED, RESERVED, TREE
+from kvdoctor.probe.ledgers import history as rec
 from kvdoctor.probe.ledgers.arrays import arrays_for
 from kvdoctor.probe.ledgers.requests import RequestTable
 from kvdoctor.probe.ledgers.slot_census import Emit, SlotReadback
@@ -57,6 +59,8 @@ class SlotLedger:
         self.kernels: Any = None
         if not self.xp.sync_free_branching and (str(device).startswith("cuda") or env_switch("KVDOCTOR_LEDGER_KERNELS", False)):
             self.use_kernels()
+        # the flight recorder: host ledgers only (a device ledger's would be written by its kernels)
+        self.history, self.history_off = rec.for_ledger(n, self.xp, self.kernels)
         self.calls = 0
         self.lock = native.new_lock()
         self.readback = SlotReadback(self)  # violations, counts and the census, read back from these arrays
@@ -96,6 +100,12 @@ class SlotLedger:
 
     def counter_args_async(self) -> dict[str, Any] | None:
         return self.readback.counter_args_async()
+
+    def history_of(self, pages: Any) -> dict[str, Any]:  # a census's orphans' evidence (off the hot path)
+        return rec.evidence(self, pages, census=True)
+
+    def _record(self, pages: Any, op: int, site: int, rows: Any = -1, *, unique: bool = False) -> None:
+        rec.record_pages(self.history, self.num_pages, pages, op, site, rows, unique)  # type: ignore[arg-type]
 
     # ----- state changes, one per hooked role -----
 
@@ -165,6 +175,7 @@ class SlotLedger:
                     "sites": {self.sites.name(site): int(bad.size)},
                 }
                 args.update(self.readback._page_evidence(bad, self.owner, self.alloc_site))
+                args.update(rec.evidence(self, bad))
                 args.update(extra or {})
                 self.emit(schema.VIOLATION, args)
             return
@@ -190,6 +201,8 @@ class SlotLedger:
             pages = xp.where(slots % self.page_size == 0, pages, self.sink)
         before = self.state[pages]
         taken = (before != FREE) & (pages != self.sink)
+        if self.history is not None:
+            self._record(pages, rec.OP_ALLOC, site)
         self._flag(pages, taken, schema.DOUBLE_ALLOC, site)
         self._fill(self.state, pages, OWNED)
         self._fill(self.owner, pages, -1)
@@ -208,9 +221,11 @@ class SlotLedger:
         self.state[page] = OWNED
         self.owner[page] = -1
         self.alloc_site[page] = site
+        if self.history is not None and page:
+            self.history.one(page, rec.OP_ALLOC, site, -1)
         return True
 
-    def _free_one(self, slot: int, evicting: bool) -> bool:
+    def _free_one(self, slot: int, evicting: bool, site: int) -> bool:
         if not 0 <= slot < self.rows:
             return False
         page = slot // self.page_size
@@ -218,6 +233,8 @@ class SlotLedger:
         if state & FREE or state == RESERVED:
             return False
         self.state[page] = FREE if evicting else (state & TREE) | FREE
+        if self.history is not None:
+            self.history.one(page, rec.OP_EVICT if evicting else rec.OP_FREE, site, int(self.owner[page]))
         return True
 
     def on_free(self, slots_tensor: Any, site: int, *, evicting: bool, as_pages: bool = False) -> None:
@@ -226,7 +243,7 @@ class SlotLedger:
         xp = self.xp
         if xp.sync_free_branching and self.kernels is None and not as_pages:
             one = xp.single(slots_tensor)
-            if one is not None and self._free_one(one, evicting):
+            if one is not None and self._free_one(one, evicting, site):
                 return
         if self.kernels is not None:
             self.kernels.free(self.kernels.index(slots_tensor), site, evicting, as_pages)
@@ -236,6 +253,8 @@ class SlotLedger:
         weight = self.page_size if as_pages else 1
         before = self.state[pages]
         already = ((before & FREE) != 0) & (pages != self.sink)
+        if self.history is not None:
+            self._record(pages, rec.OP_EVICT if evicting else rec.OP_FREE, site, self.owner[pages])
         self._flag(pages, already, schema.DOUBLE_FREE, site, weight)
         if evicting:
             self._fill(self.state, pages, FREE)
@@ -261,6 +280,9 @@ class SlotLedger:
                 self._fill(mark, xp.where((pages < 1) | (pages > self.num_pages), self.sink, pages), 1)
         returned = (was == 1) & (now == 0)
         retaken = (now == 1) & (was == 0)
+        if self.history is not None:
+            self._record(np.flatnonzero(returned), rec.OP_RESTORE_FREE, site, self.owner[returned], unique=True)
+            self._record(np.flatnonzero(retaken), rec.OP_RESTORE_HOLD, site, unique=True)
         state = self.state
         freed = xp.cast((state & TREE) | FREE, state)
         self.state[:] = xp.cast(xp.where(returned, freed, xp.where(retaken, OWNED, state)), state)
@@ -279,6 +301,8 @@ class SlotLedger:
         pages = self._pages(slots, site)
         before = self.state[pages]
         freed = ((before & FREE) != 0) & (pages != self.sink)
+        if self.history is not None:
+            self._record(pages, rec.OP_TREE, site, self.owner[pages])
         self._flag(pages, freed, schema.USE_AFTER_FREE, site)
         self._fill(self.state, pages, TREE)
         self._fill(self.owner, pages, -1)
@@ -294,7 +318,9 @@ class SlotLedger:
             slot = xp.single(slots_tensor)
             if slot is not None and 0 <= slot < self.rows:
                 page = slot // self.page_size
-                if self.state[page] == OWNED:
+                if self.state[page] == OWNED and self.owner[page] != req_index:
+                    if self.history is not None and page:
+                        self.history.one(page, rec.OP_OWNER, 0, req_index)
                     self.owner[page] = req_index
                 return
         if self.kernels is not None:
@@ -315,6 +341,9 @@ class SlotLedger:
             req = xp.index(req_index)
             if req.shape != pages.shape:
                 return
+        if self.history is not None:
+            changed = owned & (self.owner[pages] != req)
+            self._record(pages[changed], rec.OP_OWNER, 0, req if isinstance(req, int) else req[changed])
         self.owner[pages] = xp.cast(xp.where(owned, req, self.owner[pages]), self.owner)
 
     def on_last_loc_alloc(self, last_loc_tensor: Any, req_indices: Any, slots_tensor: Any, site: int, only_page_starts: bool) -> None:
@@ -357,12 +386,15 @@ class SlotLedger:
         st = self.state[pages]
         valid = (last >= 0) & (pages != self.sink)
         stale = valid & (((st & FREE) != 0) | ((st & (OWNED | TREE)) == 0))
-        extra = None
+        extra, rows = None, -1
         if req_indices is not None:
             req = xp.index(req_indices)
             if req.shape == pages.shape:
+                rows = req
                 own = self.owner[pages]
                 stale = stale | (valid & (st == OWNED) & (own >= 0) & (own != req))
                 if xp.sync_free_branching:  # on the host: which requests passed them (the device ledger keeps pages only)
                     extra = {"last_loc_of": self.readback._tally(req, np.flatnonzero(stale), self.requests.describe, weight=1)}
+        if self.history is not None and stale.any():
+            self._record(pages[stale], rec.OP_LAST_LOC, site, rows if isinstance(rows, int) else rows[stale])
         self._flag(pages, stale, schema.STALE_LAST_LOC, site, extra=extra)

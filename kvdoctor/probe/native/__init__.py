@@ -291,6 +291,8 @@ def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> boo
         return False
     group_attr = options.get("group_attr") or None
     ensure_torch()
+    history = getattr(ledger, "history", None)  # its flight recorder, which the C writes too
+    recorder = {} if history is None else {"hist": history.hist, "head": history.head, "clock": history.clock, "hist_n": history.entries}
     return bool(
         NATIVE.register_ledger(
             allocator,
@@ -305,6 +307,7 @@ def register_ledger(allocator: Any, ledger: Any, options: dict[str, Any]) -> boo
             ledger.lock,
             str(group_attr) if group_attr else None,
             options.get("group_open_when") == "false",
+            **recorder,
         )
     )
 

@@ -8,6 +8,44 @@
  */
 #include "native.h"
 
+#include <time.h>
+
+/* The stamp of a call's first recorded page: the ledger's next sequence number, this thread's index
+ * in the ledger's table of threads (history.py's `_find_thread` twin) and the coarse clock's time
+ * since the ledger started, in ms. */
+void
+stamp_take(Ledger *l, Stamp *s)
+{
+    int64_t *clock = l->clock;
+    uint32_t seq = (uint32_t)clock[0] + 1;
+    if (seq == 0)
+        seq = 1;
+    clock[0] = seq;
+    s->seq = (int32_t)seq;
+    struct timespec ts;
+#ifdef CLOCK_MONOTONIC_COARSE
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+#else
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+#endif
+    int64_t now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    s->ms = (int32_t)(((now - clock[1]) / 1000000) & 0x7FFFFFFF);
+    int64_t ident = (int64_t)PyThread_get_thread_ident();
+    int index = REC_CLOCK_LEN - 1;
+    for (int i = 2; i < REC_CLOCK_LEN; i++) {
+        if (clock[i] == ident) {
+            index = i - 1;
+            break;
+        }
+        if (clock[i] == 0) {
+            clock[i] = ident;
+            index = i - 1;
+            break;
+        }
+    }
+    s->word0 = s->op | (index << 8);
+}
+
 Ledger *
 ledger_of(PyObject *allocator)
 {
@@ -132,6 +170,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner, *alloc_site = l->alloc_site;
+    Stamp stamp = stamp_for(OP_ALLOC, site);
     EACH_INT(v, 0, v->n, slot, {
         if (only_page_starts && !starts_page(&s, slot))
             continue;
@@ -139,6 +178,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
         state[page] = ST_OWNED;
         owner[page] = -1;
         alloc_site[page] = site;
+        record(l, &stamp, page, -1);
     });
 }
 
@@ -164,13 +204,16 @@ free_is_healthy(const Ledger *l, const Ints *v, int as_pages)
 }
 
 static void
-free_apply(Ledger *l, const Ints *v, int as_pages, int evicting)
+free_apply(Ledger *l, const Ints *v, int as_pages, int evicting, int site)
 {
     const Shape s = shape_of(l);
     int8_t *state = l->state;
+    const int32_t *owner = l->owner;
+    Stamp stamp = stamp_for(evicting ? OP_EVICT : OP_FREE, site);
     EACH_INT(v, 0, v->n, x, {
         int64_t page = as_pages ? x : page_at(&s, x);
         state[page] = evicting ? ST_FREE : (int8_t)((state[page] & ST_TREE) | ST_FREE);
+        record(l, &stamp, page, owner[page]);
     });
 }
 
@@ -191,13 +234,15 @@ tree_insert_is_healthy(const Ledger *l, const Ints *v, Py_ssize_t start, Py_ssiz
 }
 
 static void
-tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop, int site)
 {
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner;
+    Stamp stamp = stamp_for(OP_TREE, site);
     EACH_INT(v, start, stop, slot, {
         int64_t page = page_at(&s, slot);
+        record(l, &stamp, page, owner[page]);
         state[page] = ST_TREE;
         owner[page] = -1;
     });
@@ -218,26 +263,26 @@ ledger_alloc(Ledger *l, const Ints *v, int only_page_starts, int site)
 }
 
 int
-ledger_free(Ledger *l, const Ints *v, int as_pages, int evicting)
+ledger_free(Ledger *l, const Ints *v, int as_pages, int evicting, int site)
 {
     int taken = ledger_enter(l);
     if (taken < 0)
         return -1;
     int healthy = free_is_healthy(l, v, as_pages);
     if (healthy)
-        free_apply(l, v, as_pages, evicting);
+        free_apply(l, v, as_pages, evicting, site);
     return ledger_leave(l, taken) < 0 ? -1 : healthy;
 }
 
 int
-ledger_tree_insert(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop)
+ledger_tree_insert(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop, int site)
 {
     int taken = ledger_enter(l);
     if (taken < 0)
         return -1;
     int healthy = tree_insert_is_healthy(l, v, start, stop);
     if (healthy)
-        tree_insert_apply(l, v, start, stop);
+        tree_insert_apply(l, v, start, stop, site);
     return ledger_leave(l, taken) < 0 ? -1 : healthy;
 }
 
@@ -252,12 +297,15 @@ ledger_owner(Ledger *l, const Ints *v, int32_t row)
     const Shape shape = shape_of(l);
     const int8_t *state = l->state;
     int32_t *owner = l->owner;
+    Stamp stamp = stamp_for(OP_OWNER, 0);
     EACH_INT(v, 0, v->n, slot, {
         if (slot < 0 || slot >= shape.rows)
             continue;
         int64_t page = page_at(&shape, slot);
-        if (state[page] == ST_OWNED)
+        if (state[page] == ST_OWNED && owner[page] != row) {
+            record(l, &stamp, page, row);
             owner[page] = row;
+        }
     });
     return ledger_leave(l, taken) < 0 ? -1 : 1;
 }
@@ -342,6 +390,12 @@ ledger_release(Ledger *l)
     PyBuffer_Release(&l->b_state);
     PyBuffer_Release(&l->b_owner);
     PyBuffer_Release(&l->b_site);
+    if (l->hist != NULL) {
+        PyBuffer_Release(&l->b_hist);
+        PyBuffer_Release(&l->b_head);
+        PyBuffer_Release(&l->b_clock);
+        l->hist = NULL;
+    }
     Py_CLEAR(l->allocator);
     Py_CLEAR(l->ledger);
     Py_CLEAR(l->lock);
@@ -366,14 +420,16 @@ get_array(PyObject *arr, Py_buffer *buf, Py_ssize_t itemsize, const char *what, 
 PyObject *
 m_register_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"allocator", "ledger",    "state", "owner", "alloc_site", "rows",
-                            "page_size", "num_pages", "sink",  "lock",  "group_attr", "group_open_when_false",
-                            NULL};
+    static char *names[] = {"allocator", "ledger",    "state", "owner",  "alloc_site", "rows",
+                            "page_size", "num_pages", "sink",  "lock",   "group_attr", "group_open_when_false",
+                            "hist",      "head",      "clock", "hist_n", NULL};
     PyObject *allocator, *ledger, *state, *owner, *site, *lock, *group_attr = Py_None;
-    long rows, page_size, num_pages, sink;
+    PyObject *hist = Py_None, *head = Py_None, *clock = Py_None;
+    long rows, page_size, num_pages, sink, hist_n = 0;
     int group_open_when_false = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOllllO|Op", names, &allocator, &ledger, &state, &owner, &site,
-                                     &rows, &page_size, &num_pages, &sink, &lock, &group_attr, &group_open_when_false))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOllllO|OpOOOl", names, &allocator, &ledger, &state, &owner,
+                                     &site, &rows, &page_size, &num_pages, &sink, &lock, &group_attr,
+                                     &group_open_when_false, &hist, &head, &clock, &hist_n))
         return NULL;
     if (ledger_of(allocator) != NULL)
         Py_RETURN_FALSE;
@@ -394,6 +450,23 @@ m_register_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&l->b_owner);
         return NULL;
     }
+    if (hist != Py_None && hist_n > 0 && (hist_n & (hist_n - 1)) == 0 && hist_n <= 64) {
+        if (get_array(hist, &l->b_hist, 4, "hist", n * hist_n * REC_WORDS) < 0)
+            goto failed;
+        if (get_array(head, &l->b_head, 1, "head", n) < 0) {
+            PyBuffer_Release(&l->b_hist);
+            goto failed;
+        }
+        if (get_array(clock, &l->b_clock, 8, "clock", REC_CLOCK_LEN) < 0) {
+            PyBuffer_Release(&l->b_hist);
+            PyBuffer_Release(&l->b_head);
+            goto failed;
+        }
+        l->hist = l->b_hist.buf;
+        l->head = l->b_head.buf;
+        l->clock = l->b_clock.buf;
+        l->hist_n = hist_n;
+    }
     l->state = l->b_state.buf;
     l->owner = l->b_owner.buf;
     l->alloc_site = l->b_site.buf;
@@ -413,6 +486,11 @@ m_register_ledger(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     l->group_open_when_false = group_open_when_false;
     H.n_ledgers++;
     Py_RETURN_TRUE;
+failed:
+    PyBuffer_Release(&l->b_state);
+    PyBuffer_Release(&l->b_owner);
+    PyBuffer_Release(&l->b_site);
+    return NULL;
 }
 
 /* Every ledger let go of (the probe was deactivated). */
@@ -456,9 +534,9 @@ m_apply_op(PyObject *Py_UNUSED(module), PyObject *args)
     if (strcmp(op, "alloc") == 0)
         rc = ledger_alloc(l, &v, flag, (int)value);
     else if (strcmp(op, "free") == 0)
-        rc = ledger_free(l, &v, flag, value != 0);
+        rc = ledger_free(l, &v, flag, value != 0, 0);
     else if (strcmp(op, "tree_in") == 0)
-        rc = ledger_tree_insert(l, &v, 0, v.n);
+        rc = ledger_tree_insert(l, &v, 0, v.n, 0);
     else if (strcmp(op, "owner") == 0)
         rc = ledger_owner(l, &v, (int32_t)value);
     else if (strcmp(op, "last_loc") == 0)

@@ -226,14 +226,72 @@ typedef struct {
     int page_shift;       /* log2(page_size) when it is a power of two, else -1 */
     PyObject *group_attr; /* its free group (NULL: none): frees staged there are judged at the group's end */
     int group_open_when_false;
+    /* its flight recorder (kvdoctor/probe/ledgers/history.py says the layout): NULL hist when off */
+    Py_buffer b_hist, b_head, b_clock;
+    int32_t *hist;
+    uint8_t *head;
+    int64_t *clock;
+    long hist_n; /* entries a page: a power of two */
 } Ledger;
+
+/* ------------------------------------------------------------------ the flight recorder */
+
+/* Operation codes (history.py's OP_*, schema.HISTORY_OPS). */
+enum {
+    OP_NONE,
+    OP_ALLOC,
+    OP_FREE,
+    OP_EVICT,
+    OP_OWNER,
+    OP_TREE
+};
+#define REC_WORDS 5
+#define REC_CLOCK_LEN 16
+
+/* One call's stamp, taken at its first recorded page: the op and thread, the site, its sequence
+ * number and time (0 seq: not taken yet). */
+typedef struct {
+    int32_t word0, site, seq, ms;
+    int op;
+} Stamp;
+
+static inline Stamp
+stamp_for(int op, int site)
+{
+    Stamp s = {0, site, 0, 0, op};
+    return s;
+}
+
+void stamp_take(Ledger *l, Stamp *s); /* ledger.c: the sequence number, the thread and the time */
+
+/* A page's transition in its ring, once per call (a call naming the page again adds nothing). */
+static inline void
+record(Ledger *l, Stamp *s, int64_t page, int32_t row)
+{
+    if (l->hist == NULL)
+        return;
+    uint8_t h = l->head[page];
+    long mask = l->hist_n - 1;
+    int32_t *ring = l->hist + page * l->hist_n * REC_WORDS;
+    if (s->seq == 0)
+        stamp_take(l, s);
+    else if (ring[((h - 1) & mask) * REC_WORDS + 3] == s->seq)
+        return;
+    int32_t *e = ring + (h & mask) * REC_WORDS;
+    e[0] = s->word0;
+    e[1] = s->site;
+    e[2] = row;
+    e[3] = s->seq;
+    e[4] = s->ms;
+    l->head[page] = (uint8_t)(h + 1);
+}
 
 Ledger *ledger_of(PyObject *allocator);
 /* Each update below checks its rule first and writes only where every element passes: 1 written,
  * 0 not healthy (nothing written: the Python ledger method records it), -1 an error (set). */
 int ledger_alloc(Ledger *l, const Ints *v, int only_page_starts, int site);
-int ledger_free(Ledger *l, const Ints *v, int as_pages, int evicting);
-int ledger_tree_insert(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop);
+int ledger_free(Ledger *l, const Ints *v, int as_pages, int evicting, int site);
+int ledger_tree_insert(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop, int site);
 int ledger_owner(Ledger *l, const Ints *v, int32_t row);
 int last_loc_is_healthy(const Ledger *l, const Ints *last, const Ints *req);
 /* Whether table[first:first+upto] names a page still owned by `row` (a release that would leak). */

@@ -211,7 +211,8 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
         return result;
     }
     int evicting = this_thread.evicting > 0;
-    int site = -1; /* the call site: a device ledger's kernel records it; else only a violation needs it */
+    int site = -1; /* the call site: a device ledger's kernel and a host ledger's recorder keep it; else only a
+                      violation needs it */
     if (d != NULL) {
         site = current_site();
         if (site < 0)
@@ -233,7 +234,9 @@ fast_free(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t nargs, 
     if (rc == 1 && v.n == 0)
         goto done;
     if (rc == 1) {
-        int healthy = ledger_free(l, &v, self->as_pages, evicting);
+        if (site < 0 && l->hist != NULL && (site = current_site()) < 0)
+            PyErr_Clear(); /* the recorder names no site; the free is judged as ever */
+        int healthy = ledger_free(l, &v, self->as_pages, evicting, site < 0 ? 0 : site);
         if (healthy < 0)
             goto failed;
         if (healthy)

@@ -147,7 +147,7 @@ fast_tree_in(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t narg
         if (dim == 1) {
             Py_ssize_t start = prefix < v.n ? prefix : v.n;
             Py_ssize_t stop = prefix + grown < v.n ? prefix + grown : v.n;
-            healthy = ledger_tree_insert(l, &v, start, stop);
+            healthy = ledger_tree_insert(l, &v, start, stop, site);
             if (healthy < 0)
                 goto failed;
         }
