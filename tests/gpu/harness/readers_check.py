@@ -23,7 +23,7 @@ def main() -> int:
     if ext is None:
         print(json.dumps({"error": "the native path is not built"}))
         return 1
-    native._ensure_torch()
+    native.ensure_torch()
     stats = ext.stats()
     base = torch.arange(64, dtype=torch.int64)
     cpu = native.index_samples(torch) + [base[3:40], base.view(8, 8)[2], base.to(torch.int32)[5:9]]
