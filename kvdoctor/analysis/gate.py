@@ -15,7 +15,6 @@ warning line, never a failure.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +23,8 @@ from kvdoctor.analysis.budgets import ANY_ENGINE, BUDGETED_KINDS, Budgets
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.analysis.gate_growth import growth_by_process
 from kvdoctor.analysis.gate_orphans import census_basis, named_orphans
-from kvdoctor.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE, KvdoctorError
-from kvdoctor.outputs import one_line
+from kvdoctor.analysis.gate_result import Check, GateResult
+from kvdoctor.errors import KvdoctorError
 from kvdoctor.trace import schema
 from kvdoctor.units import as_float, as_int, format_rate, short_title
 
@@ -39,79 +38,6 @@ RATE_DIGITS = 1  # growth rates in check details: "512.0 MiB/h"
 
 def _rate_text(bytes_per_s: float) -> str:
     return format_rate(bytes_per_s, digits=RATE_DIGITS)
-
-
-@dataclasses.dataclass
-class Check:
-    name: str
-    passed: bool
-    detail: str
-    judged: bool = True  # False: nothing to judge it on (it neither passes nor fails)
-    warning: bool = False  # passed, with something the user should see (it never fails the gate)
-    off: bool = False  # turned off by the user: neither passed nor judged, and it never fails the gate
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "passed": self.passed,
-            "judged": self.judged,
-            "warning": self.warning,
-            "off": self.off,
-            "detail": self.detail,
-        }
-
-
-@dataclasses.dataclass
-class GateResult:
-    checks: list[Check] = dataclasses.field(default_factory=list)
-    judged: bool = True
-    reason: str = ""  # why it could not judge, when judged is False
-    source: str = ""
-
-    @property
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.judged and not c.passed and not c.off]
-
-    @property
-    def unjudged(self) -> list[Check]:
-        return [c for c in self.checks if not c.judged and not c.off]
-
-    @property
-    def turned_off(self) -> list[Check]:
-        return [c for c in self.checks if c.off]
-
-    @property
-    def warned(self) -> list[Check]:
-        return [c for c in self.checks if c.judged and c.passed and c.warning]
-
-    @property
-    def exit_code(self) -> int:
-        if self.failed:
-            return EXIT_FINDINGS
-        if not self.judged or self.unjudged:
-            return EXIT_UNUSABLE
-        return EXIT_OK
-
-    def verdict(self) -> str:
-        if self.failed:
-            return f"kvdoctor gate: FAIL ({len(self.failed)} of {len(self.checks)} checks failed)"
-        if not self.judged:
-            return f"kvdoctor gate: COULD NOT JUDGE ({self.reason})"
-        if self.unjudged:
-            return f"kvdoctor gate: COULD NOT JUDGE ({'; '.join(c.detail for c in self.unjudged)})"
-        warned = f", {len(self.warned)} warning{'s' if len(self.warned) > 1 else ''}" if self.warned else ""
-        off = f", {len(self.turned_off)} turned off: {', '.join(c.name for c in self.turned_off)}" if self.turned_off else ""
-        return f"kvdoctor gate: PASS ({len(self.checks) - len(self.turned_off)} checks{warned}{off})"
-
-    def summary_lines(self) -> list[str]:
-        """One line per check: a detail quotes the trace (request ids, titles), which never starts
-        a line of its own (a forged `PASS` line, or a `::error` command in a CI log)."""
-        lines = [f"kvdoctor gate: {one_line(self.source)}"] if self.source else []
-        for check in self.checks:
-            mark = "OFF " if check.off else ("WARN" if check.warning else "PASS") if check.passed else "FAIL" if check.judged else "N/A "
-            lines.append(f"  {mark}  {check.name}: {one_line(check.detail)}")
-        lines.append(one_line(self.verdict()))
-        return lines
 
 
 def _growth_findings(analysis: Analysis) -> list[Finding]:
@@ -211,7 +137,9 @@ def _orphan_check(analysis: Analysis, budgets: Budgets) -> Check:
         if analysis.unheaded_pids:
             detail = "probe events without a readable probe header (pid " + ", ".join(map(str, analysis.unheaded_pids[:8])) + ")"
             return Check("max-orphan-slots", False, detail + ": no verdict stands on them", judged=False)
-        return Check("max-orphan-slots", True, "no probed process: no slot ledger to judge")
+        return Check(
+            "max-orphan-slots", False, "not applicable: no probed process, so no slot ledger to judge", judged=False, applicable=False
+        )
     if analysis.damaged_censuses:
         what = "; ".join(f"{ledger}: {reason}" for ledger, reason in list(analysis.damaged_censuses.items())[:4])
         return Check("max-orphan-slots", False, f"a census in the trace is damaged, so no verdict stands on it ({what})", judged=False)

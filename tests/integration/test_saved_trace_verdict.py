@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -287,3 +288,22 @@ def test_a_writer_that_really_stops_is_no_pass(tmp_path):
     assert later.returncode == 2 and "it stopped writing its trace" in later.stdout, later.stdout
     replayed = kv("replay", trace, cwd=tmp_path)
     assert "stopped writing its trace (OSError: [Errno 27] File too large): what it did after that is not in the trace" in replayed.stdout
+
+
+def test_a_trace_with_no_slot_ledger_passes_on_memory_alone_and_says_the_orphan_check_does_not_apply(tmp_path):
+    """A sidecar's trace of a process no probe was in: memory is judged, and the orphan budget is
+    not counted among the checks that held (it used to read "PASS  max-orphan-slots: no probed
+    process", a pass on nothing judged)."""
+    plain = schema.header_event(pid=7, engine="", engine_version="", process_title="python3 bench.py")
+    path = _write_trace(str(tmp_path / "sidecar.kvtrace.json"), [plain, *_flat_memory(7)])
+    proc = kv("gate", path, cwd=tmp_path)
+    lines = proc.stdout.splitlines()
+    assert "  N/A   max-orphan-slots: not applicable: no probed process, so no slot ledger to judge" in lines, proc.stdout
+    assert not any(line.startswith("  PASS  max-orphan-slots") for line in lines), proc.stdout
+    verdict = lines[-1]
+    assert verdict.startswith("kvdoctor gate: PASS (") and verdict.endswith(", 1 not applicable: max-orphan-slots)"), proc.stdout
+    assert proc.returncode == 0, proc.stdout
+    junit = str(tmp_path / "gate.xml")
+    assert kv("gate", "--junit", junit, path, cwd=tmp_path).returncode == 0
+    cases = {case.get("name"): case for case in ET.parse(junit).getroot().iter("testcase")}
+    assert cases["max-orphan-slots"].find("skipped") is not None, open(junit).read()

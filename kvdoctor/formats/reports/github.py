@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from kvdoctor.analysis.gate import GateResult
+from kvdoctor.analysis.gate_result import GateResult
 from kvdoctor.outputs import one_line
 
 TITLE = "kvdoctor gate"

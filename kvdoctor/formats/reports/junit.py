@@ -5,7 +5,7 @@ from __future__ import annotations
 from xml.sax.saxutils import escape as _escape
 from xml.sax.saxutils import quoteattr as _quoteattr
 
-from kvdoctor.analysis.gate import GateResult
+from kvdoctor.analysis.gate_result import GateResult
 from kvdoctor.outputs import xml_text
 
 SUITE = "kvdoctor-gate"
@@ -29,11 +29,11 @@ def render_junit(result: GateResult) -> str:
     lines = [
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<testsuites name="kvdoctor" tests="{tests}" failures="{failures}" errors="{errors}">',
-        f'  <testsuite name="{SUITE}" tests="{tests}" failures="{failures}" errors="{errors}" skipped="{len(result.turned_off)}">',
+        f'  <testsuite name="{SUITE}" tests="{tests}" failures="{failures}" errors="{errors}" skipped="{len(result.turned_off) + len(result.not_applicable)}">',
     ]
     for check in result.checks:
         lines.append(f'    <testcase classname="{SUITE}" name={quoteattr(check.name)}>')
-        if check.off:
+        if check.off or not check.applicable:
             lines.append(f"      <skipped message={quoteattr(check.detail)} />")
         elif not check.judged:
             lines.append(f'      <error message={quoteattr(check.detail)} type="could-not-judge">{escape(check.detail)}</error>')
