@@ -118,8 +118,8 @@ def pool_classes(probe_map: ProbeMap) -> list[PoolClass]:
         kinds = {hooked[a].kind for a in ancestors}
         swa = next((a for a in ancestors if hooked[a].kind == "swa_allocator"), "")
         if swa:
-            own = sorted({m for cls in [name, *unmapped_ancestors(name)] for m in _methods(found[cls][1])} & SWA_PATHS)
-            why = f"derives from {swa} with its own {', '.join(own) or 'methods'}: the SWA ledger follows {swa}'s free paths only"
+            paths = sorted({m for cls in [name, *unmapped_ancestors(name)] for m in _methods(found[cls][1])} & SWA_PATHS)
+            why = f"derives from {swa} with its own {', '.join(paths) or 'methods'}: the SWA ledger follows {swa}'s free paths only"
             out.append(PoolClass(name, module, "hooked, not judged", why))
             continue
         if kinds == {"requests"}:
