@@ -70,9 +70,10 @@ def output_formats() -> str:
 
 def _results(prefix: str) -> list[str]:
     """bench/results files of one kind, by name: `<machine>.json` from bench/run (prefix ""),
-    `instructions-*.json`, `vllm-*.json`."""
+    `instructions-*.json`, `vllm-*.json`, `slot-history-*.json` (bench/bench_slot_history.py's, quoted
+    where the flight recorder is described)."""
     folder = os.path.join(ROOT, "bench", "results")
-    kinds = ("instructions-", "vllm-")
+    kinds = ("instructions-", "vllm-", "slot-history-")
     names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
     if prefix:
         return [f"bench/results/{n}" for n in names if n.startswith(prefix)]
