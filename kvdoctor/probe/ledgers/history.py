@@ -78,8 +78,12 @@ class SlotHistory:
     def __init__(self, pages: int, entries: int) -> None:
         self.entries = entries
         self.mask = entries - 1
-        self.hist = np.zeros((pages * entries, WORDS), dtype=np.int32)
-        self.head = np.zeros(pages, dtype=np.uint8)
+        # written through once here: zeros from calloc are mapped as they are first written, and a
+        # ring filling over hours would read as the scheduler's own memory growing
+        self.hist = np.empty((pages * entries, WORDS), dtype=np.int32)
+        self.hist.fill(0)
+        self.head = np.empty(pages, dtype=np.uint8)
+        self.head.fill(0)
         self.clock = np.zeros(CLOCK_LEN, dtype=np.int64)
         self.clock[1] = _now_ns()
         self._local = threading.local()
