@@ -13,9 +13,11 @@
 /* The stamp of a call's first recorded page: the ledger's next sequence number, this thread's index
  * in the ledger's table of threads (history.py's `_find_thread` twin) and the coarse clock's time
  * since the ledger started, in ms. */
-void
-stamp_take(Ledger *l, Stamp *s)
+Stamp
+stamp_take(Ledger *l, int op)
 {
+    Stamp out;
+    Stamp *s = &out;
     int64_t *clock = l->clock;
     uint32_t seq = (uint32_t)clock[0] + 1;
     if (seq == 0)
@@ -43,7 +45,8 @@ stamp_take(Ledger *l, Stamp *s)
             break;
         }
     }
-    s->word0 = s->op | (index << 8);
+    s->word0 = op | (index << 8);
+    return out;
 }
 
 Ledger *
@@ -170,7 +173,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner, *alloc_site = l->alloc_site;
-    Stamp stamp = stamp_for(OP_ALLOC, site);
+    Recorder rec = recorder_for(l, OP_ALLOC, site, s.page_size > 1 && !only_page_starts);
     EACH_INT(v, 0, v->n, slot, {
         if (only_page_starts && !starts_page(&s, slot))
             continue;
@@ -178,7 +181,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
         state[page] = ST_OWNED;
         owner[page] = -1;
         alloc_site[page] = site;
-        record(l, &stamp, page, -1);
+        record(&rec, page, -1);
     });
 }
 
@@ -209,11 +212,11 @@ free_apply(Ledger *l, const Ints *v, int as_pages, int evicting, int site)
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     const int32_t *owner = l->owner;
-    Stamp stamp = stamp_for(evicting ? OP_EVICT : OP_FREE, site);
+    Recorder rec = recorder_for(l, evicting ? OP_EVICT : OP_FREE, site, 1);
     EACH_INT(v, 0, v->n, x, {
         int64_t page = as_pages ? x : page_at(&s, x);
         state[page] = evicting ? ST_FREE : (int8_t)((state[page] & ST_TREE) | ST_FREE);
-        record(l, &stamp, page, owner[page]);
+        record(&rec, page, owner[page]);
     });
 }
 
@@ -239,10 +242,10 @@ tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop, i
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner;
-    Stamp stamp = stamp_for(OP_TREE, site);
+    Recorder rec = recorder_for(l, OP_TREE, site, s.page_size > 1);
     EACH_INT(v, start, stop, slot, {
         int64_t page = page_at(&s, slot);
-        record(l, &stamp, page, owner[page]);
+        record(&rec, page, owner[page]);
         state[page] = ST_TREE;
         owner[page] = -1;
     });
@@ -297,13 +300,13 @@ ledger_owner(Ledger *l, const Ints *v, int32_t row)
     const Shape shape = shape_of(l);
     const int8_t *state = l->state;
     int32_t *owner = l->owner;
-    Stamp stamp = stamp_for(OP_OWNER, 0);
+    Recorder rec = recorder_for(l, OP_OWNER, 0, 0); /* a page's owner changes once a call */
     EACH_INT(v, 0, v->n, slot, {
         if (slot < 0 || slot >= shape.rows)
             continue;
         int64_t page = page_at(&shape, slot);
         if (state[page] == ST_OWNED && owner[page] != row) {
-            record(l, &stamp, page, row);
+            record(&rec, page, row);
             owner[page] = row;
         }
     });

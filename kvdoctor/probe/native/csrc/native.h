@@ -248,42 +248,53 @@ enum {
 #define REC_WORDS 5
 #define REC_CLOCK_LEN 16
 
-/* One call's stamp, taken at its first recorded page: the op and thread, the site, its sequence
- * number and time (0 seq: not taken yet). */
+/* One call's stamp, taken at its first recorded page: the op and thread, its sequence number and
+ * time. Returned by value, so the recorder below never has its address taken. */
 typedef struct {
-    int32_t word0, site, seq, ms;
-    int op;
+    int32_t word0, seq, ms;
 } Stamp;
 
-static inline Stamp
-stamp_for(int op, int site)
+Stamp stamp_take(Ledger *l, int op); /* ledger.c: the sequence number, the thread and the time */
+
+/* One call's recording: the ring's pointers copied out of the ledger once, so that the byte stores
+ * of a page's state and ring head (which may alias anything) do not make every page read them
+ * again, and the call's stamp (0 seq: not taken yet). `dedupe`: the call may name a page twice
+ * (pages of more than one slot, a free naming one twice), and a page gets one entry a call. */
+typedef struct {
+    Ledger *l;
+    int32_t *hist;
+    uint8_t *head;
+    long mask, stride;
+    int op, site, dedupe;
+    Stamp stamp;
+} Recorder;
+
+static inline Recorder
+recorder_for(Ledger *l, int op, int site, int dedupe)
 {
-    Stamp s = {0, site, 0, 0, op};
-    return s;
+    Recorder r = {l, l->hist, l->head, l->hist_n - 1, l->hist_n * REC_WORDS, op, site, dedupe, {0, 0, 0}};
+    return r;
 }
 
-void stamp_take(Ledger *l, Stamp *s); /* ledger.c: the sequence number, the thread and the time */
-
-/* A page's transition in its ring, once per call (a call naming the page again adds nothing). */
+/* A page's transition in its ring. */
 static inline void
-record(Ledger *l, Stamp *s, int64_t page, int32_t row)
+record(Recorder *r, int64_t page, int32_t row)
 {
-    if (l->hist == NULL)
+    if (r->hist == NULL)
         return;
-    uint8_t h = l->head[page];
-    long mask = l->hist_n - 1;
-    int32_t *ring = l->hist + page * l->hist_n * REC_WORDS;
-    if (s->seq == 0)
-        stamp_take(l, s);
-    else if (ring[((h - 1) & mask) * REC_WORDS + 3] == s->seq)
+    uint8_t h = r->head[page];
+    int32_t *ring = r->hist + page * r->stride;
+    if (r->stamp.seq == 0)
+        r->stamp = stamp_take(r->l, r->op);
+    else if (r->dedupe && ring[((h - 1) & r->mask) * REC_WORDS + 3] == r->stamp.seq)
         return;
-    int32_t *e = ring + (h & mask) * REC_WORDS;
-    e[0] = s->word0;
-    e[1] = s->site;
+    int32_t *e = ring + (h & r->mask) * REC_WORDS;
+    e[0] = r->stamp.word0;
+    e[1] = r->site;
     e[2] = row;
-    e[3] = s->seq;
-    e[4] = s->ms;
-    l->head[page] = (uint8_t)(h + 1);
+    e[3] = r->stamp.seq;
+    e[4] = r->stamp.ms;
+    r->head[page] = (uint8_t)(h + 1);
 }
 
 Ledger *ledger_of(PyObject *allocator);
