@@ -63,7 +63,7 @@ THREADS_DIR = os.path.join(HERE, "server_threads")
 @dataclass
 class Case:
     name: str
-    kind: str  # clean | leak | safety | hicache | cost
+    kind: str  # clean | leak | safety | hicache | attach | memcheck | cost
     flags: list[str] = field(default_factory=list)
     probe: bool = True
     fault: str = ""
@@ -74,6 +74,7 @@ class Case:
     alone: bool = False  # started only once every other case has stopped, one at a time (a big model)
     env: dict[str, str] = field(default_factory=dict)  # the server's (SGLang's knobs, the probe's switches)
     threads: bool = True  # server_threads/: CPU seconds per thread and the native path's counters
+    memcheck: bool = False  # the server under compute-sanitizer's memcheck (every process it starts)
 
 
 def _cases() -> dict[str, Case]:
@@ -106,6 +107,25 @@ def _cases() -> dict[str, Case]:
         ),
         Case("fault-safety", "safety", ["--page-size", "16", "--disable-radix-cache"], fault=SAFETY, fault_at=20),
     ]
+    # The out-of-range last_loc kept (one past the KV buffer, the host not put back), the server under
+    # memcheck: the KV write past the buffer's end is memcheck's, the index named first is kvdoctor's;
+    # `--fix clamp-last-loc` keeps the write inside. CUDA graphs off (memcheck and capture), each tensor
+    # its own cudaMalloc (so memcheck knows where a buffer ends), the trace written every second.
+    oor = {"KVDOCTOR_TEST_FAULT_OOR": "past-end", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "KVDOCTOR_WRITER_INTERVAL_S": "1"}
+    checked = ["--page-size", "16", "--disable-radix-cache", "--disable-cuda-graph"]
+    for name, fixes in (("sanitizer-oor", {}), ("sanitizer-oor-clamp", {"KVDOCTOR_FIXES": "clamp-last-loc"})):
+        cases.append(
+            Case(
+                name,
+                "memcheck",
+                checked,
+                fault="index-out-of-range",
+                fault_at=3,
+                max_total_tokens=4096,
+                env={**oor, **fixes},
+                memcheck=True,
+            )
+        )
     for n in range(1, 7):
         cases.append(Case(f"cost-off-{n}", "cost", ["--sleep-on-idle"], probe=False))
         cases.append(Case(f"cost-on-{n}", "cost", ["--sleep-on-idle"]))
@@ -169,7 +189,39 @@ class GpuServer(sglang_server.Server):
 
     def start(self, timeout_s: float = 300.0) -> GpuServer:
         sglang_server.server_env = self._env
-        return super().start(timeout_s)  # type: ignore[return-value]
+        return super().start(timeout_s * (3 if self.case.memcheck else 1))  # type: ignore[return-value]
+
+    def command(self) -> list[str]:
+        if not self.case.memcheck:
+            return super().command()
+        sanitizer = compute_sanitizer()
+        if not sanitizer:
+            raise RuntimeError("compute-sanitizer is not on the PATH nor in /usr/local/cuda/bin")
+        log = os.path.join(self.workdir, "memcheck-%p.log")
+        return [sanitizer, "--tool", "memcheck", "--target-processes", "all", "--print-limit", "20", "--log-file", log, *super().command()]
+
+
+def compute_sanitizer() -> str:
+    """compute-sanitizer on the PATH or in CUDA's own folder; '' when there is none."""
+    import shutil
+
+    for candidate in (shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return ""
+
+
+def memcheck_read(workdir: str) -> dict:
+    """memcheck's logs, one a process: its error summaries and the first invalid accesses."""
+    summaries, accesses = [], []
+    for name in sorted(os.listdir(workdir)):
+        if not (name.startswith("memcheck-") and name.endswith(".log")):
+            continue
+        with open(os.path.join(workdir, name), errors="replace") as fh:
+            text = fh.read()
+        summaries += [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        accesses += re.findall(r"=+ (Invalid __global__ (?:write|read) of size \d+ bytes)", text)
+    return {"summaries": summaries, "errors": sum(summaries), "invalid_accesses": len(accesses), "first": accesses[:4]}
 
 
 def _events(trace: str) -> list[dict]:
@@ -275,6 +327,21 @@ def drive(server: GpuServer, cpu: bool) -> dict:
     return {"chats": chats, "bench_ok": int(ok.group(1)) if ok else 0, "bench_rc": bench.returncode, "idle_census_after_load": idle}
 
 
+def drive_memcheck(server: GpuServer, cpu: bool) -> dict:
+    """A few requests one after another, each decoding across a page's middle (the fault hits the
+    third decode call whose first request continues a page); a server the write past the buffer
+    took down fails the rest, which is counted, not raised."""
+    done, failed = 0, []
+    for n in range(4):
+        try:
+            server.generate(list(range(5 + n, 30 + n)), 12, timeout_s=240.0)
+            done += 1
+        except Exception as exc:
+            failed.append(str(exc)[:300])
+    time.sleep(3.0)  # the trace's next round (every second here)
+    return {"done": done, "failed": failed}
+
+
 def drive_hicache(server: GpuServer, cpu: bool) -> dict:
     """Load-backs while decode graphs replay: 40 distinct 256-token prompts once (the device pool
     holds about a third of them: the rest are evicted, written through to the host and to L3), then
@@ -356,7 +423,7 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     result["planted"] = {k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size") if x in v} for k, v in planted.items()}
     why = []
     load = result.get("load", {})
-    if case.kind not in ("hicache", "attach") and (load.get("chats", {}).get("errors") or load.get("bench_rc") != 0):
+    if case.kind not in ("hicache", "attach", "memcheck") and (load.get("chats", {}).get("errors") or load.get("bench_rc") != 0):
         why.append(f"load failed: {load}")
     c = result["census"]
     if case.kind == "attach":
@@ -425,8 +492,37 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
         oor = next((f for f in report["findings"] if f["kind"] == "index_out_of_range"), None)
         if oor and oor["evidence"].get("bad_index") != -5:
             why.append(f"out of range: bad index {oor['evidence'].get('bad_index')}, planted -5")
+    elif case.kind == "memcheck":
+        judge_memcheck(case, result, report, planted, server, why)
     result["verdict"] = "pass" if not why else "FAIL"
     result["why"] = why
+
+
+def judge_memcheck(case: Case, result: dict, report: dict, planted: dict, server: GpuServer, why: list[str]) -> None:
+    """Without a fix memcheck sees the write past the KV buffer; with `clamp-last-loc` it sees none.
+    Either way kvdoctor names the planted index (a fix does not hide what it fixed)."""
+    memcheck = result["memcheck"] = memcheck_read(server.workdir)
+    fixed = "clamp-last-loc" in case.env.get("KVDOCTOR_FIXES", "")
+    plant = planted.get("index-out-of-range")
+    named = [f for f in report.get("findings", []) if f["kind"] == "index_out_of_range"]
+    result["named"] = [_named(f) for f in named]
+    result["fixes"] = [e["args"] for e in _events(server.trace) if e["name"] == "fix_applied"][:4]
+    if not plant:
+        why.append("no out-of-range last_loc planted")
+        return
+    if not memcheck["summaries"]:
+        why.append("no memcheck summary (a process killed before memcheck summed up)")
+    if not any(f["evidence"].get("bad_index") == plant["last_loc"] for f in named):
+        why.append(f"the planted last_loc {plant['last_loc']} is not named: {result['named']}")
+    if fixed:
+        if memcheck["errors"] or memcheck["invalid_accesses"]:
+            why.append(f"clamp-last-loc on, memcheck still sees {memcheck['errors']} errors: {memcheck['first']}")
+        if not result["fixes"]:
+            why.append("clamp-last-loc on, no fix_applied recorded")
+        if result.get("load", {}).get("failed"):
+            why.append(f"requests failed with the fix on: {result['load']['failed']}")
+    elif not memcheck["invalid_accesses"]:
+        why.append(f"no fix, memcheck saw no invalid access (errors {memcheck['errors']}): the case did not test one")
 
 
 def judge_attach(result: dict, report: dict, errors: dict, planted: dict, trace: str) -> None:
@@ -682,9 +778,8 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
 
     def correctness(server: GpuServer, r: dict) -> None:
         kind = server.case.kind
-        r["load"] = (
-            drive_hicache(server, cpu) if kind == "hicache" else drive_attach(server, cpu) if kind == "attach" else drive(server, cpu)
-        )
+        drivers = {"hicache": drive_hicache, "attach": drive_attach, "memcheck": drive_memcheck}
+        r["load"] = drivers.get(kind, drive)(server, cpu)
 
     threads = [threading.Thread(target=finish, args=(c, correctness)) for c in cases if c.kind != "cost"]
     for t in threads:

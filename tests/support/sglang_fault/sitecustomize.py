@@ -15,7 +15,11 @@ KVDOCTOR_TEST_FAULT_OUT (a leak may be planted twice: "N,+M" also skips the Mth 
   if set, picks the call instead of KVDOCTOR_TEST_FAULT_AT);
 - `stale-last-loc`: the Nth `alloc_decode` whose first request continues a page gets, as that
   request's `last_loc`, a slot in a free page;
-- `index-out-of-range`: the same, with -5 (only -1, "no prefix", is legal below 0).
+- `index-out-of-range`: the same, with -5 (only -1, "no prefix", is legal below 0). With
+  KVDOCTOR_TEST_FAULT_OOR=past-end it is the KV buffer's row count (one past its last row) instead,
+  and the host is not put back: the allocator hands out the row after it, and the KV write goes
+  past the buffer's end (what compute-sanitizer's memcheck sees, the GPU server suite's
+  `sanitizer-*` cases).
 
 Each planted fault is one call: after it, the host is put back on its own slots (the free list
 without the pages a double free listed twice; the right slot after a changed `last_loc`), so
@@ -42,6 +46,7 @@ _AT_SPEC = [a for a in os.environ.get("KVDOCTOR_TEST_FAULT_AT", "0").split(",") 
 _AT = int(_AT_SPEC[0] or 0) if _AT_SPEC else 0
 _AT_AFTER_ATTACH = int(_AT_SPEC[1].lstrip("+")) if len(_AT_SPEC) > 1 else 0
 _SWA_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_SWA_AT", "0") or 0) or _AT
+_OOR_PAST_END = os.environ.get("KVDOCTOR_TEST_FAULT_OOR") == "past-end"
 _attached = threading.Event()
 _OUT = os.environ.get("KVDOCTOR_TEST_FAULT_OUT", "")
 _ATTACH_PARAMS = os.environ.get("KVDOCTOR_TEST_ATTACH_PARAMS", "")
@@ -208,6 +213,8 @@ def _patch_paged(module):
                 bad = last_loc.clone()
                 if n == stale_at:
                     bad[0] = int(self.free_pages[-1]) * ps + offset - 1  # a slot in a page no request holds
+                elif _OOR_PAST_END:
+                    bad[0] = self.size + ps  # the KV buffer's rows: one past its last
                 else:
                     bad[0] = -5
                 fault = "stale-last-loc" if n == stale_at else "index-out-of-range"
@@ -215,6 +222,8 @@ def _patch_paged(module):
                 # outside the buffer in this one call. A stale one hands out a slot mid-page only.
                 _record(fault, {"count": 1 if n == stale_at else 2, "last_loc": int(bad[0]), "page_size": ps})
                 out = original(self, seq_lens, seq_lens_cpu, bad)
+                if _OOR_PAST_END and n == oor_at:
+                    return out  # kept: the KV write goes past the buffer
                 # The host went on with the right slot: the planted value is one call, seen once.
                 if out is not None and out.numel():
                     out[0] = good + 1
