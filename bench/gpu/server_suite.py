@@ -512,7 +512,8 @@ def judge_memcheck(case: Case, result: dict, report: dict, planted: dict, server
         return
     if not memcheck["summaries"]:
         why.append("no memcheck summary (a process killed before memcheck summed up)")
-    if not any(f["evidence"].get("bad_index") == plant["last_loc"] for f in named):
+    # the planted last_loc, or the slot the allocator made of it (last_loc + 1), whichever is named first
+    if not any(f["evidence"].get("bad_index") in (plant["last_loc"], plant["last_loc"] + 1) for f in named):
         why.append(f"the planted last_loc {plant['last_loc']} is not named: {result['named']}")
     if fixed:
         if memcheck["errors"] or memcheck["invalid_accesses"]:
