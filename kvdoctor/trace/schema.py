@@ -98,6 +98,11 @@ SLOT_HISTORY = "history"
 HISTORY_OFF = "history_off"
 HISTORY_UNCHANGED = "history_unchanged"
 HISTORY_OPS = ("", "alloc", "free", "evict", "owner", "tree", "restore_free", "restore_hold", "last_loc")
+# ... and the same entries once more, for Perfetto: each an instant event (name: its op) on a track of
+# its own per page (a THREAD_NAME "slot N" names it), written by the probe's writer thread next to the
+# event that carried the history. The analysis reads the history from that event, never from these.
+CAT_HISTORY = "kvdoctor.history"
+THREAD_NAME = "thread_name"  # ph M: Perfetto's own name for a tid's track
 
 VIOLATION_KINDS = (DOUBLE_FREE, DOUBLE_ALLOC, STALE_LAST_LOC, INDEX_OUT_OF_RANGE, USE_AFTER_FREE, LOCK_UNDERFLOW)
 
@@ -176,7 +181,7 @@ class Event:
         if self.cat:
             out["cat"] = self.cat
         if self.ph == "i":
-            out["s"] = "p"
+            out["s"] = "t" if self.cat == CAT_HISTORY else "p"  # a slot's transition is on its own track
         out["args"] = self.args
         return out
 

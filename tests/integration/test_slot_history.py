@@ -138,6 +138,20 @@ def test_replay_prints_one_slots_history_and_says_when_it_has_none(tmp_path):
     )
     assert shown.returncode == 0 and f"history of slot {slot}," in shown.stdout, shown.stderr
     assert shown.stdout.count(" free ") >= 2 and " alloc " in shown.stdout
+    # Perfetto: the same entries as instant events on the slot's own track, oldest first, each at or
+    # before the violation that dumped it
+    raw = [json.loads(line.rstrip(",\n")) for line in trace.read_text().splitlines() if line.startswith("{")]
+    (track,) = [e["tid"] for e in raw if e["name"] == "thread_name" and e["args"]["name"].startswith(f"slot {slot} (")]
+    marks = [e for e in raw if e["tid"] == track and e["ph"] == "i"]
+    violation = next(e for e in raw if e["name"] == "violation" and e["args"].get("kind") == "double_free")
+    dumped, later = marks[: len(page["entries"])], marks[len(page["entries"]) :]  # later: what a later census dumped, new entries only
+    assert [e["name"] for e in dumped] == [e["op"] for e in page["entries"]] and {e["s"] for e in marks} == {"t"}
+    assert [e["args"]["seq"] for e in dumped] == [e["seq"] for e in page["entries"]]
+    assert all(a["ts"] <= b["ts"] for a, b in zip(dumped, dumped[1:], strict=False)) and dumped[-1]["ts"] <= violation["ts"]
+    assert all(e["args"]["seq"] > dumped[-1]["args"]["seq"] for e in later) and all(e["args"]["dumped_by"] != "double_free" for e in later)
+    names = [e["args"]["name"] for e in raw if e["name"] == "thread_name"]
+    for dumped_page in violation["args"]["history"]:  # one track a page, however often it is dumped
+        assert sum(name.startswith(f"slot {dumped_page['first_slot']} (") for name in names) == 1, names
     leak_cmd = [
         sys.executable,
         "-m",

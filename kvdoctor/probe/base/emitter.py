@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvdoctor.probe.base.shutdown import note_writer_stopped
+from kvdoctor.probe.base.slot_tracks import SlotTracks
 from kvdoctor.trace import schema
 from kvdoctor.trace.writer import TraceWriter, now_us, redact_args
 
@@ -55,6 +56,7 @@ class Emitter:
         self.periodic: list[Callable[[], None]] = []
         self.listeners: list[Callable[[schema.Event], None]] = []
         self.header_written = False
+        self.slot_tracks = SlotTracks()  # the histories an event carries, on their slots' tracks too
         if hasattr(os, "register_at_fork"):
             own = weakref.WeakMethod(self._after_fork)
 
@@ -77,6 +79,7 @@ class Emitter:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.header_written = False
+        self.slot_tracks = SlotTracks()
 
     def emit(self, name: str, args: dict[str, Any], *, ph: str = "i", cat: str = schema.CAT_PROBE) -> None:
         event = schema.Event(ph=ph, name=name, pid=self.pid, ts=now_us(), cat=cat, tid=threading.get_ident() & 0xFFFF, args=args)
@@ -146,7 +149,10 @@ class Emitter:
                 self._dropped_reported = self.dropped
                 batch.append(schema.Event(ph="C", name=schema.PROBE_STATS, pid=self.pid, ts=now_us(), args=self.stats()))
             while self.buffer:
-                batch.append(self.buffer.popleft())
+                event = self.buffer.popleft()
+                batch.append(event)
+                if event.args and schema.SLOT_HISTORY in event.args:
+                    batch.extend(self.slot_tracks.events_for(event))
                 if len(batch) >= 8192:
                     self._write(batch)
                     batch = []
