@@ -10,9 +10,9 @@ from typing import Any
 from kvdoctor.analysis.analyzer import Analysis
 from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.gate_growth import growth_not_judged
-from kvdoctor.analysis.slot_history import report_lines
+from kvdoctor.analysis.slot_history import clean_pages, entry_line, report_lines
 from kvdoctor.formats.reports.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
-from kvdoctor.formats.reports.html.svg import memory_plot, slots_plot
+from kvdoctor.formats.reports.html.svg import history_lanes, memory_plot, slots_plot
 from kvdoctor.formats.reports.html.text import escape as _e
 from kvdoctor.formats.reports.html.text import human_bytes, human_duration, human_rate
 from kvdoctor.trace import schema
@@ -132,8 +132,9 @@ def finding_card(finding: Finding, processes: dict[int, dict[str, Any]]) -> str:
     rows = []
     for key, value in finding.evidence.items():
         if key == schema.SLOT_HISTORY:  # the flight recorder: the terminal's timeline, not its raw entries
+            lanes = history_lanes(clean_pages(value), entry_line)
             timeline = "\n".join(line.strip() for line in report_lines(finding.evidence, ""))
-            rows.append(f"<dt>{_e(key)}</dt><dd>{_e(timeline)}</dd>")
+            rows.append(f"<dt>{_e(key)}</dt><dd>{lanes}{_e(timeline)}</dd>")
             continue
         clock = _clock(str(key), value)
         shown = _e(clock) if clock else f"{_value_html(value)}{_e(_evidence_extra(str(key), value))}"
