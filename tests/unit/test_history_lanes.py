@@ -1,6 +1,6 @@
-"""A finding's slot histories in the HTML report as swim-lanes (kvdoctor/formats/reports/html/svg.py
-`history_lanes`): a lane a page, a marker a transition in the ledger's order across lanes, the op
-on it and the whole entry as its tooltip; nothing drawn for pages with no entries."""
+"""A finding's slot histories in the HTML report as swim-lanes (kvdoctor/formats/reports/html/lanes.py):
+a lane a page, a marker a transition in the ledger's order across lanes, the op on it and the whole
+entry as its tooltip; nothing drawn for pages with no entries."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 
 from kvdoctor.analysis.findings import Finding
 from kvdoctor.analysis.slot_history import clean_pages, entry_line
+from kvdoctor.formats.reports.html.lanes import history_lanes
 from kvdoctor.formats.reports.html.page import finding_card
-from kvdoctor.formats.reports.html.svg import history_lanes
 
 PAGES = [
     {

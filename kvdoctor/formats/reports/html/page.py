@@ -12,7 +12,8 @@ from kvdoctor.analysis.findings import ERROR, INFO, WARNING, Finding
 from kvdoctor.analysis.gate_growth import growth_not_judged
 from kvdoctor.analysis.slot_history import clean_pages, entry_line, report_lines
 from kvdoctor.formats.reports.bounded import PROCESS_ROWS_SHOWN, first_processes, shown_findings
-from kvdoctor.formats.reports.html.svg import history_lanes, memory_plot, slots_plot
+from kvdoctor.formats.reports.html.lanes import history_lanes
+from kvdoctor.formats.reports.html.svg import memory_plot, slots_plot
 from kvdoctor.formats.reports.html.text import escape as _e
 from kvdoctor.formats.reports.html.text import human_bytes, human_duration, human_rate
 from kvdoctor.trace import schema
