@@ -173,7 +173,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner, *alloc_site = l->alloc_site;
-    Recorder rec = recorder_for(l, OP_ALLOC, site, s.page_size > 1 && !only_page_starts);
+    Recorder rec = recorder_for(l, OP_ALLOC, site, 1); /* a page named twice: a free list that holds it twice */
     EACH_INT(v, 0, v->n, slot, {
         if (only_page_starts && !starts_page(&s, slot))
             continue;
@@ -242,7 +242,7 @@ tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop, i
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner;
-    Recorder rec = recorder_for(l, OP_TREE, site, s.page_size > 1);
+    Recorder rec = recorder_for(l, OP_TREE, site, 1);
     EACH_INT(v, start, stop, slot, {
         int64_t page = page_at(&s, slot);
         record(&rec, page, owner[page]);

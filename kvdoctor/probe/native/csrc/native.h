@@ -259,7 +259,8 @@ Stamp stamp_take(Ledger *l, int op); /* ledger.c: the sequence number, the threa
 /* One call's recording: the ring's pointers copied out of the ledger once, so that the byte stores
  * of a page's state and ring head (which may alias anything) do not make every page read them
  * again, and the call's stamp (0 seq: not taken yet). `dedupe`: the call may name a page twice
- * (pages of more than one slot, a free naming one twice), and a page gets one entry a call. */
+ * (pages of more than one slot, a free list that holds a page twice after a double free), and a
+ * page gets one entry a call, as the Python ledger records it (`record_pages`). */
 typedef struct {
     Ledger *l;
     int32_t *hist;
