@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import threading
 import time
 
@@ -179,3 +181,16 @@ def write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=str)
+
+
+def compute_sanitizer() -> str:
+    """compute-sanitizer on the PATH or in CUDA's own folder; '' when there is none."""
+    for candidate in (shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return ""
+
+
+def memcheck_error_counts(text: str) -> list[int]:
+    """The error counts of memcheck's ERROR SUMMARY lines in `text`, in order."""
+    return [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]

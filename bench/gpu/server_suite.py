@@ -41,6 +41,7 @@ sys.path.insert(0, SUPPORT)
 
 import servers  # noqa: E402
 import sglang_server  # noqa: E402
+from common import compute_sanitizer, memcheck_error_counts  # noqa: E402  (bench/gpu/common.py, beside this file)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CARRY = os.environ.get("SERVER_CARRY") or os.path.join(os.path.dirname(os.path.dirname(HERE)), ".carry", "server")
@@ -201,16 +202,6 @@ class GpuServer(sglang_server.Server):
         return [sanitizer, "--tool", "memcheck", "--target-processes", "all", "--print-limit", "20", "--log-file", log, *super().command()]
 
 
-def compute_sanitizer() -> str:
-    """compute-sanitizer on the PATH or in CUDA's own folder; '' when there is none."""
-    import shutil
-
-    for candidate in (shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return ""
-
-
 def memcheck_read(workdir: str) -> dict:
     """memcheck's logs, one a process: its error summaries and the first invalid accesses."""
     summaries, accesses = [], []
@@ -219,7 +210,7 @@ def memcheck_read(workdir: str) -> dict:
             continue
         with open(os.path.join(workdir, name), errors="replace") as fh:
             text = fh.read()
-        summaries += [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        summaries += memcheck_error_counts(text)
         accesses += re.findall(r"=+ (Invalid __global__ (?:write|read) of size \d+ bytes)", text)
     return {"summaries": summaries, "errors": sum(summaries), "invalid_accesses": len(accesses), "first": accesses[:4]}
 

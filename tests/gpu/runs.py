@@ -7,8 +7,6 @@ import functools
 import importlib.metadata
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 
@@ -17,6 +15,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 SUPPORT = os.path.join(REPO, "tests", "support")
 HARNESS = os.path.join(HERE, "harness")
 BUGS = os.path.join(HERE, "bugs")
+sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
+from common import compute_sanitizer, memcheck_error_counts  # noqa: E402  (bench/gpu/common.py: the GPU server suite's too)
 
 # Where tests/gpu/run.sh installs each release's carried wheels (SITE_059 overrides /tmp/site, and so
 # on); SGLang 0.5.7 and 0.5.8 take the packages they lack from 0.5.9's folder.
@@ -101,20 +101,11 @@ def result(proc: subprocess.CompletedProcess) -> dict:
     raise AssertionError(f"the check printed no verdict (rc {proc.returncode}): {proc.stderr[-3000:]}")
 
 
-def compute_sanitizer() -> str:
-    """compute-sanitizer on the PATH or in CUDA's own folder; '' when there is none."""
-    found = shutil.which("compute-sanitizer")
-    for candidate in (found, "/usr/local/cuda/bin/compute-sanitizer"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return ""
-
-
 def memcheck_errors(proc: subprocess.CompletedProcess) -> int:
     """memcheck's error count (its ERROR SUMMARY line); -1 when it printed none (a process killed
     before memcheck summed up)."""
-    counts = re.findall(r"ERROR SUMMARY: (\d+) error", proc.stdout + proc.stderr)
-    return int(counts[-1]) if counts else -1
+    counts = memcheck_error_counts(proc.stdout + proc.stderr)
+    return counts[-1] if counts else -1
 
 
 def findings(trace: str) -> dict[str, dict]:

@@ -16,14 +16,13 @@
 Stamp
 stamp_take(Ledger *l, int op)
 {
-    Stamp out;
-    Stamp *s = &out;
+    Stamp s;
     int64_t *clock = l->clock;
     uint32_t seq = (uint32_t)clock[0] + 1;
     if (seq == 0)
         seq = 1;
     clock[0] = seq;
-    s->seq = (int32_t)seq;
+    s.seq = (int32_t)seq;
     struct timespec ts;
 #ifdef CLOCK_MONOTONIC_COARSE
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -31,7 +30,7 @@ stamp_take(Ledger *l, int op)
     clock_gettime(CLOCK_MONOTONIC, &ts);
 #endif
     int64_t now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-    s->ms = (int32_t)(((now - clock[1]) / 1000000) & 0x7FFFFFFF);
+    s.ms = (int32_t)(((now - clock[1]) / 1000000) & 0x7FFFFFFF);
     int64_t ident = (int64_t)PyThread_get_thread_ident();
     int index = REC_CLOCK_LEN - 1;
     for (int i = 2; i < REC_CLOCK_LEN; i++) {
@@ -45,8 +44,8 @@ stamp_take(Ledger *l, int op)
             break;
         }
     }
-    s->word0 = op | (index << 8);
-    return out;
+    s.word0 = op | (index << 8);
+    return s;
 }
 
 Ledger *
@@ -173,7 +172,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner, *alloc_site = l->alloc_site;
-    Recorder rec = recorder_for(l, OP_ALLOC, site, 1); /* a page named twice: a free list that holds it twice */
+    Recorder rec = recorder_for(l, OP_ALLOC, site);
     EACH_INT(v, 0, v->n, slot, {
         if (only_page_starts && !starts_page(&s, slot))
             continue;
@@ -212,7 +211,7 @@ free_apply(Ledger *l, const Ints *v, int as_pages, int evicting, int site)
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     const int32_t *owner = l->owner;
-    Recorder rec = recorder_for(l, evicting ? OP_EVICT : OP_FREE, site, 1);
+    Recorder rec = recorder_for(l, evicting ? OP_EVICT : OP_FREE, site);
     EACH_INT(v, 0, v->n, x, {
         int64_t page = as_pages ? x : page_at(&s, x);
         state[page] = evicting ? ST_FREE : (int8_t)((state[page] & ST_TREE) | ST_FREE);
@@ -242,7 +241,7 @@ tree_insert_apply(Ledger *l, const Ints *v, Py_ssize_t start, Py_ssize_t stop, i
     const Shape s = shape_of(l);
     int8_t *state = l->state;
     int32_t *owner = l->owner;
-    Recorder rec = recorder_for(l, OP_TREE, site, 1);
+    Recorder rec = recorder_for(l, OP_TREE, site);
     EACH_INT(v, start, stop, slot, {
         int64_t page = page_at(&s, slot);
         record(&rec, page, owner[page]);
@@ -300,7 +299,7 @@ ledger_owner(Ledger *l, const Ints *v, int32_t row)
     const Shape shape = shape_of(l);
     const int8_t *state = l->state;
     int32_t *owner = l->owner;
-    Recorder rec = recorder_for(l, OP_OWNER, 0, 0); /* a page's owner changes once a call */
+    Recorder rec = recorder_for(l, OP_OWNER, 0);
     EACH_INT(v, 0, v->n, slot, {
         if (slot < 0 || slot >= shape.rows)
             continue;

@@ -258,26 +258,26 @@ Stamp stamp_take(Ledger *l, int op); /* ledger.c: the sequence number, the threa
 
 /* One call's recording: the ring's pointers copied out of the ledger once, so that the byte stores
  * of a page's state and ring head (which may alias anything) do not make every page read them
- * again, and the call's stamp (0 seq: not taken yet). `dedupe`: the call may name a page twice
- * (pages of more than one slot, a free list that holds a page twice after a double free), and a
- * page gets one entry a call, as the Python ledger records it (`record_pages`). */
+ * again, and the call's stamp (0 seq: not taken yet). */
 typedef struct {
     Ledger *l;
     int32_t *hist;
     uint8_t *head;
     long mask, stride;
-    int op, site, dedupe;
+    int op, site;
     Stamp stamp;
 } Recorder;
 
 static inline Recorder
-recorder_for(Ledger *l, int op, int site, int dedupe)
+recorder_for(Ledger *l, int op, int site)
 {
-    Recorder r = {l, l->hist, l->head, l->hist_n - 1, l->hist_n * REC_WORDS, op, site, dedupe, {0, 0, 0}};
+    Recorder r = {l, l->hist, l->head, l->hist_n - 1, l->hist_n * REC_WORDS, op, site, {0, 0, 0}};
     return r;
 }
 
-/* A page's transition in its ring. */
+/* A page's transition in its ring, once a call: a call may name a page twice (pages of more than
+ * one slot, a free list holding a page twice after a double free), and the Python ledger records
+ * it once (`record_pages`). */
 static inline void
 record(Recorder *r, int64_t page, int32_t row)
 {
@@ -287,7 +287,7 @@ record(Recorder *r, int64_t page, int32_t row)
     int32_t *ring = r->hist + page * r->stride;
     if (r->stamp.seq == 0)
         r->stamp = stamp_take(r->l, r->op);
-    else if (r->dedupe && ring[((h - 1) & r->mask) * REC_WORDS + 3] == r->stamp.seq)
+    else if (ring[((h - 1) & r->mask) * REC_WORDS + 3] == r->stamp.seq)
         return;
     int32_t *e = ring + (h & r->mask) * REC_WORDS;
     e[0] = r->stamp.word0;
