@@ -30,6 +30,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvdoctor.analysis.serving_start import startup_end_s
 from kvdoctor.units import HOUR_S, MIB
 
 try:  # numpy makes the pairwise slopes cheap; the pure-Python path uses fewer points.
@@ -313,7 +314,12 @@ def _check_windows(times_s: Sequence[float], values: Sequence[float], params: Gr
 
 
 def detect_growth_with(
-    params: GrowthParams, times_s: Sequence[float], values_bytes: Sequence[float], *, origin_s: float | None = None
+    params: GrowthParams,
+    times_s: Sequence[float],
+    values_bytes: Sequence[float],
+    *,
+    origin_s: float | None = None,
+    ready_s: float | None = None,
 ) -> GrowthResult | None:
     """Returns evidence of unbounded growth, or None when the series does not show it (yet).
 
@@ -327,7 +333,7 @@ def detect_growth_with(
     times_s, values_bytes = plausible_points(times_s, values_bytes)
     if not times_s or params.windows < 1:
         return None
-    first = bisect.bisect_left(times_s, startup_end_s(params, times_s, values_bytes, origin_s=origin_s))
+    first = bisect.bisect_left(times_s, startup_end_s(params, times_s, values_bytes, origin_s=origin_s, ready_s=ready_s))
     t = list(times_s[first:])
     v = [float(x) for x in values_bytes[first:]]
     if len(t) < 3:
@@ -349,32 +355,6 @@ def detect_growth_with(
     return None
 
 
-def startup_end_s(params: GrowthParams, times_s: Sequence[float], values: Sequence[float], *, origin_s: float | None = None) -> float:
-    """When the process's start-up ends: the first time its memory holds still (within a band of
-    `settle_bytes` for `settle_s`, at least 5 samples), at the latest `warmup_s` after `origin_s` (the
-    process's start; the first sample when not given). A process that allocates once and holds
-    flat is judged from its flat part; one that climbs from its start is judged after `warmup_s`."""
-    if not times_s:
-        return 0.0
-    origin = times_s[0] if origin_s is None else origin_s
-    cap = origin + max(params.warmup_s, 0.0)
-    if params.settle_s <= 0 or cap <= times_s[0]:
-        return cap
-    n = len(times_s)
-    j = 0
-    for i in range(n):
-        if times_s[i] >= cap:
-            break
-        while j < n and times_s[j] - times_s[i] < params.settle_s:
-            j += 1
-        if j >= n:
-            break
-        stretch = values[i : j + 1]
-        if len(stretch) >= 5 and max(stretch) - min(stretch) < params.settle_bytes:
-            return times_s[i]
-    return cap
-
-
 def _decelerating(times_s: Sequence[float], values: Sequence[float], params: GrowthParams) -> bool:
     """True when the span rises overall but its latest window grows far slower than the whole."""
     overall = theil_sen(times_s, values, max_points=params.max_points)
@@ -387,10 +367,10 @@ def _decelerating(times_s: Sequence[float], values: Sequence[float], params: Gro
 
 
 def detect_growth(
-    times_s: Sequence[float], values_bytes: Sequence[float], *, origin_s: float | None = None, **knobs: Any
+    times_s: Sequence[float], values_bytes: Sequence[float], *, origin_s: float | None = None, ready_s: float | None = None, **knobs: Any
 ) -> GrowthResult | None:
     """`detect_growth_with` with its knobs (the fields of `GrowthParams`) given by name."""
-    return detect_growth_with(GrowthParams(**knobs), times_s, values_bytes, origin_s=origin_s)
+    return detect_growth_with(GrowthParams(**knobs), times_s, values_bytes, origin_s=origin_s, ready_s=ready_s)
 
 
 def time_to_oom_s(current_bytes: float, bytes_per_s: float, limit_bytes: float | None) -> float | None:

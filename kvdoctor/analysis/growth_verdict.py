@@ -1,7 +1,7 @@
 """Held, broken or not judged: what a growth budget says of one memory series, and why.
 
 The rule, as a user applies it: kvdoctor skips a process's start-up (until its memory first holds
-still for 10 s, at most its first 60 s) and then fails a growth budget only on a climb sustained
+still for 10 s, at most its first 60 s; an engine's lasts until it first serves a request) and then fails a growth budget only on a climb sustained
 over at least 30 s of what follows, whose rate at 99% confidence is above the budget (the steeper
 the climb, the less data that takes). It passes the budget only when the data after the start-up
 bounds the rate under the budget at 99%; anything between is "not judged", with the reason, and
@@ -16,7 +16,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvdoctor.analysis.growth import GrowthParams, _decelerating, plausible_points, startup_end_s, theil_sen
+from kvdoctor.analysis.growth import GrowthParams, _decelerating, plausible_points, theil_sen
+from kvdoctor.analysis.serving_start import startup_end_s
 from kvdoctor.units import format_duration, format_rate
 
 HELD = "held"
@@ -52,7 +53,7 @@ class GrowthEvidence:
 
 
 def growth_evidence(
-    params: GrowthParams, times_s: Sequence[float], values: Sequence[float], *, origin_s: float | None = None
+    params: GrowthParams, times_s: Sequence[float], values: Sequence[float], *, origin_s: float | None = None, ready_s: float | None = None
 ) -> GrowthEvidence | None:
     """The evidence of one series (None when it has no point). A series that bends flat (a cache
     that filled) is bounded by its later half, the rest by its whole span after the start-up."""
@@ -60,7 +61,7 @@ def growth_evidence(
     if not times_s:
         return None
     origin = times_s[0] if origin_s is None else origin_s
-    end_of_startup = startup_end_s(params, times_s, values, origin_s=origin)
+    end_of_startup = startup_end_s(params, times_s, values, origin_s=origin, ready_s=ready_s)
     first = next((i for i, t in enumerate(times_s) if t >= end_of_startup), len(times_s))
     t, v = list(times_s[first:]), [float(x) for x in values[first:]]
     lower = upper = None

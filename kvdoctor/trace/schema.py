@@ -20,6 +20,9 @@ from typing import Any
 SCHEMA_NAME = "kvdoctor.trace"
 SCHEMA_VERSION = 1
 SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+# PROBE_STATUS's component by which an engine's process says it is starting (state "starting", once
+# its engine is found) and that it took its first request (state "on"; kvdoctor.analysis.serving_start)
+SERVING = "serving"
 SERVING_ENGINES = ("sglang", "vllm")  # the serving engines kvdoctor probes: what a header's `engine` names
 
 # Event names (the `name` field) that carry meaning for detectors.

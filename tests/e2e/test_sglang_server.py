@@ -161,8 +161,19 @@ def test_a_clean_server_has_no_error_finding(tmp_path, config):
     assert any("63 methods hooked" in reason for reason in hooked), hooked[-3:]
     censuses = [e["args"] for e in events if e["name"] == "census"]
     assert censuses and censuses[-1]["ledger_disagrees_slots"] == 0  # the ledger agrees with SGLang's own free list
+    _served_once_after_its_ledger(events)
     rc, report = sglang_server.replay(server.trace)
     assert rc == 0 and _errors(report) == {}, report["findings"][:3]
+
+
+def _served_once_after_its_ledger(events: list[dict]) -> None:
+    """The scheduler says it is starting, then once, after its ledger exists, that it took its first
+    request: the end of its start-up for the memory growth tests."""
+    (ledger,) = [e for e in events if e["name"] == "probe_status" and str(e["args"].get("reason", "")).startswith("ledger for ")][:1]
+    scheduler = ledger["pid"]
+    marks = [e for e in events if e["name"] == "probe_status" and e["args"].get("component") == "serving" and e["pid"] == scheduler]
+    assert [m["args"]["state"] for m in marks] == ["starting", "on"], marks
+    assert marks[0]["ts"] <= ledger["ts"] <= marks[1]["ts"], marks
 
 
 def test_a_leak_is_named_within_seconds_while_the_load_goes_on(tmp_path):

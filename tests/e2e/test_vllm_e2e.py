@@ -96,6 +96,22 @@ def test_clean_run_has_no_error_findings(clean):
     assert analysis["processes"][str(engine)].get("engine_version") == "0.32.0"
 
 
+def _serving_marks(trace: str, pid: int) -> list[dict]:
+    import json
+
+    with open(trace) as fh:
+        events = [json.loads(line.strip().rstrip(",")) for line in fh if '"serving"' in line and line.strip().startswith("{")]
+    return [e for e in events if e.get("name") == "probe_status" and e.get("pid") == pid and e["args"].get("component") == "serving"]
+
+
+def test_clean_run_says_once_when_the_engine_first_served(clean):
+    """The engine core says it is starting, then that it took its first request (the end of its
+    start-up for the memory growth tests)."""
+    marks = _serving_marks(clean["server"].trace, _engine_pid(clean["analysis"]))
+    assert [m["args"]["state"] for m in marks] == ["starting", "on"], marks
+    assert marks[1]["args"]["reason"] == "a request was given KV blocks", marks
+
+
 def test_clean_run_census_agrees_with_vllm(clean):
     censuses = _censuses(clean["server"].trace, _engine_pid(clean["analysis"]))
     reasons = [c["reason"] for c in censuses]

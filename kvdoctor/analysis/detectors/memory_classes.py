@@ -20,6 +20,7 @@ from typing import Any
 
 from kvdoctor.analysis.findings import WARNING, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, theil_sen
+from kvdoctor.analysis.serving_start import ServingStart
 from kvdoctor.trace import schema
 from kvdoctor.units import HOUR_S, BoundedSeries, finite_number, format_bytes, short_title
 
@@ -60,7 +61,7 @@ CLASS_LABEL = {
 class MemoryClassGrowthDetector:
     """Collects MEMORY_CLASSES events and names, per process, each memory class that grows."""
 
-    consumes = frozenset({schema.HEADER, schema.MEMORY_CLASSES})
+    consumes = frozenset({schema.HEADER, schema.MEMORY_CLASSES, schema.PROBE_STATUS})
 
     def __init__(self, params: GrowthParams | None = None, *, max_points_per_series: int = MAX_POINTS_PER_SERIES) -> None:
         self.params = params or GrowthParams()
@@ -69,8 +70,11 @@ class MemoryClassGrowthDetector:
         self._latest: dict[int, dict[str, Any]] = {}
         self._titles: dict[int, str] = {}
         self._start_s: dict[int, float] = {}
+        self.serving = ServingStart()  # an engine's start-up lasts until it first serves
 
     def feed(self, event: schema.Event) -> None:
+        if event.name in ServingStart.consumes:
+            self.serving.feed(event)
         if event.name == schema.HEADER and event.ph == "M":
             title = event.args.get("process_title")
             if isinstance(title, str) and title:
@@ -100,6 +104,7 @@ class MemoryClassGrowthDetector:
             del self._series[key]
         for table in (self._latest, self._titles, self._start_s):
             table.pop(pid, None)
+        self.serving.forget(pid)
 
     def _origin(self, pid: int, first_s: float) -> float | None:
         origin = self._start_s.get(pid)
@@ -114,7 +119,8 @@ class MemoryClassGrowthDetector:
         params = self.params
         if series_name == PYTHON_BLOCKS:
             params = dataclasses.replace(params, min_rate_bytes_per_s=params.min_rate_bytes_per_s / ASSUMED_BYTES_PER_BLOCK)
-        return detect_growth_with(params, s.times, s.values, origin_s=self._origin(pid, s.times[0]))
+        origin = self._origin(pid, s.times[0])
+        return detect_growth_with(params, s.times, s.values, origin_s=origin, ready_s=self.serving.ready_s(pid, origin or s.times[0]))
 
     def _anon_rate(self, pid: int, grown: GrowthResult | None) -> float | None:
         """The anonymous memory's rate for context: its growth when sustained, else its slope."""

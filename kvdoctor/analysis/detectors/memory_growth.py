@@ -15,6 +15,7 @@ from typing import Any, cast
 from kvdoctor.analysis.findings import ERROR, Finding
 from kvdoctor.analysis.growth import GrowthParams, GrowthResult, detect_growth_with, time_to_oom_s
 from kvdoctor.analysis.growth_verdict import growth_evidence
+from kvdoctor.analysis.serving_start import ServingStart
 from kvdoctor.trace import schema
 from kvdoctor.trace.counter_block import CounterBlock
 from kvdoctor.units import BoundedSeries, finite_number, format_bytes, format_duration, short_title
@@ -59,7 +60,7 @@ class MemoryGrowthDetector:
     `host_memory_limit_bytes` (the caller's machine: analysis itself reads no /proc).
     """
 
-    consumes = frozenset({schema.HEADER, schema.RUN_HEADER, schema.MEMORY_COUNTER})
+    consumes = frozenset({schema.HEADER, schema.RUN_HEADER, schema.MEMORY_COUNTER, schema.PROBE_STATUS})
     counter_state_apart = False  # its headers and its samples reach it in trace order
 
     def __init__(
@@ -82,9 +83,12 @@ class MemoryGrowthDetector:
         self._gpu_total: dict[int, float] = {}
         self._last_ts_s: dict[int, float] = {}
         self._last_rss: dict[int, float] = {}
+        self.serving = ServingStart()  # an engine's start-up lasts until it first serves
 
     # -- input -----------------------------------------------------------------------------
     def feed(self, event: schema.Event) -> None:
+        if event.name in ServingStart.consumes:
+            self.serving.feed(event)
         if event.name in (schema.HEADER, schema.RUN_HEADER) and event.ph == "M":
             args = event.args
             title = args.get("process_title")
@@ -131,6 +135,7 @@ class MemoryGrowthDetector:
             self._latest.pop(key, None)
         for table in (self._titles, self._start_s, self._gpu_total, self._last_ts_s, self._last_rss):
             table.pop(pid, None)
+        self.serving.forget(pid)
 
     def feed_counter_block(self, block: CounterBlock) -> None:
         """`feed` for each line of one process's counter block, a memory class at a time: the
@@ -223,7 +228,8 @@ class MemoryGrowthDetector:
         s = self._series.get((pid, memory_class))
         if s is None or len(s) < 3:
             return None
-        return detect_growth_with(self.params, s.times, s.values, origin_s=self._origin(pid, s.times[0]))
+        origin = self._origin(pid, s.times[0])
+        return detect_growth_with(self.params, s.times, s.values, origin_s=origin, ready_s=self.serving.ready_s(pid, origin or s.times[0]))
 
     def growth_verdicts(self) -> list[dict[str, Any]]:
         """Per process and reported memory class, the evidence a growth budget is judged on
@@ -234,7 +240,9 @@ class MemoryGrowthDetector:
         for (pid, memory_class), s in sorted(self._series.items()):
             if memory_class not in REPORTED_CLASSES or not s.times:
                 continue
-            evidence = growth_evidence(self.params, s.times, s.values, origin_s=self._origin(pid, s.times[0]))
+            origin = self._origin(pid, s.times[0])
+            ready = self.serving.ready_s(pid, origin or s.times[0])
+            evidence = growth_evidence(self.params, s.times, s.values, origin_s=origin, ready_s=ready)
             if evidence is None:
                 continue
             gap = max(5.0, 3 * (s.times[-1] - s.times[0]) / max(len(s) - 1, 1))

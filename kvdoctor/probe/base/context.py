@@ -50,6 +50,7 @@ class ProbeContext(Protocol):
     states: dict[str, EngineState]
     rendezvous: Rendezvous | None
     idle_census_interval_s: float
+    serving_marked: bool
 
     @property
     def maps(self) -> dict[str, ProbeMap | None]: ...
@@ -69,6 +70,8 @@ class ProbeContext(Protocol):
     def state(self, key: str, factory: Callable[[ProbeContext], StateT]) -> StateT: ...
 
     def status(self, state: str, reason: str, **extra: Any) -> None: ...
+
+    def mark_serving(self, reason: str) -> None: ...
 
     def fixed(self, fix: str, count: int = 1, **evidence: Any) -> None: ...
 

@@ -20,6 +20,7 @@ from kvdoctor.probe.core.hooks import REGISTRY, rebind_imported, wrap_function, 
 from kvdoctor.probe.core.verify import check_signature, describe_choice, nearest_resolving_map
 from kvdoctor.probe.maps.loader import ClassHooks, ProbeMap, installed_version, known_versions, map_for
 from kvdoctor.probe.maps.releases import ci_sentence
+from kvdoctor.trace import schema
 
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
@@ -65,6 +66,11 @@ class Patcher:
         if not self.probe.emitter.header_args.get("engine"):
             self.probe.emitter.header_args["engine"] = engine
             self.probe.emitter.header_args["engine_version"] = version
+            # an engine's process: its start-up lasts until it first serves (`mark_serving`)
+            self.probe.emitter.emit(
+                schema.PROBE_STATUS,
+                {"component": schema.SERVING, "state": "starting", "reason": f"{engine} imported: starting until its first request"},
+            )
         label = f"{ENGINE_LABELS.get(engine, engine)} {version or '(version unreadable)'}"
         tested = map_for(engine, version)
         if tested is not None:

@@ -55,6 +55,7 @@ class Probe:
             header_args={"engine": "", "engine_version": "", "probe": "kvdoctor", **native.CHOICE.header()},
         )
         self.sites = CallSites()
+        self.serving_marked = False
         self._ledger_on = True
         self.off_reason = ""
         self.ledgers_off: frozenset[str] = frozenset()
@@ -152,6 +153,13 @@ class Probe:
 
     def status(self, state: str, reason: str, **extra: Any) -> None:
         self.emitter.emit(schema.PROBE_STATUS, {"component": "ledger", "state": state, "reason": reason, **extra})
+
+    def mark_serving(self, reason: str) -> None:
+        """Once, from the writer thread: the engine took its first request, the end of its start-up
+        for the memory growth tests (kvdoctor.analysis.serving_start; `patching` said it would)."""
+        if not self.serving_marked:
+            self.serving_marked = True
+            self.emitter.emit(schema.PROBE_STATUS, {"component": schema.SERVING, "state": "on", "reason": reason})
 
     def fixed(self, fix: str, count: int = 1, **evidence: Any) -> None:
         """A fix changed the host's behaviour: counted, and the first few occurrences described."""

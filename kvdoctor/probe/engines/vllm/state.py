@@ -190,6 +190,8 @@ class VllmState:
             self.census_due = True
 
     def periodic(self, probe: ProbeContext) -> None:
+        if not probe.serving_marked and (self.allocations or self.live):
+            probe.mark_serving("a request was given KV blocks")
         if not probe.ledger_is_on("blocks"):
             return
         try:
