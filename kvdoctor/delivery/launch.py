@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import kvdoctor
 from kvdoctor.collect.procfs import read_title
 from kvdoctor.collect.sampler import Sampler
+from kvdoctor.delivery import crash_boxes
 from kvdoctor.delivery.rendezvous import new_rendezvous
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.outputs import claim_output, remove_claimed
@@ -310,11 +312,25 @@ def run_command(
             sampling[0].set()
             sampling[1].join(timeout=SAMPLER_JOIN_TIMEOUT_S)
         stopped = writers_stopped(rendezvous)
+        boxes = crash_boxes.collect(rendezvous)  # what the ledgers counted, read before the directory goes
         shutil.rmtree(rendezvous, ignore_errors=True)
     code = code if code >= 0 else 128 - code
     leftovers = outlived(sampling[2] if sampling is not None else None)
     # a saved trace is judged as the live run was: the exit status, what outlived the command,
     # and the probes whose writer stopped (a trace that stops early there)
+    try:
+        recovered = crash_boxes.write_unreported(boxes, trace_path)
+    except OSError as exc:
+        recovered = []
+        failures.append(f"the violations its crash boxes held could not be written: {exc.strerror or exc}")
+    lost: defaultdict[int, list[str]] = defaultdict(list)
+    for event in recovered:
+        lost[event.pid].append(f"{event.args['count']} {event.args['kind']}")
+    for pid, counts in sorted(lost.items()):
+        print(
+            f"kvdoctor: pid {pid} ended before writing what its ledger had counted ({', '.join(counts)}); read from its crash box into the trace",
+            file=sys.stderr,
+        )
     end: dict[str, Any] = {"command_exit": code}
     if leftovers:
         end["outlived"] = leftovers

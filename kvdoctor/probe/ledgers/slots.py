@@ -4,9 +4,9 @@ Each page carries a state byte (FREE / OWNED by a request / held by the TREE), t
 that owns it, the call site that allocated it, and violation bits. Every hooked call updates it
 with a few vectorised gathers and scatters on the device the indices live on. Rules broken at a
 call set violation bits and counters; `poll()` reads those asynchronously and emits events with
-the slot ids, call site and request as evidence. A census (at idle and at exit) counts every
-page and names the orphans: pages neither free, nor in the tree, nor owned by a live request.
-A host ledger keeps each page's last transitions too (history.py: 161 bytes a page at N = 8).
+the slot ids, call site and request as evidence. A census (at idle and at exit) counts every page
+and names the orphans: pages neither free, nor in the tree, nor owned by a live request. A host
+ledger keeps each page's last transitions too (history.py: 161 bytes a page at N = 8).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvdoctor.probe import native
 from kvdoctor.probe.base.callsites import CallSites
 from kvdoctor.probe.base.settings import env_switch
 from kvdoctor.probe.base.vocabulary import FREE, KIND_BITS, KIND_SLOT, OWNED, RESERVED, TREE
+from kvdoctor.probe.ledgers import crash_box
 from kvdoctor.probe.ledgers import history as rec
 from kvdoctor.probe.ledgers.arrays import arrays_for
 from kvdoctor.probe.ledgers.requests import RequestTable
@@ -59,10 +60,9 @@ class SlotLedger:
         self.kernels: Any = None
         if not self.xp.sync_free_branching and (str(device).startswith("cuda") or env_switch("KVDOCTOR_LEDGER_KERNELS", False)):
             self.use_kernels()
-        # the flight recorder: host ledgers only (a device ledger's would be written by its kernels)
-        self.history, self.history_off = rec.for_ledger(n, self.xp, self.kernels)
-        self.calls = 0
-        self.lock = native.new_lock()
+        crash_box.adopt(self, n, device)  # under kvdoctor run: counters a crash cannot take (crash_box.py)
+        self.history, self.history_off = rec.for_ledger(n, self.xp, self.kernels)  # the flight recorder: host ledgers only
+        self.calls, self.lock = 0, native.new_lock()
         self.readback = SlotReadback(self)  # violations, counts and the census, read back from these arrays
         self.reset_all_free()
 

@@ -5,8 +5,7 @@ A census reads a whole ledger back, so it runs when the engine is idle (the last
 freed; at most one per `Probe.idle_census_interval_s`, taken before the next allocation, or from
 the writer thread once the engine has been quiet for QUIET_S), at exit, and when the launcher is
 about to kill the process (`census_at_shutdown`, see `probe/base/shutdown.py`). The allocator's own
-free list and the tree's evictable/protected sizes go into it, so a disagreement between the
-ledger and SGLang is visible in the same event. Which ledgers may name orphans: `coverage.py`.
+free list and the tree's sizes go into it: a disagreement with SGLang shows in the same event.
 """
 
 from __future__ import annotations
@@ -34,9 +33,7 @@ from kvdoctor.trace import schema
 if TYPE_CHECKING:
     from kvdoctor.probe.base.context import ProbeContext
 
-MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results remembered (to name the rows they read): few, because
-# each keeps its tensors alive, and tensors that outlive their batch leave the host's allocator colder
-# (64 cost about 4% of the ps4 loop in bench_probe; the scheduler uses a last_loc right after computing it)
+MAX_LAST_LOC_SOURCES = 8  # recent get_last_loc results kept to name their rows: few, each holds tensors (64 cost 4% in bench_probe)
 ENV_ROLLING_CENSUS_S = "KVDOCTOR_ROLLING_CENSUS_S"
 # What the native path calls on the state, by operation (context.c's keys); the request table's are its own.
 NATIVE_CONTEXT = {"census": "census_if_due", "tree_seen": "tree", "row_written": "note_row_write", "rows_released": "request_rows_freed"}
@@ -109,6 +106,7 @@ class SglangState:
             "size": size,
             "page_size": page_size,
             "device": str(device),
+            "crash_box": getattr(ledger, "crash_box_off", "") or "on",  # kvdoctor/probe/ledgers/crash_box.py
         }
         free_pages = host_free_pages(allocator)
         found: dict[str, Any] | None = None
@@ -352,6 +350,8 @@ class SglangState:
     def periodic(self, probe: ProbeContext) -> None:
         if self.ledgers and probe.ledger_is_on("slots"):
             self.judging.judge_ledgers()
+        if self.requests.live or self.requests.finished:  # marked once
+            probe.mark_serving("a request took a row of the request pool")
         calls = probe.calls
         quiet = self.requests.idle and calls == self._calls_last_round
         self.quiet_rounds = self.quiet_rounds + 1 if quiet else 0
