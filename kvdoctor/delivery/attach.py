@@ -52,8 +52,10 @@ from kvdoctor.delivery.attach_inject import (
 from kvdoctor.delivery.attach_target import target_python_version
 from kvdoctor.delivery.attach_trace import create_probe_trace, drop_unwritten_trace
 from kvdoctor.errors import KvdoctorError
+from kvdoctor.probe.base.settings import env_number
 
-GDB_TIMEOUT_S = 20.0  # how long gdb may wait for the target to reach a safe point
+GDB_TIMEOUT_S = 20.0  # how long gdb may wait for the target to reach a safe point (KVDOCTOR_ATTACH_WAIT_S)
+ENV_ATTACH_WAIT_S = "KVDOCTOR_ATTACH_WAIT_S"
 STATUS_TIMEOUT_S = 20.0  # how long the probe may take to import and start inside the target
 CAP_SYS_PTRACE = 19
 
@@ -153,7 +155,7 @@ def attach(
     fixes: Sequence[str] = (),
     *,
     attribution: bool | str = False,
-    gdb_timeout_s: float = GDB_TIMEOUT_S,
+    gdb_timeout_s: float | None = None,
     status_timeout_s: float = STATUS_TIMEOUT_S,
     force: bool = False,
     gdb_path: str | None = None,
@@ -168,6 +170,8 @@ def attach(
     """
     if not isinstance(pid, int) or pid <= 0 or not os.path.exists(f"/proc/{pid}"):
         raise KvdoctorError(f"no process with pid {pid}", "check the pid with `ps`")
+    if gdb_timeout_s is None:  # an idle server may be given longer to reach a safe point
+        gdb_timeout_s = env_number(ENV_ATTACH_WAIT_S, GDB_TIMEOUT_S, low=1.0, high=3600.0)
     if pid == os.getpid():
         raise KvdoctorError("kvdoctor cannot attach to itself", "give the pid of the server process")
     if _stopped(pid):

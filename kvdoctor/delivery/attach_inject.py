@@ -261,7 +261,8 @@ def _raise_for_gdb_output(pid: int, output: str, timeout_s: float, ptrace_reason
         raise KvdoctorError(f"cannot attach to pid {pid}: the injected code raised inside it", RUN_INSTEAD)
     if timed_out or "KVDOCTOR: at a safe point" not in output:
         raise KvdoctorError(
-            f"cannot attach to pid {pid}: it ran no Python code for {timeout_s:.0f} s (an idle interpreter never reaches a safe point)",
+            f"cannot attach to pid {pid}: it ran no Python code for {timeout_s:.0f} s (an idle interpreter never reaches a safe point; "
+            "KVDOCTOR_ATTACH_WAIT_S waits longer)",
             "retry while the server handles requests, or " + RUN_INSTEAD,
         )
     last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]

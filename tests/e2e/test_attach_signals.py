@@ -84,7 +84,9 @@ def _start_attach(pid: int, tmp_path) -> tuple[subprocess.Popen, str, str]:
     temp = tmp_path / "tmp"
     temp.mkdir()
     trace = str(tmp_path / "attached.kvtrace.json")
-    env = {**os.environ, "TMPDIR": str(temp)}
+    # gdb's wait for a safe point long past the test's own wait for its breakpoints (60 s): on a loaded
+    # machine gdb took 20 s to put them in, the default wait was over, and the signal came too late
+    env = {**os.environ, "TMPDIR": str(temp), "KVDOCTOR_ATTACH_WAIT_S": "300"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvdoctor.cli", "attach", str(pid), "--trace", trace],
         stdout=subprocess.PIPE,
