@@ -11,12 +11,10 @@ something).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from conftest import SUPPORT, sglang_env
@@ -31,7 +29,9 @@ CASES = os.path.join(SUPPORT, "crash_box_cases.py")
 def run(tmp_path, mode: str, page_size: int, fault: str, **env: str) -> tuple[subprocess.CompletedProcess, str, dict]:
     trace = str(tmp_path / f"{mode}-{fault}-{page_size}.kvtrace.json")
     environ = {k: v for k, v in sglang_env("0.5.23").items() if not k.startswith("KVDOCTOR_")}
-    environ.update(KVDOCTOR_WRITER_INTERVAL_S="600", **env)
+    temp = tmp_path / "tmp"  # the run's directory is made here: what it leaves is this run's alone
+    temp.mkdir(exist_ok=True)
+    environ.update(KVDOCTOR_WRITER_INTERVAL_S="600", TMPDIR=str(temp), **env)
     proc = subprocess.run(
         [
             sys.executable,
@@ -86,7 +86,7 @@ def test_an_abort_right_after_the_fault_still_names_it(tmp_path, page_size, faul
         assert finding["evidence"]["bad_index"] < 0 or finding["evidence"]["bad_index"] >= finding["evidence"]["valid_rows"][1]
     else:
         assert finding["evidence"]["slot_ids"], finding["evidence"]
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), "kvdoctor-run-*", "*.box.json"))  # the run's directory went
+    assert os.listdir(tmp_path / "tmp") == []  # the run's directory went, boxes and all
 
 
 def test_a_clean_exit_adds_nothing_to_what_the_writer_wrote(tmp_path):

@@ -39,18 +39,26 @@ class CallSites:
         self._alive: list[tuple[Any, Any]] = []  # the code objects whose ids key `_quick`
         self.names: list[str] = ["unknown"]
         self._lock = threading.Lock()
+        # told of each new site (a ledger's crash box writes them down: a crash may follow at once)
+        self.on_new: list[Callable[[list[str]], None]] = []
 
     def intern(self, key: tuple[Any, ...], describe: Callable[[], str]) -> int:
         found = self._ids.get(key)
         if found is not None:
             return found
         with self._lock:
-            if key not in self._ids:
-                if len(self.names) >= MAX_SITES:
-                    return 0
-                self._ids[key] = len(self.names)
-                self.names.append(describe())
-            return self._ids[key]
+            if key in self._ids:
+                return self._ids[key]
+            if len(self.names) >= MAX_SITES:
+                return 0
+            self._ids[key] = found = len(self.names)
+            self.names.append(describe())
+        for listener in self.on_new:  # rare: once a site, a few hundred bytes written
+            try:
+                listener(self.names)
+            except Exception:
+                pass
+        return found
 
     def name(self, site_id: int) -> str:
         return self.names[site_id] if 0 <= site_id < len(self.names) else "unknown"

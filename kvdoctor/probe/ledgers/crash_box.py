@@ -11,8 +11,8 @@ same stores, no extra work. On a GPU the file is in /dev/shm, registered with CU
 memory, so the ledger's kernels write it as they wrote device memory (only when a rule is broken).
 `kvdoctor run` reads what the trace lacks once the command has ended (kvdoctor.delivery.crash_boxes).
 
-A sidecar JSON beside it names the pid, the ledger, the layout and the call sites (rewritten by the
-writer thread when new sites appear); each violation handed to the emitter is kept there too, with
+A sidecar JSON beside it names the pid, the ledger, the layout and the call sites (rewritten when a
+new site is interned: once a site, a few hundred bytes); each violation handed to the emitter is kept there too, with
 its evidence, as the emitter's buffer is lost with the process. Memory: 8 bytes a page plus 160, e.g. 8 MiB for a million pages.
 """
 
@@ -172,6 +172,8 @@ def _adopt(ledger: Any, n: int, device: Any) -> str:
         return f"no crash box: {type(exc).__name__}: {exc}"
     ledger.crash_box = box
     ledger.emit = box.noting(ledger.emit)
+    box.write_sites(ledger.sites.names)
+    ledger.sites.on_new.append(box.write_sites)  # a site interned at the call that broke a rule, named even so
     return ""
 
 

@@ -6,13 +6,14 @@ line; `--cpu` runs the same on a host ledger.
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 
 def main() -> None:
     cpu = "--cpu" in sys.argv
-    run_dir = tempfile.mkdtemp(prefix="kvdoctor-run-check-")
+    run_dir = tempfile.mkdtemp(prefix="kvdoctor-crash-box-check-")
     os.environ["KVDOCTOR_RENDEZVOUS"] = run_dir
     import torch
 
@@ -43,8 +44,6 @@ def main() -> None:
     if not cpu:
         torch.cuda.synchronize()
     own = [int(v) for v in ledger.xp.to_host(ledger.counters)]
-    if ledger.crash_box is not None:
-        ledger.crash_box.write_sites(sites.names)
     boxes = crash_boxes.collect(run_dir)
     box = boxes[0] if boxes else None
     out["ledger_counters"] = own
@@ -53,6 +52,7 @@ def main() -> None:
     out["recovered"] = [{k: e.args.get(k) for k in ("kind", "count", "site", "bad_index", "slot_ids")} for e in recovered]
     out["emitted_here"] = len(events)
     print(json.dumps(out), flush=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
