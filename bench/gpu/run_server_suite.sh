@@ -27,6 +27,6 @@ SUITE_COPY_TO="$OUT" timeout ${SUITE_TIMEOUT:-540} python3 bench/gpu/server_suit
 rc=$?
 echo "suite rc=$rc after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/build.log"
 cp $W/summary.json $W/summary.md $W/suite.log "$OUT/" 2>/dev/null
-(cd $W && tar czf "$OUT/traces.tar.gz" --exclude='*.tmp' */*.kvtrace.json */replay.json */fault.json */bench.jsonl */server.log */threads-*.json */memcheck-*.log 2>/dev/null)
+(cd $W && tar czf "$OUT/traces.tar.gz" --exclude='*.tmp' */*.kvtrace.json */replay.json */fault*.json */bench.jsonl */server.log */threads-*.json */memcheck-*.log 2>/dev/null)
 ls -la "$OUT"
 exit $rc

@@ -189,6 +189,19 @@ def _patch_base(module):
     _patch_free_group_end(module.BaseTokenToKVPoolAllocator)
 
 
+def _count_call(offset, last_loc):
+    """Every alloc_decode this wrapper saw, and why it did not count (beside the fault's file, as
+    `-seen.json`, every 16 calls): where a planted fault never fired, this says how far it got."""
+    if not _OUT:
+        return
+    with _lock:
+        key = "calls" if offset > 0 and int(last_loc[0]) >= 0 else ("page_start" if offset == 0 else "no_prefix")
+        _seen[key] = _seen.get(key, 0) + 1
+        if sum(v for k, v in _seen.items() if k in ("calls", "page_start", "no_prefix")) % 16 == 1:
+            with open(_OUT[: -len(".json")] + "-seen.json" if _OUT.endswith(".json") else _OUT + ".seen", "w") as fh:
+                json.dump(_seen, fh)
+
+
 def _patch_paged(module):
     cls = module.PagedTokenToKVPoolAllocator
     if _FAULTS & {"leak", "double-free"}:
@@ -203,6 +216,7 @@ def _patch_paged(module):
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
         ps = self.page_size
         offset = int(seq_lens_cpu[0] - 1) % ps if len(seq_lens_cpu) else 0
+        _count_call(offset, last_loc)
         if offset > 0 and int(last_loc[0]) >= 0:  # the first request continues its last page
             with _lock:
                 _seen["alloc_decode"] = n = _seen.get("alloc_decode", 0) + 1
