@@ -21,7 +21,8 @@ warnings.filterwarnings("ignore")
 # Events whose content is decided on the scheduler's thread (the writer thread's timing differs
 # between runs: its counters and rolling censuses are not compared).
 COMPARED = {"violation", "census", "probe_status", "fix_applied"}
-WRITER_THREAD_COMPONENTS = {"memory_classes"}  # statuses said from the writer thread, whenever it runs
+# statuses said from the writer thread, whenever it runs (the serving mark: the first round after a request)
+WRITER_THREAD_COMPONENTS = {"memory_classes", "serving"}
 
 
 def ledger_digest(ledger, site_names):
