@@ -33,7 +33,10 @@ def main() -> int:
                 d = os.path.dirname(trace)
                 fault = os.path.join(d, "fault.json")
                 server = types.SimpleNamespace(
-                    trace=trace, workdir=d, fault=lambda f=fault: json.load(open(f)) if os.path.exists(f) else None
+                    trace=trace,
+                    workdir=d,
+                    log_path=os.path.join(d, "server.log"),
+                    fault=lambda f=fault: json.load(open(f)) if os.path.exists(f) else None,
                 )
                 result = {k: v for k, v in result.items() if k not in ("verdict", "why")}
                 server_suite.judge(case, result, server)
