@@ -43,8 +43,9 @@ def main():
     out = {"triton": triton.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     # the torch path, the kernels through Triton's launcher, the kernels launched compiled: each
     # kernel ledger against the torch one, op for op, including unaligned index views
+    seeds = 0  # over the three launch paths: 20 each
     for launch in ("triton", "compiled", "direct"):
-        mismatches, seeds = 0, 0
+        mismatches = 0
         fast = driven = 0
         for seed in range(20):
             rng = random.Random(seed)
