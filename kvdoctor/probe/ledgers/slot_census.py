@@ -68,9 +68,6 @@ class SlotReadback:
 
     def poll(self, force: bool = False) -> None:
         """Harvests violations without blocking: starts an async read, finishes it next time."""
-        box = getattr(self.ledger, "crash_box", None)
-        if box is not None:  # the sites a crash box's reader names (kvdoctor/probe/ledgers/crash_box.py)
-            box.write_sites(self.ledger.sites.names)
         with self.ledger.lock:
             if self._pending is None:
                 self._pending = self.ledger.xp.snapshot([self.ledger.counters, self.ledger.oor_value])
