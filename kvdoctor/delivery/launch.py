@@ -140,17 +140,20 @@ def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
             pass
 
 
-def probe_path_lost(pid: int) -> str:
+def probe_path_lost(pid: int) -> str | None:
     """What a Python process of the command lacks of what `run` gave it to load the probe
     ("PYTHONPATH" or "environment"), as the environment it was started with shows; '' when
-    nothing, or when it is no Python interpreter."""
+    nothing; None when that cannot be read now (the process is gone or a zombie, whose exe and
+    environment are closed) or it is no Python interpreter."""
     try:
         if not os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python"):
-            return ""
+            return None
         with open(f"/proc/{pid}/environ", "rb") as fh:
             raw = fh.read(1 << 20)
     except OSError:
-        return ""
+        return None
+    if not raw:  # a zombie's (or an exec's half-built) environment reads empty
+        return None
     env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     if b"KVDOCTOR_TRACE" not in env:
         return "environment"
@@ -160,13 +163,16 @@ def probe_path_lost(pid: int) -> str:
 
 class ProbePathCheck:
     """The command's Python processes whose PYTHONPATH (or whole environment) lost what `run` set,
-    checked as the sampler first sees each and again after an exec: {pid: {pid, title, lost}}."""
+    checked as the sampler first sees each and again after an exec: {pid: {pid, title, lost}}.
+    A process that can no longer be read (its exit changes its title too) keeps what was found."""
 
     def __init__(self) -> None:
         self.lost: dict[int, dict[str, Any]] = {}
 
     def __call__(self, pid: int) -> None:
         lost = probe_path_lost(pid)
+        if lost is None:
+            return
         if not lost:
             self.lost.pop(pid, None)
         elif pid in self.lost or len(self.lost) < MAX_PATH_LOST:
