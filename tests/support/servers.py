@@ -106,6 +106,14 @@ class ServerRun:
         except OSError:
             return None
 
+    def fault_seen(self) -> dict[str, Any]:
+        """The fault door's counts of the calls it saw (`-seen.json`): why a fault did not fire."""
+        try:
+            with open(self.fault_out[: -len(".json")] + "-seen.json") as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return {}
+
 
 def kvdoctor_json(*args: str, timeout_s: float = 300.0) -> tuple[int, dict[str, Any]]:
     """A kvdoctor command with JSON on stdout: its exit code and the parsed output."""

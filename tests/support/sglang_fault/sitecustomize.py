@@ -189,6 +189,21 @@ def _patch_base(module):
     _patch_free_group_end(module.BaseTokenToKVPoolAllocator)
 
 
+def _count(key):
+    """One call a wrapper saw, by kind, written beside the fault's file (`-seen.json`): where a
+    planted fault never fired, this says what the host called instead."""
+    if not _OUT:
+        return
+    with _lock:
+        _seen[key] = _seen.get(key, 0) + 1
+        _write_seen()
+
+
+def _write_seen():
+    with open(_OUT[: -len(".json")] + "-seen.json" if _OUT.endswith(".json") else _OUT + ".seen", "w") as fh:
+        json.dump(_seen, fh)
+
+
 def _count_call(offset, last_loc):
     """Every alloc_decode this wrapper saw, and why it did not count (beside the fault's file, as
     `-seen.json`, every 16 calls): where a planted fault never fired, this says how far it got."""
@@ -198,8 +213,7 @@ def _count_call(offset, last_loc):
         key = "calls" if offset > 0 and int(last_loc[0]) >= 0 else ("page_start" if offset == 0 else "no_prefix")
         _seen[key] = _seen.get(key, 0) + 1
         if sum(v for k, v in _seen.items() if k in ("calls", "page_start", "no_prefix")) % 16 == 1:
-            with open(_OUT[: -len(".json")] + "-seen.json" if _OUT.endswith(".json") else _OUT + ".seen", "w") as fh:
-                json.dump(_seen, fh)
+            _write_seen()
 
 
 def _patch_paged(module):
@@ -264,7 +278,9 @@ def _patch_swa(module):
     original = cls.free_swa_segment
 
     def free_swa_segment(self, free_index, *, start_pos):
-        from_release = sys._getframe(1).f_code.co_name == "free_segment"  # a row's segment, not the window's slide
+        caller = sys._getframe(1).f_code.co_name
+        from_release = caller == "free_segment"  # a row's segment, not the window's slide
+        _count("free_swa_segment from " + caller + ("" if free_index.numel() else " (empty)"))
         if type(self) is not cls or not _hit("free_swa_segment", from_release and free_index.numel() > 0, _SWA_AT):
             return original(self, free_index, start_pos=start_pos)
         full = [int(s) for s in free_index.reshape(-1)]
