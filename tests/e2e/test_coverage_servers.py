@@ -6,16 +6,15 @@ finding, and the probe says which pools it judges and why not the others.
   slots of this clean server as leaked; now the composite is judged as one pool (its planted drops:
   test_swa_server.py).
 - The decode side of prefill/decode disaggregation (the fake transfer backend): the request pool is
-  `DecodeReqToTokenPool`, which the probe does not hook. Before, 16 requests of 150 tokens gave
-  a false `orphan_slots` of over a thousand slots.
+  `DecodeReqToTokenPool`. Unhooked, it made 16 requests of 150 tokens a false `orphan_slots` of over
+  a thousand slots, then a pool said not judged; now it is judged as the request pool (its planted
+  drop: test_pd_decode_server.py).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
-import urllib.request
 
 import pytest
 from conftest import SUPPORT, trace_events
@@ -64,32 +63,14 @@ def test_a_clean_sliding_window_server_is_not_accused_and_says_why(tmp_path):
     assert "orphans not judged" not in server.log_tail(20000)
 
 
-def _generate_with_bootstrap(base_url: str, number: int) -> int:
-    body = {
-        "input_ids": [5 + (number * 7 + k) % 300 for k in range(40)],
-        "sampling_params": {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True},
-        "bootstrap_host": "2.2.2.2",  # the fake transfer backend needs the fields, never the address
-        "bootstrap_port": 8998,
-        "bootstrap_room": 1000 + number,
-    }
-    request = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return len(json.loads(resp.read()).get("output_ids", []))
-
-
 def test_a_clean_pd_decode_server_is_not_accused_and_says_why(tmp_path):
-    flags = [
-        "--disaggregation-mode",
-        "decode",
-        "--disaggregation-transfer-backend",
-        "fake",
-        "--disaggregation-decode-retraction-backup",
-        "cpu_tensor",
-    ]
-    server = sglang_server.Server(str(tmp_path), flags=flags).start()
+    server = sglang_server.Server(str(tmp_path), flags=sglang_server.DECODE_FLAGS).start()
     produced: list[int] = []
     try:
-        threads = [threading.Thread(target=lambda n=n: produced.append(_generate_with_bootstrap(server.base_url, n))) for n in range(16)]
+        threads = [
+            threading.Thread(target=lambda n=n: produced.append(sglang_server.generate_with_bootstrap(server.base_url, n)))
+            for n in range(16)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -101,8 +82,13 @@ def test_a_clean_pd_decode_server_is_not_accused_and_says_why(tmp_path):
     rc, report = sglang_server.replay(server.trace)
     assert rc == 0 and _errors(report) == [], _errors(report)[:3]
     coverage = _coverage(server.trace)
-    assert coverage["state"] == "partial" and coverage["engine_pools"]["req_to_token_pool"] == "DecodeReqToTokenPool", coverage
-    assert any("DecodeReqToTokenPool is not hooked" in text for text in coverage["ledgers"].values()), coverage["ledgers"]
+    assert coverage["state"] == "on" and coverage["engine_pools"]["req_to_token_pool"] == "DecodeReqToTokenPool", coverage
+    assert set(coverage["ledgers"].values()) == {"judged"}, coverage["ledgers"]
+    # every idle or exit census held its books to SGLang's own (free + tree = the pool) and found no orphan
+    censuses = [e["args"] for e in trace_events(server.trace, "census") if e["args"].get("idle") or e["args"].get("reason") == "shutdown"]
+    assert censuses and all(c.get("judged", True) and c["ledger_disagrees_slots"] == 0 and c["orphan_slots"] == 0 for c in censuses), (
+        censuses[-1:]
+    )
     # the PD decode transfer ledger followed every transfer to Success (warmup and health checks too) and named nothing
     (last,) = trace_events(server.trace, "pd_transfers")[-1:]
     counts = last["args"]

@@ -266,3 +266,30 @@ class Server(servers.ServerRun):
 
 
 replay = servers.replay
+
+
+# The decode side of prefill/decode disaggregation on CPU: the fake transfer backend, and a host
+# backup for retractions (the default host pool calls cudaHostRegister).
+DECODE_FLAGS = [
+    "--disaggregation-mode",
+    "decode",
+    "--disaggregation-transfer-backend",
+    "fake",
+    "--disaggregation-decode-retraction-backup",
+    "cpu_tensor",
+]
+
+
+def generate_with_bootstrap(base_url: str, number: int, new_tokens: int = 150) -> int:
+    """One request to a decode server (40 prompt tokens, `number` varies them): the fake backend
+    needs the bootstrap fields, never the address. The number of tokens it produced."""
+    body = {
+        "input_ids": [5 + (number * 7 + k) % 300 for k in range(40)],
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
+        "bootstrap_host": "2.2.2.2",
+        "bootstrap_port": 8998,
+        "bootstrap_room": 1000 + number,
+    }
+    request = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return len(json.loads(resp.read()).get("output_ids", []))

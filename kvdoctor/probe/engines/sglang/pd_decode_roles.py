@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
 from kvdoctor.probe.engines.sglang.pd_decode import LEDGER, PdDecodeLedger, request_row
+from kvdoctor.probe.engines.sglang.requests import ReqFreeRole
 
 if TYPE_CHECKING:
     from kvdoctor.probe.base.context import ProbeContext
@@ -103,6 +104,22 @@ class RowFreeRole(Role):
         return None
 
 
+class RowAndRequestFreeRole(ReqFreeRole):
+    """`DecodeReqToTokenPool.free(req)` where the map judges the decode server's request pool: the
+    slot ledger's release of the row (`ReqFreeRole`) and this ledger's (`RowFreeRole`), in one hook
+    (a method is hooked once). Each part runs while its own ledger is on. The transfer ledger's
+    part is Python, so this role has no native fast path: one call per finished request."""
+
+    fast_kind = ""
+    wants_site = True
+    row = RowFreeRole()
+
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        if LEDGER not in probe.ledgers_off:
+            self.row.before(probe, hook, obj, args, kwargs, site)
+        return super().before(probe, hook, obj, args, kwargs, site)
+
+
 ROLES: dict[str, Role] = {
     "pd_transfer_enter": TransferEnterRole(),
     "pd_transfer_add": TransferAddRole(),
@@ -110,4 +127,5 @@ ROLES: dict[str, Role] = {
     "pd_transfer_abort": TransferAbortRole(),
     "pd_transfer_drain": TransferDrainRole(),
     "pd_row_free": RowFreeRole(),
+    "pd_req_free": RowAndRequestFreeRole(),
 }
