@@ -210,7 +210,10 @@ def replay(
 @_guarded
 def demo(
     fault: str = typer.Option(
-        "leak", "--fault", metavar="FAULT", help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc"
+        "leak",
+        "--fault",
+        metavar="FAULT",
+        help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc, tree-unseen, row-leak",
     ),
     page_size: int | None = typer.Option(
         None, "--page-size", metavar="N", help="KV page size (default 1; 4 for stale-last-loc and relocate)"

@@ -173,10 +173,10 @@ def sglang_env(version: str) -> dict:
     return env
 
 
-def run_cases(version: str, cases: list) -> list:
+def run_cases(version: str, cases: list, **env: str) -> list:
     proc = subprocess.run(
         [sys.executable, os.path.join(SUPPORT, "workload_cases.py"), json.dumps(cases)],
-        env=sglang_env(version),
+        env={**sglang_env(version), **env},
         capture_output=True,
         text=True,
         timeout=600,

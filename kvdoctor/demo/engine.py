@@ -82,6 +82,7 @@ class Engine:
         self.radix_key = getattr(radix_cache, "RadixKey", None)  # 0.5.3 on; a plain token list before
         self.layout = "0.5.23" if importlib.util.find_spec("sglang.srt.mem_cache.allocation") else "0.5.9"
         self.req_pool = ReqToTokenPool(size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+        self.rows_free_at_start = len(self.req_pool.free_slots)
         # before 0.5.9 the pool hands out rows by count and frees them by index
         self.rows_by_count = list(inspect.signature(ReqToTokenPool.alloc).parameters)[1:2] == ["need_size"]
         token_cls, paged_cls = _allocator_classes()
@@ -229,4 +230,5 @@ class Engine:
             "protected": protected,
             "total": total,
             "diff": total - (available + evictable + protected),
+            "rows_diff": self.rows_free_at_start - len(self.req_pool.free_slots),  # its request pool check
         }

@@ -18,7 +18,7 @@ from kvdoctor.demo.engine import Engine, Request
 
 __all__ = ["FAULTS", "Engine", "Request", "WorkloadConfig", "WorkloadResult", "run_workload"]
 
-FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc", "tree-unseen")
+FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc", "tree-unseen", "row-leak")
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ class WorkloadResult:
     requests: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
-    planted: dict[str, int] = dataclasses.field(default_factory=dict)
+    planted: dict[str, int | str] = dataclasses.field(default_factory=dict)  # counts, by finding kind (and a left row's rid)
     sglang_check: dict[str, int] = dataclasses.field(default_factory=dict)
     outputs_digest: int = 0
 
@@ -221,4 +221,11 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
             engine.allocator.free(victim_slots)
             result.planted["double_alloc_candidates"] = int(victim_slots.numel())
     engine.unlock(item.lock)
+    if fault == "row-leak":
+        # Its slots go back as a finished request's do, its row never: the request pool has one
+        # row fewer ("req_to_token_pool memory leak detected!" in SGLang's idle check).
+        result.planted["request_rows_leaked"] = 1
+        result.planted["row"] = int(item.req.kv.req_pool_idx or 0)
+        result.planted["rid"] = item.req.rid
+        return
     engine.release_row(item.req)

@@ -25,6 +25,7 @@ EXPECTED_KIND = {
     "relocate": schema.STALE_LAST_LOC,
     "index-out-of-range": schema.INDEX_OUT_OF_RANGE,
     "double-alloc": schema.DOUBLE_ALLOC,
+    "row-leak": schema.REQUEST_ROWS_LEAKED,
 }
 # SGLang passes last_loc only to the paged allocator, so these faults need pages of several slots.
 PAGED_FAULTS = ("stale-last-loc", "relocate")

@@ -91,6 +91,7 @@ PD_TRANSFER_STUCK = "pd_transfer_stuck"  # a PD decode transfer in WaitingForInp
 METADATA_DOUBLE_FREE = "metadata_double_free"  # a PD metadata buffer row index freed while already free
 METADATA_INDEX_OUT_OF_RANGE = "metadata_index_out_of_range"  # a PD metadata buffer row index freed outside the pool
 METADATA_ROWS_LEAKED = "metadata_rows_leaked"  # PD metadata buffer rows held by no live request
+REQUEST_ROWS_LEAKED = "request_rows_leaked"  # request pool rows whose request is gone, no free of them seen
 
 # A slot ledger's flight recorder (kvdoctor/probe/ledgers/history.py): a violation or census naming
 # pages carries, under SLOT_HISTORY, a list of {page, first_slot, page_size, entries}, each entry
@@ -148,6 +149,7 @@ FINDING_KINDS = (
     METADATA_DOUBLE_FREE,
     METADATA_INDEX_OUT_OF_RANGE,
     METADATA_ROWS_LEAKED,
+    REQUEST_ROWS_LEAKED,
     CONNECTOR_HELD_BLOCKS,
     MM_FEATURES_HELD,
     CONTAINER_GROWTH,

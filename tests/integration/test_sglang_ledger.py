@@ -7,7 +7,7 @@ slots it affects from the real indices, and the findings must name that number.
 import pytest
 from conftest import run_cases
 
-FAULTS_ALL_PAGES = ["none", "leak", "double-free", "index-out-of-range", "double-alloc"]
+FAULTS_ALL_PAGES = ["none", "leak", "double-free", "index-out-of-range", "double-alloc", "row-leak"]
 CASES_0523 = [[ps, f] for ps in (1, 4) for f in FAULTS_ALL_PAGES + ["tree-unseen"]] + [[4, "stale-last-loc"]]
 # 0.5.23's default tree, UnifiedRadixCache (a Rust tree core), under the same workload
 CASES_0523_UNIFIED = [
@@ -55,7 +55,7 @@ def check_case(result):
     planted = result["planted"]
     if fault == "none":
         assert errors(result) == [], result["findings"]
-        assert result["sglang_check"]["diff"] == 0
+        assert result["sglang_check"]["diff"] == 0 and result["sglang_check"]["rows_diff"] == 0
         return
     if fault == "leak":
         leaks = [f for f in result["findings"] if f["kind"] == "orphan_slots"]
@@ -85,6 +85,14 @@ def check_case(result):
         unseen = [f for f in result["findings"] if f["kind"] == "probe_partial" and "tree_unseen_slots" in f["evidence"]]
         assert [f["evidence"]["tree_unseen_slots"] for f in unseen] == [planted["tree_unseen_slots"]], result["findings"]
         assert planted["tree_unseen_slots"] > 0
+    elif fault == "row-leak":
+        # The request's slots went back, its row never: SGLang's request pool check counts one row
+        # missing; kvdoctor names that row and its request, and nothing else.
+        assert result["sglang_check"]["rows_diff"] == 1 and result["sglang_check"]["diff"] == 0
+        (named,) = [f for f in errors(result) if f["kind"] == "request_rows_leaked"]
+        assert named["count"] == 1 and named["evidence"]["slot_ids"] == [planted["row"]], named
+        assert list(named["evidence"]["requests"]) == [f"req_pool_idx {planted['row']} (rid {planted['rid']})"], named["evidence"]
+        assert [f["kind"] for f in errors(result)] == ["request_rows_leaked"]
     elif fault == "double-alloc":
         kinds = {f["kind"] for f in errors(result)}
         assert "double_alloc" in kinds
@@ -102,6 +110,13 @@ def test_sglang_0523(results_0523, case):
 def test_sglang_059(results_059, case):
     result = results_059[tuple(case)]
     assert result["version"] == "0.5.9"
+    check_case(result)
+
+
+def test_a_row_left_is_named_on_the_python_path_too():
+    """The native path keeps each row's request (a weak reference) in C; the Python path in the table's
+    own `allocated`: both name the row left behind."""
+    (result,) = run_cases("0.5.23", [[1, "row-leak"]], KVDOCTOR_NATIVE="0")
     check_case(result)
 
 

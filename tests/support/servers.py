@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import IO, Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,3 +127,13 @@ def kvdoctor_json(*args: str, timeout_s: float = 300.0) -> tuple[int, dict[str, 
 
 def replay(trace: str) -> tuple[int, dict[str, Any]]:
     return kvdoctor_json("replay", trace, "--format", "json")
+
+
+def wait_for(predicate, timeout_s: float, step_s: float = 0.5) -> bool:
+    """Polls `predicate` until it holds or `timeout_s` has passed; its last answer."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from typing import Any
 
 import servers
@@ -154,12 +153,3 @@ def watch(pid: int, trace: str, duration_s: float = 10.0) -> tuple[int, dict[str
     return servers.kvdoctor_json(
         "watch", str(pid), "--duration", str(duration_s), "--format", "json", "--trace", trace, timeout_s=duration_s + 120
     )
-
-
-def wait_for(predicate, timeout_s: float, step_s: float = 0.5) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()

@@ -20,7 +20,13 @@ def test_the_installed_pools_are_sorted_as_the_probe_treats_them():
     assert probe_map is not None
     standing = {c.name: c.standing for c in pool_classes(probe_map)}
     # the decode server's request pool is its own class, mapped as a request pool (test_pd_decode_server.py)
-    for name in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator", "ReqToTokenPool", "SWATokenToKVPoolAllocator", "DecodeReqToTokenPool"):
+    for name in (
+        "TokenToKVPoolAllocator",
+        "PagedTokenToKVPoolAllocator",
+        "ReqToTokenPool",
+        "SWATokenToKVPoolAllocator",
+        "DecodeReqToTokenPool",
+    ):
         assert standing[name] == "judged", name
     # the SWA pool's subclasses take free paths of their own, which the SWA ledger does not follow: said why
     why = {c.name: c.why for c in pool_classes(probe_map)}

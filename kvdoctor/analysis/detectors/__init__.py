@@ -28,6 +28,7 @@ from kvdoctor.analysis.detectors.pd_transfer_freed import PdTransferFreedDetecto
 from kvdoctor.analysis.detectors.pd_transfer_stuck import PdTransferStuckDetector
 from kvdoctor.analysis.detectors.probe_health import ProbeHealthDetector
 from kvdoctor.analysis.detectors.refcount_disagrees import RefcountDisagreesDetector
+from kvdoctor.analysis.detectors.request_rows import RequestRowsLeakedDetector
 from kvdoctor.analysis.detectors.retained_view import RetainedViewDetector
 from kvdoctor.analysis.detectors.stale_last_loc import StaleLastLocDetector
 from kvdoctor.analysis.detectors.swa_freed_live import SwaFreedLiveDetector
@@ -58,6 +59,7 @@ def all_detectors(*, growth_params: GrowthParams | None = None, host_memory_limi
         MetadataDoubleFreeDetector(),
         MetadataIndexOutOfRangeDetector(),
         MetadataRowsLeakedDetector(),
+        RequestRowsLeakedDetector(),
         OrphanSlotsDetector(),
         ConnectorHeldDetector(),
         MmFeaturesHeldDetector(),

@@ -7,7 +7,10 @@ The slot ledger names a slot's owner by its row; this table turns a row into "ri
 from __future__ import annotations
 
 import threading
+import weakref
+from typing import Any
 
+from kvdoctor.probe.base.context import resolve
 from kvdoctor.trace import schema
 
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
@@ -41,20 +44,33 @@ class RequestTable:
         "rows_live": "live",
         "rows_finished": "finished",
         "rows_kept": "max_finished",
+        "rows_holders": "holders",
     }
 
     def __init__(self) -> None:
         self.live: dict[int, str] = {}
         self.finished: dict[int, str] = {}
+        # live row -> a weak reference to the request that took it (not for rows taken by count, or
+        # held when the probe came): a row whose request is gone, its free never seen, is left
+        self.holders: dict[int, weakref.ref[Any]] = {}
         self._lock = threading.Lock()
 
-    def allocated(self, index: int, rid: str) -> None:
+    def allocated(self, index: int, rid: str, holder: Any = None) -> None:
+        try:
+            ref = weakref.ref(holder) if holder is not None else None
+        except TypeError:  # a type without weak references: its row is not judged
+            ref = None
         with self._lock:
             self.live[index] = rid
             self.finished.pop(index, None)
+            if ref is not None:
+                self.holders[index] = ref
+            else:
+                self.holders.pop(index, None)
 
     def freed(self, index: int) -> None:
         with self._lock:
+            self.holders.pop(index, None)
             rid = self.live.pop(index, None)
             if rid is not None:
                 self.finished[index] = rid
@@ -64,6 +80,26 @@ class RequestTable:
     def cleared(self) -> None:
         for index in list(self.live):
             self.freed(index)
+
+    def left_rows(self, index_attr: str) -> dict[int, tuple[str, str]]:
+        """Live rows whose request is gone, or no longer names the row, though no free of the row
+        was seen: {row: (rid, why)}. Rows without a holder are not judged. Reads the holders'
+        attributes only (the writer thread calls it: a release in progress names no row for a
+        moment, so a caller asks twice, a round apart)."""
+        with self._lock:
+            rows = [(index, rid, self.holders.get(index)) for index, rid in self.live.items()]
+        out: dict[int, tuple[str, str]] = {}
+        for index, rid, ref in rows:
+            holder = ref() if ref is not None else None
+            if ref is None:
+                continue
+            if holder is None:
+                out[index] = (rid, "its request object is gone")
+                continue
+            named = resolve(holder, index_attr)
+            if named != index:
+                out[index] = (rid, f"its request names {'no row' if named is None else f'row {named}'} now")
+        return out
 
     def live_rows(self) -> list[int]:
         with self._lock:

@@ -13,6 +13,9 @@ KVDOCTOR_TEST_FAULT_OUT (a leak may be planted twice: "N,+M" also skips the Mth 
   (`SWATokenToKVPoolAllocator.free_segment`'s `free_swa_segment`) is skipped, its full side freed:
   its SWA slots stay allocated, still mapped from the freed full slots (KVDOCTOR_TEST_FAULT_SWA_AT,
   if set, picks the call instead of KVDOCTOR_TEST_FAULT_AT);
+- `row-leak`: the Nth request pool `free(req)` (`ReqToTokenPool`'s, or a decode server's
+  `DecodeReqToTokenPool`'s) is skipped: the request's slots went back, its row never
+  (KVDOCTOR_TEST_FAULT_ROW_AT, if set, picks the call instead of KVDOCTOR_TEST_FAULT_AT);
 - `stale-last-loc`: the Nth `alloc_decode` whose first request continues a page gets, as that
   request's `last_loc`, a slot in a free page;
 - `index-out-of-range`: the same, with -5 (only -1, "no prefix", is legal below 0). With
@@ -32,6 +35,7 @@ With KVDOCTOR_TEST_ATTACH_PARAMS set, SIGUSR2 runs the code `kvdoctor attach` in
 what cannot run here), reading its parameters from that file.
 """
 
+import functools
 import importlib.abc
 import json
 import os
@@ -46,6 +50,7 @@ _AT_SPEC = [a for a in os.environ.get("KVDOCTOR_TEST_FAULT_AT", "0").split(",") 
 _AT = int(_AT_SPEC[0] or 0) if _AT_SPEC else 0
 _AT_AFTER_ATTACH = int(_AT_SPEC[1].lstrip("+")) if len(_AT_SPEC) > 1 else 0
 _SWA_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_SWA_AT", "0") or 0) or _AT
+_ROW_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_ROW_AT", "0") or 0) or _AT
 _OOR_PAST_END = os.environ.get("KVDOCTOR_TEST_FAULT_OOR") == "past-end"
 _attached = threading.Event()
 _OUT = os.environ.get("KVDOCTOR_TEST_FAULT_OUT", "")
@@ -54,6 +59,8 @@ _MODULES = {
     "sglang.srt.mem_cache.allocator.base": ("leak", "double-free"),
     "sglang.srt.mem_cache.allocator.paged": ("leak", "double-free", "stale-last-loc", "index-out-of-range"),
     "sglang.srt.mem_cache.allocator.swa": ("swa-leak",),
+    "sglang.srt.mem_cache.memory_pool": ("row-leak",),
+    "sglang.srt.disaggregation.decode": ("row-leak",),
 }
 _lock = threading.Lock()
 _seen = {}
@@ -291,10 +298,26 @@ def _patch_swa(module):
     cls.free_swa_segment = free_swa_segment
 
 
+def _patch_row_free(cls):
+    original = cls.free
+
+    @functools.wraps(original)  # the release path not calling it, as the probe's coverage sees it: the hook stays in place
+    def free(self, req):
+        row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+        if type(self) is not cls or not _hit("row_free", isinstance(row, int), _ROW_AT):
+            return original(self, req)
+        _record("row-leak", {"slot_ids": [row], "count": 1, "rid": str(getattr(req, "rid", ""))})
+        return None
+
+    cls.free = free
+
+
 _PATCHES = {
     "sglang.srt.mem_cache.allocator.base": _patch_base,
     "sglang.srt.mem_cache.allocator.paged": _patch_paged,
     "sglang.srt.mem_cache.allocator.swa": _patch_swa,
+    "sglang.srt.mem_cache.memory_pool": lambda module: _patch_row_free(module.ReqToTokenPool),
+    "sglang.srt.disaggregation.decode": lambda module: _patch_row_free(module.DecodeReqToTokenPool),
 }
 
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from kvdoctor.probe.base import objects
 from kvdoctor.probe.base.context import resolve
+from kvdoctor.probe.base.emitter import say
 from kvdoctor.probe.base.vocabulary import FREE, OWNED, RESERVED, TREE
 from kvdoctor.probe.engines.sglang import coverage
 from kvdoctor.probe.ledgers.requests import BEFORE_ATTACH, UNPROVEN
@@ -363,3 +364,16 @@ def host_free_pages(allocator: Any) -> Any:
         return pages.detach().cpu().numpy()
     except Exception:
         return None
+
+
+def say_unproven(probe: Any, name: str, found: dict[str, Any]) -> None:
+    """An adoption whose books did not add up: said once, with the numbers, as a partial probe."""
+    books = found["books"]
+    reason = (
+        f"the state of {name} adopted at attach is unproven: {books['unproven_because']}; the {found['unproven_slots']} "
+        "slots held then by no holder kvdoctor found are not judged, and from now on only what the probe sees happen is"
+    )
+    probe.emitter.emit(
+        schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": name, "reason": reason, "books": books}
+    )
+    say(reason)

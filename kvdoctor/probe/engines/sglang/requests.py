@@ -34,7 +34,7 @@ class ReqAllocRole(RequestPoolRole):
         reqs = reqs if isinstance(reqs, (list, tuple)) else [None] * len(result)
         requests = sglang_state(probe).requests
         for req, index in zip(reqs, result, strict=False):
-            requests.allocated(int(index), str(getattr(req, "rid", "?")))
+            requests.allocated(int(index), str(getattr(req, "rid", "?")), req)
 
 
 class ReqAllocCountRole(RequestPoolRole):

@@ -17,12 +17,12 @@ import numpy as np
 
 from kvdoctor.probe import native
 from kvdoctor.probe.base.context import positive_ints
-from kvdoctor.probe.base.emitter import say
 from kvdoctor.probe.base.rank import ledger_name
 from kvdoctor.probe.base.settings import env_positive
 from kvdoctor.probe.engines.sglang import coverage, swa_sides
-from kvdoctor.probe.engines.sglang.adopt import adopt, host_free_pages, needs_adoption
+from kvdoctor.probe.engines.sglang.adopt import adopt, host_free_pages, needs_adoption, say_unproven
 from kvdoctor.probe.engines.sglang.judging import CoverageJudge
+from kvdoctor.probe.engines.sglang.left_rows import LeftRows
 from kvdoctor.probe.engines.sglang.release_paths import ReleasePaths
 from kvdoctor.probe.ledgers.busy import ROLLING_CENSUS_INTERVAL_S, RollingCensus
 from kvdoctor.probe.ledgers.launch import register_device_ledger
@@ -65,6 +65,7 @@ class SglangState:
         self.judging = CoverageJudge(self)
         self._calls_last_round = -1
         self.quiet_rounds = 0  # writer rounds in a row with no live request and no hooked call
+        self.left_rows = LeftRows()  # live rows whose request is gone, their free never seen
         native.set_context(self, self.requests, self.last_loc_sources, {**NATIVE_CONTEXT, **self.requests.native_names})
 
     @property
@@ -131,7 +132,7 @@ class SglangState:
                 status["reason"] = f"ledger for {name}, adopted in use: {read}; {found['unproven_slots']} held then are not judged"
         probe.emitter.emit(schema.PROBE_STATUS, status)
         if found is not None and not found["verified"]:
-            self._say_unproven(name, found)
+            say_unproven(probe, name, found)
         self.judging.dirty = True
         view = coverage.engine_view(allocator)
         if view is not None:
@@ -146,18 +147,6 @@ class SglangState:
         if registered and self.primary is ledger:
             native.set_primary(allocator)
         return ledger
-
-    def _say_unproven(self, name: str, found: dict[str, Any]) -> None:
-        """An adoption whose books did not add up: said once, with the numbers, as a partial probe."""
-        books = found["books"]
-        reason = (
-            f"the state of {name} adopted at attach is unproven: {books['unproven_because']}; the {found['unproven_slots']} "
-            "slots held then by no holder kvdoctor found are not judged, and from now on only what the probe sees happen is"
-        )
-        self.probe.emitter.emit(
-            schema.PROBE_STATUS, {"component": "adoption", "state": "partial", "allocator": name, "reason": reason, "books": books}
-        )
-        say(reason)
 
     def tree_ledger(self, tree: Any) -> SlotLedger | None:
         """The ledger of the allocator a radix tree frees into (None if the tree names none)."""
@@ -357,6 +346,7 @@ class SglangState:
         self.quiet_rounds = self.quiet_rounds + 1 if quiet else 0
         self._calls_last_round = calls
         if probe.ledger_is_on("slots"):
+            self.left_rows.tick(self)
             self.quiet_census_if_due()
         for ledger in list(self.ledgers.values()):
             if not probe.ledger_is_on("slots"):
@@ -380,6 +370,7 @@ class SglangState:
 
     def close(self, probe: ProbeContext, reason: str) -> None:
         if self.ledgers and probe.ledger_is_on("slots"):
+            self.left_rows.at_exit(self)
             self.census_all(reason)
             for ledger in self.ledgers.values():
                 probe.emitter.counter(schema.LEDGER_COUNTER, ledger.counter_args())

@@ -16,9 +16,11 @@ static const char *const CONTEXT_KEYS[C_NAMES] = {
     [C_ROWS_LIVE] = "rows_live",
     [C_ROWS_FINISHED] = "rows_finished",
     [C_ROWS_KEPT] = "rows_kept",
+    [C_ROWS_HOLDERS] = "rows_holders",
 };
 
 static void context_clear(void);
+static int holder_drop(PyObject *row);
 
 static int
 call_state(int what, PyObject *const *args, size_t nargs)
@@ -66,23 +68,55 @@ context_rows_released(void)
     return call_state(C_ROWS_RELEASED, NULL, 0);
 }
 
-/* The table's row_allocated and row_freed, done on its two dicts where it has them, else through
+/* The row's holder, as the table keeps it: a weak reference to the request (none for an object that
+ * takes none, or no request passed). Its creation runs no Python code for a plain Python object. */
+static int
+holder_set(PyObject *row, PyObject *holder)
+{
+    PyObject *ref = holder != NULL && holder != Py_None ? PyWeakref_NewRef(holder, NULL) : NULL;
+    if (ref == NULL) {
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError))
+                return -1;
+            PyErr_Clear(); /* a type without weak references: its row is not judged */
+        }
+        return holder_drop(row);
+    }
+    int rc = PyDict_SetItem(H.rows_holders, row, ref);
+    Py_DECREF(ref);
+    return rc;
+}
+
+static int
+holder_drop(PyObject *row)
+{
+    if (PyDict_DelItem(H.rows_holders, row) == 0)
+        return 0;
+    if (!PyErr_ExceptionMatches(PyExc_KeyError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* The table's row_allocated and row_freed, done on its three dicts where it has them, else through
  * its methods. Its lock orders its changes against the writer thread's reads; here the GIL is held
  * from the first change to the last and nothing between them runs Python code (the keys are ints,
  * the values strings), which gives those reads the same. */
 int
-context_row_allocated(PyObject *row, PyObject *id)
+context_row_allocated(PyObject *row, PyObject *id, PyObject *holder)
 {
     if (H.rows_live == NULL) {
-        PyObject *a[3] = {H.requests, row, id};
-        PyObject *r = PyObject_VectorcallMethod(H.names[C_ROW_ALLOCATED], a, 3, NULL);
+        PyObject *a[4] = {H.requests, row, id, holder != NULL ? holder : Py_None};
+        PyObject *r = PyObject_VectorcallMethod(H.names[C_ROW_ALLOCATED], a, 4, NULL);
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
     }
     if (PyDict_SetItem(H.rows_live, row, id) < 0)
         return -1;
     int finished = PyDict_Contains(H.rows_finished, row);
-    return finished < 0 ? -1 : finished ? PyDict_DelItem(H.rows_finished, row) : 0;
+    if (finished < 0 || (finished && PyDict_DelItem(H.rows_finished, row) < 0))
+        return -1;
+    return holder_set(row, holder);
 }
 
 int
@@ -97,6 +131,8 @@ context_row_freed(PyObject *row)
     PyObject *id = PyDict_GetItemWithError(H.rows_live, row);
     if (id == NULL)
         return PyErr_Occurred() ? -1 : 0;
+    if (holder_drop(row) < 0)
+        return -1;
     Py_INCREF(id);
     int rc = PyDict_DelItem(H.rows_live, row);
     if (rc == 0)
@@ -166,16 +202,20 @@ m_set_context(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
     H.sources = Py_NewRef(sources);
     PyObject *live = PyObject_GetAttr(requests, H.names[C_ROWS_LIVE]);
     PyObject *finished = live == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_FINISHED]);
-    PyObject *kept = finished == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_KEPT]);
+    PyObject *holders = finished == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_HOLDERS]);
+    PyObject *kept = holders == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_KEPT]);
     Py_ssize_t rows_kept = kept == NULL ? -1 : PyLong_AsSsize_t(kept);
-    if (live != NULL && finished != NULL && PyDict_CheckExact(live) && PyDict_CheckExact(finished) && rows_kept >= 0) {
+    if (live != NULL && finished != NULL && holders != NULL && PyDict_CheckExact(live) && PyDict_CheckExact(finished) &&
+        PyDict_CheckExact(holders) && rows_kept >= 0) {
         H.rows_live = Py_NewRef(live); /* else its methods are called */
         H.rows_finished = Py_NewRef(finished);
+        H.rows_holders = Py_NewRef(holders);
         H.rows_kept = rows_kept;
     }
     PyErr_Clear();
     Py_XDECREF(live);
     Py_XDECREF(finished);
+    Py_XDECREF(holders);
     Py_XDECREF(kept);
     Py_RETURN_NONE;
 }
@@ -227,6 +267,7 @@ context_clear(void)
     Py_CLEAR(H.requests);
     Py_CLEAR(H.rows_live);
     Py_CLEAR(H.rows_finished);
+    Py_CLEAR(H.rows_holders);
     Py_CLEAR(H.sources);
     Py_CLEAR(H.tree_seen);
     for (int i = 0; i < C_NAMES; i++)

@@ -335,6 +335,7 @@ enum {
     C_ROWS_LIVE,     /* table: its dict of live rows (row -> id) */
     C_ROWS_FINISHED, /* table: its dict of finished rows, oldest first */
     C_ROWS_KEPT,     /* table: how many finished rows it keeps */
+    C_ROWS_HOLDERS,  /* table: its dict of live rows' holders (row -> weak reference to the request) */
     C_NAMES
 };
 
@@ -356,10 +357,10 @@ typedef struct {
      * its last-loc sources, and the names of what they call there (C_* below); NULL: no context. */
     PyObject *state, *requests, *sources;
     PyObject *names[C_NAMES];
-    PyObject *rows_live, *rows_finished; /* the table's dicts, changed here as its methods change them */
-    Py_ssize_t rows_kept;                /* finished rows it remembers */
-    PyObject *tree_seen;                 /* strong: the tree the state was last told about */
-    int divert;                          /* a census is pending: allocations take the Python path */
+    PyObject *rows_live, *rows_finished, *rows_holders; /* the table's dicts, changed here as its methods change them */
+    Py_ssize_t rows_kept; /* finished rows it remembers */
+    PyObject *tree_seen; /* strong: the tree the state was last told about */
+    int divert; /* a census is pending: allocations take the Python path */
     Ledger ledgers[MAX_LEDGERS];
     int n_ledgers;
     Ledger *primary;
@@ -430,33 +431,33 @@ typedef struct {
     Py_ssize_t arg_pos[MAX_ARGS];
     PyObject *arg_name[MAX_ARGS];
     PyObject *attr[MAX_ATTRS];
-    PyObject *index_path;   /* row free: the attributes from the request to its row, a tuple */
-    int function;           /* a module-level function: no object first, `after` on the result only */
+    PyObject *index_path; /* row free: the attributes from the request to its row, a tuple */
+    int function; /* a module-level function: no object first, `after` on the result only */
     Py_ssize_t sources_max; /* last-loc sources remembered */
 } Hooked;
 
 /* The argument slots (Hooked.arg_*) of each operation. */
-#define A_LOC 0      /* alloc: the last-loc it checks */
-#define A_CARRIER 0  /* tree-in: the inserted value, or what carries it (T_SLOTS) */
-#define A_NODE 0     /* tree unlock: the node */
-#define A_ROWS 0     /* owner write: (rows, columns); rows free: the rows */
-#define A_SLOTS 1    /* owner write: the slots written */
+#define A_LOC 0 /* alloc: the last-loc it checks */
+#define A_CARRIER 0 /* tree-in: the inserted value, or what carries it (T_SLOTS) */
+#define A_NODE 0 /* tree unlock: the node */
+#define A_ROWS 0 /* owner write: (rows, columns); rows free: the rows */
+#define A_SLOTS 1 /* owner write: the slots written */
 #define A_REQUESTS 0 /* row alloc: the requests */
-#define A_REQUEST 0  /* row free: the request, or its row */
-#define A_TABLE 0    /* last-loc source: the table it read, the rows, their prefix lengths */
+#define A_REQUEST 0 /* row free: the request, or its row */
+#define A_TABLE 0 /* last-loc source: the table it read, the rows, their prefix lengths */
 #define A_SOURCE_ROWS 1
 #define A_PREFIX 2
 /* The attribute slots (Hooked.attr). */
-#define T_OWNER 0     /* tree-in, tree-out: the tree's allocator */
-#define T_SIZE 1      /* tree-in: the tree's size is the sum of these two methods' results */
+#define T_OWNER 0 /* tree-in, tree-out: the tree's allocator */
+#define T_SIZE 1 /* tree-in: the tree's size is the sum of these two methods' results */
 #define T_SIZE_ALSO 2
-#define T_SLOTS 3     /* tree-in: the slots on the carrier (NULL: the carrier is the slots) */
-#define T_PREFIX 4    /* tree-in: the matched prefix's length on the result (else the result is it) */
-#define T_ASIDE 5     /* tree-in: a tree where this attribute is set (not None) goes to the Python role */
-#define T_COUNT 0     /* tree unlock: the node's lock count, and the tree's root */
+#define T_SLOTS 3 /* tree-in: the slots on the carrier (NULL: the carrier is the slots) */
+#define T_PREFIX 4 /* tree-in: the matched prefix's length on the result (else the result is it) */
+#define T_ASIDE 5 /* tree-in: a tree where this attribute is set (not None) goes to the Python role */
+#define T_COUNT 0 /* tree unlock: the node's lock count, and the tree's root */
 #define T_ROOT 1
-#define T_ID 0        /* row alloc: the request's id */
-#define T_TABLE 0     /* row free(s): the pool's table of rows */
+#define T_ID 0 /* row alloc: the request's id */
+#define T_TABLE 0 /* row free(s): the pool's table of rows */
 
 /* An argument by keyword, else by position (args[0] is the object): borrowed, NULL if absent. */
 static inline PyObject *
@@ -545,7 +546,7 @@ int context_census(void);
 int context_note_tree(PyObject *tree);
 int context_row_written(PyObject *const *pool_row_columns_values);
 int context_rows_released(void);
-int context_row_allocated(PyObject *row, PyObject *id);
+int context_row_allocated(PyObject *row, PyObject *id, PyObject *holder);
 int context_row_freed(PyObject *row);
 /* The rows a last-loc was read from, where its source function's hook remembered them (`*rows`
  * borrowed, NULL for none): 1, or 0 where the lookup failed (the Python role takes the call). */
@@ -596,13 +597,13 @@ typedef struct {
 
 typedef struct DeviceLedger {
     PyObject *allocator; /* strong: the key, compared by identity */
-    PyObject *ledger;    /* the Python SlotLedger (its kernels' Python path, evidence) */
+    PyObject *ledger; /* the Python SlotLedger (its kernels' Python path, evidence) */
     PyObject *lock;
     PyObject *stream_of, *device_arg; /* stream_of(device_arg): the current stream's raw handle */
-    PyObject *hooks;                  /* Triton's runtime knobs (launch hooks), or NULL */
-    int device_type, device_id;       /* DLPack's: the index tensors this ledger takes */
-    long page_size, block_max;        /* block_max: more indices take two kernels (the Python path) */
-    int off;                          /* a launch was refused: the Python path from now on */
+    PyObject *hooks; /* Triton's runtime knobs (launch hooks), or NULL */
+    int device_type, device_id; /* DLPack's: the index tensors this ledger takes */
+    long page_size, block_max; /* block_max: more indices take two kernels (the Python path) */
+    int off; /* a launch was refused: the Python path from now on */
     DevicePlan plans[DEVICE_PLAN_SLOTS];
 } DeviceLedger;
 

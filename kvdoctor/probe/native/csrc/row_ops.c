@@ -170,17 +170,17 @@ fast_row_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t na
         PyObject *index = PyNumber_Long(PySequence_Fast_GET_ITEM(seq, i));
         if (index == NULL)
             goto failed;
-        PyObject *id_obj = NULL;
+        PyObject *id_obj = NULL, *req = NULL;
         if (listed) {
-            PyObject *req = PySequence_GetItem(reqs, i);
+            req = PySequence_GetItem(reqs, i);
             if (req == NULL) {
                 Py_DECREF(index);
                 goto failed;
             }
             id_obj = PyObject_GetAttr(req, self->attr[T_ID]);
-            Py_DECREF(req);
             if (id_obj == NULL) {
                 if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                    Py_DECREF(req);
                     Py_DECREF(index);
                     goto failed;
                 }
@@ -190,10 +190,12 @@ fast_row_alloc(Hooked *self, PyObject *const *args, size_t nargsf, Py_ssize_t na
         PyObject *id = id_obj != NULL ? PyObject_Str(id_obj) : Py_NewRef(S_unknown_id);
         Py_XDECREF(id_obj);
         if (id == NULL) {
+            Py_XDECREF(req);
             Py_DECREF(index);
             goto failed;
         }
-        int rc = context_row_allocated(index, id);
+        int rc = context_row_allocated(index, id, req); /* the request, held weakly: a row it leaves is named */
+        Py_XDECREF(req);
         Py_DECREF(index);
         Py_DECREF(id);
         if (rc < 0)
