@@ -64,7 +64,7 @@ THREADS_DIR = os.path.join(HERE, "server_threads")
 @dataclass
 class Case:
     name: str
-    kind: str  # clean | leak | safety | hicache | attach | memcheck | cost
+    kind: str  # clean | leak | row_leak | safety | hicache | attach | memcheck | cost
     flags: list[str] = field(default_factory=list)
     probe: bool = True
     fault: str = ""
@@ -95,6 +95,8 @@ def _cases() -> dict[str, Case]:
             env={**DELAY, "KVDOCTOR_FIXES": "graph-guard"},
         ),
         Case("fault-leak", "leak", ["--disable-radix-cache"], fault="leak", fault_at=20),
+        # the 20th request's ReqToTokenPool.free skipped: its slots go back, its row never (request_rows_leaked)
+        Case("fault-row-leak", "row_leak", ["--page-size", "16"], fault="row-leak", fault_at=20),
         # no probe at the start: `kvdoctor attach --gdb cuda-gdb` puts it in, one leak planted before and one after
         Case(
             "attach-leak",
@@ -423,7 +425,7 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     with open(os.path.join(server.workdir, "replay.json"), "w") as fh:
         json.dump(report, fh)
     planted = server.fault() or {}
-    result["planted"] = {k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size") if x in v} for k, v in planted.items()}
+    result["planted"] = {k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size", "rid") if x in v} for k, v in planted.items()}
     why = []
     load = result.get("load", {})
     if case.kind not in ("hicache", "attach", "memcheck") and (load.get("chats", {}).get("errors") or load.get("bench_rc") != 0):
@@ -475,6 +477,16 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
                 why.append("named slots differ from planted")
             elif "rid " not in named[0]["message"] or not named[0]["evidence"].get("allocated_at"):
                 why.append("request or site not named")
+    elif case.kind == "row_leak":
+        row = planted.get("row-leak")
+        named = [f for f in report["findings"] if f["kind"] == "request_rows_leaked"]
+        result["named"] = [_named(f) for f in named]
+        if not row:
+            why.append("no row leak planted")
+        elif errors != {"request_rows_leaked": 1}:
+            why.append(f"errors {errors}, planted one row")
+        elif named[0]["evidence"]["slot_ids"] != row["slot_ids"] or row["rid"] not in str(named[0]["evidence"].get("requests")):
+            why.append(f"named {named[0]['evidence'].get('requests')}, planted row {row['slot_ids']} of {row['rid']}")
     elif case.kind == "safety":
         want = {"double_free": planted.get("double-free", {}).get("count"), "stale_last_loc": 1, "index_out_of_range": 2}
         result["named"] = [_named(f) for f in report["findings"] if f["severity"] == "error"]

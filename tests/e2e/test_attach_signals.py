@@ -78,6 +78,14 @@ def target():
         child.wait()
 
 
+AS_A_TERMINALS_JOB = (
+    "import os, signal, sys\n"
+    "for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):\n"
+    "    signal.signal(sig, signal.SIG_DFL)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+)
+
+
 def _start_attach(pid: int, tmp_path) -> tuple[subprocess.Popen, str, str]:
     """`kvdoctor attach PID` in a process group of its own (as `timeout` runs its command), with a
     temp dir of its own so what it leaves there is seen."""
@@ -87,8 +95,10 @@ def _start_attach(pid: int, tmp_path) -> tuple[subprocess.Popen, str, str]:
     # gdb's wait for a safe point long past the test's own wait for its breakpoints (60 s): on a loaded
     # machine gdb took 20 s to put them in, the default wait was over, and the signal came too late
     env = {**os.environ, "TMPDIR": str(temp), "KVDOCTOR_ATTACH_WAIT_S": "300"}
+    # A terminal's job takes SIGHUP, SIGINT and SIGTERM: under `nohup` (or `cmd &` from a script) the
+    # tests would inherit them ignored, and kvdoctor keeps an ignored signal ignored, as it should.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvdoctor.cli", "attach", str(pid), "--trace", trace],
+        [sys.executable, "-c", AS_A_TERMINALS_JOB, "-m", "kvdoctor.cli", "attach", str(pid), "--trace", trace],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
