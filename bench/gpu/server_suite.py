@@ -64,7 +64,7 @@ THREADS_DIR = os.path.join(HERE, "server_threads")
 @dataclass
 class Case:
     name: str
-    kind: str  # clean | leak | row_leak | safety | hicache | attach | memcheck | cost
+    kind: str  # clean | leak | row_leak | pd_decode | safety | hicache | attach | memcheck | cost
     flags: list[str] = field(default_factory=list)
     probe: bool = True
     fault: str = ""
@@ -97,6 +97,17 @@ def _cases() -> dict[str, Case]:
         Case("fault-leak", "leak", ["--disable-radix-cache"], fault="leak", fault_at=20),
         # the 20th request's ReqToTokenPool.free skipped: its slots go back, its row never (request_rows_leaked)
         Case("fault-row-leak", "row_leak", ["--page-size", "16"], fault="row-leak", fault_at=20),
+        # the decode side of a PD pair (the fake transfer backend), clean: its DecodeReqToTokenPool judged as the request pool
+        Case("pd-decode", "pd_decode", sglang_server.DECODE_FLAGS),
+        # and with a segment's free dropped (3rd) and, in another request, its row's free (5th)
+        Case(
+            "pd-decode-faults",
+            "pd_decode",
+            sglang_server.DECODE_FLAGS,
+            fault="leak,row-leak",
+            fault_at=3,
+            env={"KVDOCTOR_TEST_FAULT_ROW_AT": "5"},
+        ),
         # no probe at the start: `kvdoctor attach --gdb cuda-gdb` puts it in, one leak planted before and one after
         Case(
             "attach-leak",
@@ -332,6 +343,29 @@ def drive(server: GpuServer, cpu: bool) -> dict:
     return {"chats": chats, "bench_ok": int(ok.group(1)) if ok else 0, "bench_rc": bench.returncode, "idle_census_after_load": idle}
 
 
+def drive_pd_decode(server: GpuServer, cpu: bool) -> dict:
+    """Sixteen requests at once to the decode server, each carrying the bootstrap fields the fake
+    backend needs, then one more (the idle scheduler's last batch replaced), then its idle census."""
+    produced: list[int] = []
+    failed: list[str] = []
+
+    def one(n: int) -> None:
+        try:
+            produced.append(sglang_server.generate_with_bootstrap(server.base_url, n, 64))
+        except Exception as exc:
+            failed.append(str(exc)[:300])
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    since_us = time.time() * 1e6
+    one(16)
+    idle = wait_idle_census(server.trace, since_us) if server.probe else None
+    return {"produced": sorted(produced), "failed": failed, "idle_census_after_load": idle}
+
+
 def drive_memcheck(server: GpuServer, cpu: bool) -> dict:
     """Six requests one after another, each decoding 24 tokens (the fault hits the 40th decode call
     whose first request continues a page: SGLang's warm-up request makes fewer than 10); a server
@@ -425,10 +459,14 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     with open(os.path.join(server.workdir, "replay.json"), "w") as fh:
         json.dump(report, fh)
     planted = server.fault() or {}
-    result["planted"] = {k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size", "rid") if x in v} for k, v in planted.items()}
+    result["planted"] = {
+        k: {x: v.get(x) for x in ("count", "slot_ids", "last_loc", "page_size", "rid") if x in v} for k, v in planted.items()
+    }
     why = []
     load = result.get("load", {})
-    if case.kind not in ("hicache", "attach", "memcheck") and (load.get("chats", {}).get("errors") or load.get("bench_rc") != 0):
+    if case.kind not in ("hicache", "attach", "memcheck", "pd_decode") and (
+        load.get("chats", {}).get("errors") or load.get("bench_rc") != 0
+    ):
         why.append(f"load failed: {load}")
     c = result["census"]
     if case.kind == "attach":
@@ -440,7 +478,7 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
         as_planted = [b for b in as_planted if all(int(x.rsplit("= ", 1)[1]) in totals for x in b["problems"])]
         c["leak_as_planted"] = len(as_planted)
         c["unbalanced_count"] -= len(as_planted)
-    if case.kind == "leak" and planted.get("leak"):  # the leak itself: total - free - tree is what was dropped
+    if case.kind in ("leak", "pd_decode") and planted.get("leak"):  # the leak itself: total - free - tree is what was dropped
         want = f"idle: total - free - tree = {planted['leak']['count']}"
         c["leak_as_planted"] = sum(1 for b in c["unbalanced"] if b["problems"] == [want])
         c["unbalanced_count"] -= c["leak_as_planted"]
@@ -463,6 +501,17 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     if case.kind == "clean":
         if errors or rc != 0:
             why.append(f"errors {errors} rc {rc}")
+    elif case.kind == "pd_decode":
+        coverage = [e["args"] for e in _events(server.trace) if e["name"] == "probe_status" and e["args"].get("component") == "coverage"]
+        result["coverage"] = {k: coverage[-1].get(k) for k in ("state", "ledgers", "engine_pools")} if coverage else {}
+        if load.get("failed") or load.get("produced") != [64] * 17:
+            why.append(f"load failed: {load}")
+        want = {"orphan_slots": planted.get("leak", {}).get("count"), "request_rows_leaked": 1} if case.fault else {}
+        result["named"] = [_named(f) for f in report["findings"] if f["severity"] == "error"]
+        if errors != want or rc != (1 if case.fault else 0):
+            why.append(f"errors {errors} rc {rc}, want {want}")
+        if not coverage or set(coverage[-1].get("ledgers", {}).values()) != {"judged"}:
+            why.append(f"not judged: {result['coverage']}")
     elif case.kind == "leak":
         leak = planted.get("leak")
         if not leak:
@@ -811,7 +860,7 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
 
     def correctness(server: GpuServer, r: dict) -> None:
         kind = server.case.kind
-        drivers = {"hicache": drive_hicache, "attach": drive_attach, "memcheck": drive_memcheck}
+        drivers = {"hicache": drive_hicache, "attach": drive_attach, "memcheck": drive_memcheck, "pd_decode": drive_pd_decode}
         r["load"] = drivers.get(kind, drive)(server, cpu)
 
     threads = [threading.Thread(target=finish, args=(c, correctness)) for c in cases if c.kind != "cost"]
