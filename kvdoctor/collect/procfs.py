@@ -52,6 +52,7 @@ class ProcInfo:
     title: str
     role: str
     start_ticks: int = 0
+    argv_gone: bool = False  # its command line read empty (a kernel thread, or a process exiting): the title is "[comm]"
 
     def to_dict(self) -> dict[str, Any]:
         return {"pid": self.pid, "ppid": self.ppid, "title": self.title, "role": self.role}
@@ -181,7 +182,8 @@ def find_process_tree(root_pid: int) -> list[ProcInfo]:
         if state in ("Z", "X") and pid != root_pid:
             continue
         title = read_title(pid)
-        out.append(ProcInfo(pid=pid, ppid=ppid, title=title, role=guess_role(title), start_ticks=start))
+        gone = title.startswith("[") and not read_text(f"/proc/{pid}/cmdline")
+        out.append(ProcInfo(pid=pid, ppid=ppid, title=title, role=guess_role(title), start_ticks=start, argv_gone=gone))
         queue.extend(sorted(children.get(pid, [])))
     return out
 

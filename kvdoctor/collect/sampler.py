@@ -95,7 +95,9 @@ class Sampler:
         for pid, info in current.items():
             if pid in self.processes:
                 known = self.processes[pid].info
-                if info.title and info.title != known.title:  # setproctitle ran after we saw it
+                # setproctitle or an exec ran after we saw it; a command line gone empty is the process
+                # exiting (a zombie's title is its comm), which is no exec and keeps the title it had
+                if info.title and info.title != known.title and not info.argv_gone:
                     known.title, known.role = info.title, info.role
                     self._seen_exec(pid)
                 continue
