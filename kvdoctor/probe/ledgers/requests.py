@@ -10,7 +10,6 @@ import threading
 import weakref
 from typing import Any
 
-from kvdoctor.probe.base.context import resolve
 from kvdoctor.trace import schema
 
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
@@ -81,25 +80,13 @@ class RequestTable:
         for index in list(self.live):
             self.freed(index)
 
-    def left_rows(self, index_attr: str) -> dict[int, tuple[str, str]]:
-        """Live rows whose request is gone, or no longer names the row, though no free of the row
-        was seen: {row: (rid, why)}. Rows without a holder are not judged. Reads the holders'
-        attributes only (the writer thread calls it: a release in progress names no row for a
-        moment, so a caller asks twice, a round apart)."""
+    def left_rows(self) -> dict[int, str]:
+        """Live rows whose request object is gone though no free of the row was seen: {row: rid}.
+        Rows without a holder are not judged. (A request that still lives but names no row is not
+        judged either: SGLang's streaming sessions move a row's record to the session, `detach_kv`.)"""
         with self._lock:
             rows = [(index, rid, self.holders.get(index)) for index, rid in self.live.items()]
-        out: dict[int, tuple[str, str]] = {}
-        for index, rid, ref in rows:
-            holder = ref() if ref is not None else None
-            if ref is None:
-                continue
-            if holder is None:
-                out[index] = (rid, "its request object is gone")
-                continue
-            named = resolve(holder, index_attr)
-            if named != index:
-                out[index] = (rid, f"its request names {'no row' if named is None else f'row {named}'} now")
-        return out
+        return {index: rid for index, rid, ref in rows if ref is not None and ref() is None}
 
     def live_rows(self) -> list[int]:
         with self._lock:
