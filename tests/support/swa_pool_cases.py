@@ -32,6 +32,9 @@ warnings.filterwarnings("ignore")
 
 PROMPT = list(range(100, 116))
 WINDOW = 4
+# The requests of each case, held to the end as the scheduler's running batch holds req-a, which
+# decodes on: a request object gone with its row still taken is a row left behind (request_rows_leaked)
+RUNNING: list = []
 
 
 def build():
@@ -141,6 +144,7 @@ def path_case(prompts: dict) -> dict:
     rows = {req.rid: pool.req_to_token[row(req), : len(PROMPT)].tolist() for req in reqs}
     first = allocator.full_to_swa_index_mapping[rows[a.rid]].tolist()
     result_step(allocator, tree, reqs)
+    RUNNING.extend(reqs)
     out = held(allocator, pool, tree, first)
     out["rows"] = rows
     out["swa_of_req_a_before"] = first
