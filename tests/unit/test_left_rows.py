@@ -142,3 +142,18 @@ def test_at_exit_one_look_names_the_gone_rows_only():
     state, left = _state(table, HookedPool()), LeftRows()
     left.at_exit(state)
     assert [e["slot_ids"] for e in state.emitted] == [[2]] and 1 in table.live
+
+
+def test_an_error_of_the_rule_turns_only_it_off_and_says_so():
+    table = RequestTable()
+    table.allocated(2, "gone", Req("gone", 2))
+    gc.collect()
+    said: list[tuple[str, dict]] = []
+    state = _state(table, HookedPool(), Tree())
+    state.probe = types.SimpleNamespace(emitter=types.SimpleNamespace(emit=lambda name, args: said.append((name, args))))
+    state.judging.request_methods = lambda: 1 / 0  # what the rule does not understand
+    left = LeftRows()
+    left.tick(state)
+    left.tick(state)
+    assert [(name, args["component"], args["state"]) for name, args in said] == [(schema.PROBE_STATUS, "left_rows", "partial")]
+    assert "ZeroDivisionError" in left.off and state.emitted == []

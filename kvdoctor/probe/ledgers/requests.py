@@ -84,9 +84,9 @@ class RequestTable:
         """Live rows whose request object is gone though no free of the row was seen: {row: rid}.
         Rows without a holder are not judged. (A request that still lives but names no row is not
         judged either: SGLang's streaming sessions move a row's record to the session, `detach_kv`.)"""
-        with self._lock:
-            rows = [(index, rid, self.holders.get(index)) for index, rid in self.live.items()]
-        return {index: rid for index, rid, ref in rows if ref is not None and ref() is None}
+        with self._lock:  # each copy one C call, so the native path (holding the GIL, not the lock) never changes it midway
+            live, holders = dict(self.live), dict(self.holders)
+        return {index: rid for index, rid in live.items() if (ref := holders.get(index)) is not None and ref() is None}
 
     def live_rows(self) -> list[int]:
         with self._lock:

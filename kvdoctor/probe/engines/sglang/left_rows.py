@@ -38,9 +38,10 @@ class LeftRows:
 
     def __init__(self) -> None:
         self.suspects: set[int] = set()
+        self.off = ""  # why rows are no longer judged (an error of this rule turns only it off, said once)
 
     def why_not_judged(self, state: Any) -> str:
-        pools = [pair[1] for pair in state.judging.engine_pools_by_allocator.values() if pair[1] is not None]
+        pools = [pair[1] for pair in list(state.judging.engine_pools_by_allocator.values()) if pair[1] is not None]
         if not pools:
             return "no request pool seen yet"
         methods = state.judging.request_methods()
@@ -64,6 +65,23 @@ class LeftRows:
 
     def tick(self, state: Any) -> None:
         """One writer round: names the rows two rounds in a row found left."""
+        self.guarded(state, self._tick)
+
+    def at_exit(self, state: Any) -> None:
+        """Before the exit census: the rows left, at one look (a collected request cannot come
+        back, and at exit no later round will look again)."""
+        self.guarded(state, self._at_exit)
+
+    def guarded(self, state: Any, work: Any) -> None:
+        if self.off:
+            return
+        try:
+            work(state)
+        except Exception as exc:
+            self.off = f"request rows left behind not judged: {type(exc).__name__}: {exc}"
+            state.probe.emitter.emit(schema.PROBE_STATUS, {"component": "left_rows", "state": "partial", "reason": self.off})
+
+    def _tick(self, state: Any) -> None:
         found = self.found(state)
         if found is None:
             return  # the suspects wait for a round that can read the sessions
@@ -72,15 +90,13 @@ class LeftRows:
         if due:
             self.name(state, due)
 
-    def at_exit(self, state: Any) -> None:
-        """Before the exit census: the rows left, at one look (a collected request cannot come
-        back, and at exit no later round will look again)."""
+    def _at_exit(self, state: Any) -> None:
         found = self.found(state)
         if found:
             self.name(state, found)
 
     def name(self, state: Any, due: dict[int, str]) -> None:
-        pools = {type(pair[1]).__name__ for pair in state.judging.engine_pools_by_allocator.values() if pair[1] is not None}
+        pools = {type(pair[1]).__name__ for pair in list(state.judging.engine_pools_by_allocator.values()) if pair[1] is not None}
         rows = sorted(due)
         requests = {f"req_pool_idx {row} (rid {due[row]})": 1 for row in rows}
         for row in rows:
