@@ -16,7 +16,14 @@ from kvdoctor.delivery.launch import INJECT_DIR, ProbePathCheck, probe_path_lost
 
 def _child(pythonpath: str) -> subprocess.Popen:
     env = {"PATH": os.environ.get("PATH", ""), "KVDOCTOR_TRACE": "/nonexistent.kvtrace.json", "PYTHONPATH": pythonpath}
-    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert child.stdout.readline() == b"ready\n"  # exec'd and running: its own exe and environment, not the parent's
+    return child
 
 
 def _until_zombie(pid: int) -> None:
