@@ -19,8 +19,13 @@ def _state(pid: int) -> str:
 
 
 def test_a_process_that_exits_keeps_its_title_and_is_no_exec():
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
+        assert child.stdout.readline() == b"ready\n"  # exec'd: its own command line, not its parent's
         execs: list[int] = []
         sampler = Sampler(child.pid, with_gpu=False, tree_refresh_s=0.0, on_exec=execs.append)
         sampler.sample_once()
