@@ -19,6 +19,10 @@ class DoubleFreeDetector(ViolationDetector):
         """The template, and where the probe named the release path it happened in (a preemption
         giving back a request already released), that path, its step and the request."""
         text = super().message(count, allocator, site, evidence)
+        queued = evidence.get("queued_for_release_at")
+        if isinstance(queued, dict) and evidence.get("why") == "queued for release while already queued":
+            first = ", ".join(str(k) for k in list(queued)[:3]) or "an earlier call"
+            text += f"; a host pool's release queue took them twice: first from {first}, again from {site}"
         path = evidence.get("path")
         if not isinstance(path, str) or not path:
             return text

@@ -15,6 +15,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
+from kvdoctor.probe.engines.sglang.host_slots import HostSlots
 from kvdoctor.probe.engines.sglang.state import sglang_state
 from kvdoctor.trace import schema
 
@@ -33,6 +34,7 @@ class HiCacheLedger:
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
         self.hosts: dict[int, Any] = {}
+        self.slots = HostSlots()  # each host pool's pages: double frees and double allocs (host_slots.py)
         self.controllers: dict[int, Any] = {}
         # id(view) -> (weak reference, storage bytes, own bytes, allocating site, monotonic birth time)
         self.views: dict[int, tuple[weakref.ref[Any], int, int, str, float]] = {}
@@ -165,6 +167,7 @@ class HostAllocRole(HiCacheRole):
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         st = state(probe)
         st.counts["host_allocs"] += 1
+        st.slots.handed_out(probe, obj, result, ctx)
         if result is not None and "clone-host-indices" not in probe.fixes:
             st.track_view(result, probe.sites.name(ctx))
 
@@ -176,10 +179,34 @@ class HostAllocRole(HiCacheRole):
 
 
 class HostFreeRole(HiCacheRole):
-    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+    """`free(indices)`: judged before the call (0.5.23's pool asserts on a double free of its own)."""
+
+    wants_site = True
+    reads = {"indices": 0}
+
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.hosts[id(obj)] = obj
         st.counts["host_frees"] += 1
+        st.slots.given_back(probe, obj, hook.arg(args, kwargs, "indices"), site)
+
+
+class HostClearRole(HiCacheRole):
+    """`clear()`: every page free again, read back from the pool."""
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        state(probe).slots.cleared(probe, obj)
+
+
+class HostReleaseRole(HiCacheRole):
+    """`HiCacheController.append_host_mem_release(host_indices)`: pages queued for the scheduler's
+    drain to free (the IO threads queue them; sglang#13483 queued some twice)."""
+
+    wants_site = True
+    reads = {"host_indices": 0}
+
+    def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
+        state(probe).slots.queued(probe, getattr(obj, "mem_pool_host", None), hook.arg(args, kwargs, "host_indices"), site)
 
 
 class ControllerRole(HiCacheRole):
@@ -278,6 +305,8 @@ class StorageGetRole(StorageRole):
 ROLES: dict[str, Role] = {
     "host_alloc": HostAllocRole(),
     "host_free": HostFreeRole(),
+    "host_clear": HostClearRole(),
+    "host_release": HostReleaseRole(),
     "hicache_write": BackupRole(),
     "hicache_load": LoadRole(),
     "tree_backup": TreeBackupRole(),
