@@ -2,10 +2,13 @@
 on a few sentences and a random bf16 Llama (hidden 256, 2 layers, 4 heads / 2 KV heads), saved
 locally. No download.
 
-    python tests/support/sglang_model.py OUT_DIR [llama|swa]
+    python tests/support/sglang_model.py OUT_DIR [llama|swa|lfm2]
 
 `swa`: a sliding-window model instead (a tiny Mellum: 4 layers, 64-token sliding layers alternating
 with full ones, dense MLPs), for which SGLang builds its SWA pool (`SWATokenToKVPoolAllocator`).
+`lfm2`: a hybrid model (a tiny LFM2: short-conv layers alternating with full-attention ones), for
+which SGLang builds `HybridReqToTokenPool` with a `MambaPool` of conv states and a FULL + MAMBA
+`UnifiedRadixCache`; its conv layers' math needs `lfm2_standins.py` on CPU.
 """
 
 import os
@@ -53,6 +56,22 @@ def make(out: str, kind: str = "llama") -> None:
             MellumConfig(num_hidden_layers=4, head_dim=64, sliding_window=64, layer_types=sliding, mlp_layer_types=["dense"] * 4, **shape),
             MellumForCausalLM,
         )
+    elif kind == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        layers = ["conv", "full_attention"] * 2
+        shape.pop("torch_dtype")
+        config = Lfm2Config(
+            num_hidden_layers=4,
+            layer_types=layers,
+            full_attn_idxs=[i for i, t in enumerate(layers) if t == "full_attention"],
+            conv_L_cache=3,
+            conv_bias=False,
+            block_auto_adjust_ff_dim=False,
+            torch_dtype="bfloat16",
+            **shape,
+        )
+        model_cls = Lfm2ForCausalLM
     else:
         config, model_cls = LlamaConfig(num_hidden_layers=2, **shape), LlamaForCausalLM
     torch.manual_seed(0)

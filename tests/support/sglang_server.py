@@ -32,6 +32,7 @@ FAULT_DIR = os.path.join(SUPPORT, "sglang_fault")
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-model")
 SWA_MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-swa-model")  # made on first use (a sliding-window Mellum)
+LFM2_MODEL_DIR = os.path.join(REPO, ".venv", "sglang-tiny-lfm2-model")  # made on first use (a hybrid LFM2)
 # The pool is sized by --max-total-tokens (every server here passes it). SGLang's CPU profile counts
 # the host's available memory before and after loading the weights, so a server or model another
 # test loads meanwhile counts as weights: at 0.05 a concurrent 1.1 GB made a start fail ("Loaded
@@ -54,6 +55,14 @@ def available() -> str:
     if probe.returncode != 0:
         return "the SGLang server's packages do not import: run .ci/setup (" + probe.stderr.decode()[-300:] + ")"
     return ""
+
+
+def ensure_lfm2_model() -> str:
+    if not os.path.exists(os.path.join(LFM2_MODEL_DIR, "config.json")):
+        subprocess.run(
+            [PYTHON, os.path.join(SUPPORT, "sglang_model.py"), LFM2_MODEL_DIR, "lfm2"], check=True, capture_output=True, timeout=600
+        )
+    return LFM2_MODEL_DIR
 
 
 def ensure_swa_model() -> str:

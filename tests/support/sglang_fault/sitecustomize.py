@@ -397,3 +397,6 @@ if _ATTACH_PARAMS:
     signal.signal(signal.SIGUSR2, _attach)
 elif os.environ.get("KVDOCTOR_TEST_FAULT_REWRAP_SIGNAL") == "1":
     signal.signal(signal.SIGUSR2, _rewrap)
+
+if os.environ.get("KVDOCTOR_TEST_LFM2_STANDINS") == "1":
+    import lfm2_standins  # noqa: F401  (tests/support: the tiny LFM2's layer math in torch)
