@@ -24,7 +24,13 @@ SCANNED_PACKAGES = ("sglang.srt.mem_cache", "sglang.srt.disaggregation")
 POOL_SUFFIXES = ("Allocator", "ReqToTokenPool")
 # the SWA pool's methods whose own version in a subclass takes a path the SWA ledger does not follow
 SWA_PATHS = {"alloc", "alloc_extend", "alloc_decode", "free", "free_swa", "free_segment", "free_swa_segment", "free_group_end", "clear"}
-JUDGED_KINDS = ("allocator", "requests", "metadata_allocator", "swa_allocator")  # map kinds whose ledger judges the class it hooks
+JUDGED_KINDS = (
+    "allocator",
+    "requests",
+    "hybrid_requests",
+    "metadata_allocator",
+    "swa_allocator",
+)  # map kinds whose ledger judges the class it hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +110,13 @@ def pool_classes(probe_map: ProbeMap) -> list[PoolClass]:
                 out += [base, *unmapped_ancestors(base, seen | {name})]
         return out
 
+    parts = {part: why for spec in probe_map.classes for part, why in dict(spec.options.get("judges_parts") or {}).items()}
     out = []
     for name, (module, _node) in sorted(found.items()):
         if not name.endswith(POOL_SUFFIXES):
+            continue
+        if name in parts:  # a pool another class's ledger judges as its part
+            out.append(PoolClass(name, module, "judged", str(parts[name])))
             continue
         if name in hooked:
             out.append(PoolClass(name, module, "judged"))
@@ -122,7 +132,7 @@ def pool_classes(probe_map: ProbeMap) -> list[PoolClass]:
             why = f"derives from {swa} with its own {', '.join(paths) or 'methods'}: the SWA ledger follows {swa}'s free paths only"
             out.append(PoolClass(name, module, "hooked, not judged", why))
             continue
-        if kinds == {"requests"}:
+        if kinds <= {"requests", "hybrid_requests"}:
             own = {m for cls in [name, *unmapped_ancestors(name)] for m in _methods(found[cls][1])}
             overridden = sorted(own & {m for a in ancestors for m in hooked[a].methods})
             if not overridden:

@@ -87,7 +87,7 @@ def _installed_map():
 
 def test_every_hook_of_the_tested_map_resolves_in_the_installed_sources():
     check = check_map(_installed_map())
-    assert check.unresolved == [] and len(check.hooks) == 78
+    assert check.unresolved == [] and len(check.hooks) == 80
 
 
 def test_every_map_from_0_5_14_watches_the_graph_runners_and_the_hybrid_controller():

@@ -34,9 +34,12 @@ def test_the_installed_pools_are_sorted_as_the_probe_treats_them():
         assert standing[name] == "hooked, not judged" and why[name].startswith("derives from SWATokenToKVPoolAllocator with its own "), why[
             name
         ]
-    for name in ("PureSWATokenToKVPoolAllocator", "UnifiedMambaTokenToKVPoolAllocator", "HybridReqToTokenPool"):
+    for name in ("PureSWATokenToKVPoolAllocator", "UnifiedMambaTokenToKVPoolAllocator"):
         assert standing[name] == "hooked, not judged", name
-    assert standing["MambaSlotAllocator"] == "not covered"
+    # a hybrid model's request pool and its Mamba slots (test_hybrid_server.py): judged, the slots as its part
+    assert standing["HybridReqToTokenPool"] == "judged"
+    assert standing["MambaSlotAllocator"] == "judged" and why["MambaSlotAllocator"].startswith("judged at the quiet censuses")
+    assert standing["UnifiedMambaSlotAllocator"] == "not covered"
 
 
 def test_kvdoctor_probes_prints_them():
@@ -49,4 +52,5 @@ def test_kvdoctor_probes_prints_them():
         lines
     )
     assert any(line.startswith("pools judged (") and "DecodeReqToTokenPool" in line for line in lines), lines
-    assert any(line.startswith("pools not covered (") and "MambaSlotAllocator" in line for line in lines), lines
+    assert any(line.startswith("pools judged (") and "MambaSlotAllocator" in line for line in lines), lines
+    assert any(line.startswith("pools not covered (") and "UnifiedMambaSlotAllocator" in line for line in lines), lines

@@ -26,10 +26,10 @@ def test_the_table_names_why_a_release_is_not_run():
 
 
 def test_installed_line_for_the_environment_and_for_a_release_past_every_map(monkeypatch):
-    assert installed_line("sglang") == "SGLang 0.5.23: map sglang-0.5.23.toml, 78/78 hooks resolve, tested in CI"
+    assert installed_line("sglang") == "SGLang 0.5.23: map sglang-0.5.23.toml, 80/80 hooks resolve, tested in CI"
     monkeypatch.setenv("KVDOCTOR_SGLANG_VERSION", "0.5.99")
     assert installed_line("sglang") == (
-        "SGLang 0.5.99: no map of its own; nearest sglang-0.5.23.toml, 78/78 hooks resolve, not in the release list"
+        "SGLang 0.5.99: no map of its own; nearest sglang-0.5.23.toml, 80/80 hooks resolve, not in the release list"
     )
 
 

@@ -16,6 +16,9 @@ KVDOCTOR_TEST_FAULT_OUT (a leak may be planted twice: "N,+M" also skips the Mth 
 - `row-leak`: the Nth request pool `free(req)` (`ReqToTokenPool`'s, or a decode server's
   `DecodeReqToTokenPool`'s) is skipped: the request's slots went back, its row never
   (KVDOCTOR_TEST_FAULT_ROW_AT, if set, picks the call instead of KVDOCTOR_TEST_FAULT_AT);
+- `mamba-leak`: on a hybrid model's request pool, the Nth `HybridReqToTokenPool.free_mamba_cache(req)`
+  (a request's Mamba state slot given back at its release) is skipped: the slot stays allocated,
+  held by nobody (KVDOCTOR_TEST_FAULT_MAMBA_AT, if set, picks the call instead of KVDOCTOR_TEST_FAULT_AT);
 - `stale-last-loc`: the Nth `alloc_decode` whose first request continues a page gets, as that
   request's `last_loc`, a slot in a free page;
 - `index-out-of-range`: the same, with -5 (only -1, "no prefix", is legal below 0). With
@@ -51,6 +54,7 @@ _AT = int(_AT_SPEC[0] or 0) if _AT_SPEC else 0
 _AT_AFTER_ATTACH = int(_AT_SPEC[1].lstrip("+")) if len(_AT_SPEC) > 1 else 0
 _SWA_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_SWA_AT", "0") or 0) or _AT
 _ROW_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_ROW_AT", "0") or 0) or _AT
+_MAMBA_AT = int(os.environ.get("KVDOCTOR_TEST_FAULT_MAMBA_AT", "0") or 0) or _AT
 _OOR_PAST_END = os.environ.get("KVDOCTOR_TEST_FAULT_OOR") == "past-end"
 _attached = threading.Event()
 _OUT = os.environ.get("KVDOCTOR_TEST_FAULT_OUT", "")
@@ -59,7 +63,7 @@ _MODULES = {
     "sglang.srt.mem_cache.allocator.base": ("leak", "double-free"),
     "sglang.srt.mem_cache.allocator.paged": ("leak", "double-free", "stale-last-loc", "index-out-of-range"),
     "sglang.srt.mem_cache.allocator.swa": ("swa-leak",),
-    "sglang.srt.mem_cache.memory_pool": ("row-leak",),
+    "sglang.srt.mem_cache.memory_pool": ("row-leak", "mamba-leak"),
     "sglang.srt.disaggregation.decode": ("row-leak",),
 }
 _lock = threading.Lock()
@@ -312,11 +316,32 @@ def _patch_row_free(cls):
     cls.free = free
 
 
+def _patch_mamba_free(cls):
+    original = cls.free_mamba_cache
+
+    def free_mamba_cache(self, req, *args, **kwargs):
+        slot = getattr(getattr(req, "kv", None), "mamba_pool_idx", None)
+        if not _hit("mamba_free", slot is not None, _MAMBA_AT):
+            return original(self, req, *args, **kwargs)
+        _record("mamba-leak", {"slot_ids": [int(slot)], "count": 1, "rid": str(getattr(req, "rid", ""))})
+        req.kv.mamba_pool_idx = None  # what the skipped call would have done to the request, its slot not freed
+        return None
+
+    cls.free_mamba_cache = free_mamba_cache
+
+
+def _patch_memory_pool(module):
+    if "row-leak" in _FAULTS:
+        _patch_row_free(module.ReqToTokenPool)
+    if "mamba-leak" in _FAULTS and hasattr(module, "HybridReqToTokenPool"):
+        _patch_mamba_free(module.HybridReqToTokenPool)
+
+
 _PATCHES = {
     "sglang.srt.mem_cache.allocator.base": _patch_base,
     "sglang.srt.mem_cache.allocator.paged": _patch_paged,
     "sglang.srt.mem_cache.allocator.swa": _patch_swa,
-    "sglang.srt.mem_cache.memory_pool": lambda module: _patch_row_free(module.ReqToTokenPool),
+    "sglang.srt.mem_cache.memory_pool": _patch_memory_pool,
     "sglang.srt.disaggregation.decode": lambda module: _patch_row_free(module.DecodeReqToTokenPool),
 }
 

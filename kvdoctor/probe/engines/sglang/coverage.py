@@ -239,10 +239,22 @@ def describe(view: Any) -> dict[str, str]:
     return out
 
 
-def untracked(pools: dict[str, str]) -> dict[str, str]:
+MAMBA_PARTS = ("req_to_token_pool.mamba_pool", "req_to_token_pool.mamba_allocator")
+
+
+def untracked(pools: dict[str, str], judged: frozenset[str] = frozenset()) -> dict[str, str]:
     """The engine's pools that no ledger counts: the state pools a hybrid request pool holds beside
-    its rows (Mamba and short-conv state slots, n-gram tables), by role."""
-    return {role: kind for role, kind in pools.items() if role.startswith("req_to_token_pool.")}
+    its rows (Mamba and short-conv state slots, n-gram tables), by role; `judged` roles aside."""
+    return {role: kind for role, kind in pools.items() if role.startswith("req_to_token_pool.") and role not in judged}
+
+
+def mamba_judged(requests: Any, off: str) -> frozenset[str]:
+    """The Mamba state pool's roles where its slots are judged (mamba_slots.py): the request pool's
+    own alloc carries that ledger's hook and the ledger has not turned itself off."""
+    alloc = getattr(type(requests), "alloc", None) if requests is not None else None
+    if off or getattr(alloc, "__kvdoctor_role__", "") != "hybrid_rows_alloc":
+        return frozenset()
+    return frozenset(MAMBA_PARTS)
 
 
 class SpeculativeRows:

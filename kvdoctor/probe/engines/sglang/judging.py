@@ -118,7 +118,10 @@ class CoverageJudge:
             return
         not_judged = {ledger.name: ledger.not_judged for ledger in self.state.ledgers.values() if ledger.not_judged}
         total = len(self.state.ledgers)
-        unseen = coverage.untracked(self.engine_pools)
+        pools = [pair[1] for pair in list(self.engine_pools_by_allocator.values()) if pair[1] is not None]
+        mamba_off = getattr(self.state.probe.states.get("mamba_slots"), "off", "")
+        mamba = coverage.mamba_judged(pools[-1] if pools else None, mamba_off)
+        unseen = coverage.untracked(self.engine_pools, mamba)
         reason = f"coverage: {total - len(not_judged)} of {total} slot ledger(s) judge orphans" + (
             "; not judged: " + "; ".join(f"{name}: {text}" for name, text in list(not_judged.items())[:MAX_LEDGERS_LISTED])
             if not_judged
@@ -130,6 +133,8 @@ class CoverageJudge:
             if uncounted != self.untracked_said:
                 self.untracked_said = uncounted
                 say(f"pools kvdoctor does not count (their slots are neither tracked nor judged): {uncounted}")
+        if mamba and self.engine_pools.get(coverage.MAMBA_PARTS[1]):
+            reason += f"; {self.engine_pools[coverage.MAMBA_PARTS[1]]} (req_to_token_pool.mamba_allocator): judged when the engine is quiet"
         composite_standing = self.composites_judged()
         if composite_standing:
             reason += "; " + "; ".join(f"{name}: {text}" for name, text in composite_standing.items())

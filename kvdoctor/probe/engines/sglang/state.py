@@ -269,6 +269,13 @@ class SglangState:
             # quiet: no forward is in flight to free what releases held for one
             self.emit_violations(self.paths.judge_all_held("the engine went quiet with no forward result processed after it"))
             self.census_all("idle")
+            self.quiet_census_of_parts()
+
+    def quiet_census_of_parts(self) -> None:
+        """A hybrid request pool's Mamba slots (mamba_slots.py, once its hooks met one): judged only here."""
+        mamba = self.probe.states.get("mamba_slots")
+        if mamba is not None:
+            mamba.quiet_census(self)  # type: ignore[attr-defined]
 
     def census_if_due(self) -> None:
         """Before an allocation: the idle census the last free asked for, if the rate limit allows
@@ -320,6 +327,7 @@ class SglangState:
             self.census_pending = False
             self.last_idle_census = started
             self.census_all("shutdown")
+            self.quiet_census_of_parts()
             return {"census": "shutdown", "census_s": round(time.monotonic() - started, 3)}
         if waited_s < SHUTDOWN_BUSY_WAIT_S:
             return None

@@ -1,0 +1,220 @@
+"""SGLang 0.5.20+'s Mamba state slots (`HybridReqToTokenPool.mamba_allocator`, a `MambaSlotAllocator`
+over its `MambaPool`: one slot of conv and SSM state per request), judged when the engine is quiet.
+
+With no request live and no hooked call for a whole writer round (the slot ledgers' quiet idle
+census and their shutdown census), every slot is free (the allocator's free list), held by the
+radix tree (its MAMBA component: SGLang's own `all_mamba_values_flatten()`), or held by a streaming
+session's record; any other slot is an orphan. The books are first held to SGLang's own counts
+(the free list against `available_size()`, the tree's slots against `mamba_evictable_size() +
+mamba_protected_size()`); a census where they differ names nothing and says so. A slot is named
+after two quiet censuses in a row found it, with the request that last took it and the site of
+that `HybridReqToTokenPool.alloc` (hooked here; its base `ReqToTokenPool.alloc`, which it calls,
+gives the row to the slot ledger, and this hook checks that it did).
+
+Never judged from the scheduler's own thread: a prefill pick copies a cached state into a fresh
+slot for a waiting request (`match_prefix`) before the request takes a row, and pre-allocates slots
+for a pick (`alloc_group_begin`), so a census there could see held slots as nobody's.
+
+Not judged, said once in a `probe_status`: a free list on a device (reading it would synchronise),
+the extra buffer's ping-pong slots and the int8 checkpoint pool (held in ways not read here), a
+pool past MAX_SLOTS slots.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
+from kvdoctor.probe.engines.sglang.mamba_pool import NotJudged, host_slots
+from kvdoctor.trace import schema
+
+if TYPE_CHECKING:
+    from kvdoctor.probe.base.context import ProbeContext
+
+COMPONENT = "mamba_slots"
+MAX_SLOTS = 1 << 24  # a census holds a byte a slot while it runs (16 MB at the bound)
+MAX_TAKEN = 1 << 16  # slots whose taker is remembered
+CENSUSES_TO_NAME = 2
+
+
+class MambaSlots:
+    """Who took each slot (bounded), the slots unaccounted at the last quiet census, those named."""
+
+    def __init__(self, probe: ProbeContext | None = None) -> None:
+        self.taken: dict[int, tuple[str, int]] = {}  # slot -> (rid, site)
+        self.unaccounted: set[int] = set()
+        self.named: set[int] = set()
+        self.off = ""
+        self.said: tuple[int, ...] | None = None
+
+    def periodic(self, probe: ProbeContext) -> None:
+        return None  # counted at the slot ledgers' quiet censuses
+
+    def close(self, probe: ProbeContext, reason: str) -> None:
+        return None
+
+    def stop(self, probe: ProbeContext, why: str) -> None:
+        self.off = f"Mamba state slots not judged: {why}"
+        probe.emitter.emit(schema.PROBE_STATUS, {"component": COMPONENT, "state": "partial", "reason": self.off})
+
+    def note_taken(self, reqs: Any, site: int) -> None:
+        for req in list(reqs or []):
+            kv = getattr(req, "kv", None)
+            for slot in host_slots(getattr(kv, "mamba_pool_idx", None)):
+                if slot in self.taken or len(self.taken) < MAX_TAKEN:
+                    self.taken[slot] = (str(getattr(req, "rid", "?")), site)
+
+    def quiet_census(self, state: Any) -> None:
+        """From the slot ledgers' quiet and shutdown censuses (`state`: the engine's `SglangState`):
+        each engine's request pool that has a Mamba allocator."""
+        for _allocator, requests in list(state.judging.engine_pools_by_allocator.values()):
+            if requests is not None and hasattr(requests, "mamba_allocator"):
+                self.census(state.probe, requests, state.tree)
+
+    def census(self, probe: ProbeContext, pool: Any, tree: Any) -> None:
+        """One quiet census of `pool` (a request pool with a Mamba allocator) against `tree`."""
+        if self.off:
+            return
+        try:
+            self._census(probe, pool, tree)
+        except NotJudged as exc:
+            self.stop(probe, str(exc))
+        except Exception as exc:
+            self.stop(probe, f"{type(exc).__name__}: {exc}")
+
+    def _census(self, probe: ProbeContext, pool: Any, tree: Any) -> None:
+        allocator: Any = getattr(pool, "mamba_allocator", None)
+        size = getattr(allocator, "size", None)
+        if not isinstance(size, int) or tree is None or not hasattr(tree, "all_mamba_values_flatten"):
+            raise NotJudged(f"{type(pool).__name__} has no Mamba allocator with a size, or its tree no Mamba values")
+        if type(allocator).__name__ != "MambaSlotAllocator":
+            raise NotJudged(f"its Mamba allocator is a {type(allocator).__name__}, whose free list this census does not read")
+        if size > MAX_SLOTS:
+            raise NotJudged(f"the Mamba pool has {size} slots (more than {MAX_SLOTS})")
+        if getattr(pool, "enable_mamba_extra_buffer", False) or getattr(pool, "mamba_ckpt_pool", None) is not None:
+            raise NotJudged("the extra buffer's ping-pong slots or the int8 checkpoint pool hold slots this census does not read")
+        if getattr(allocator, "_alloc_iter", None) is not None:
+            return  # a prefill pick's pre-allocated slots are out (alloc_group_begin): not this round
+        free = slot_array(getattr(allocator, "free_slots", None), size)
+        in_tree = slot_array(tree.all_mamba_values_flatten(), size)
+        sessions = np.asarray(sorted(session_slots(tree)), dtype=np.int64)
+        counted = int(tree.mamba_evictable_size()) + int(tree.mamba_protected_size())
+        held = np.zeros(size + 1, dtype=bool)  # slot 0 is SGLang's padding slot, never handed out
+        held[0] = True
+        for part in (free, in_tree, sessions):
+            if part.size and (part.min() < 0 or part.max() > size):
+                raise NotJudged(f"slot {int(part.max())} is outside the Mamba pool's {size} slots")
+            held[part] = True
+        distinct_free, distinct_tree = np.unique(free).size, np.unique(in_tree).size
+        disagrees = free.size != int(allocator.available_size()) or distinct_free != free.size or distinct_tree != counted
+        orphans = {int(slot) for slot in np.flatnonzero(~held)}
+        count = (size, int(free.size), distinct_tree, int(sessions.size), len(orphans), int(disagrees))
+        if count != self.said:
+            self.said = count
+            names = ("slots", "free", "tree", "session_holders", "unaccounted", "books_disagree")
+            probe.emitter.emit(schema.MAMBA_POOL, {**dict(zip(names, count, strict=True)), "quiet": True, "tree_counted": counted})
+        for slot in [slot for slot in self.taken if slot < held.size and held[slot]]:
+            del self.taken[slot]  # free or the tree's now: its taker is no longer the one to name
+        if disagrees:
+            self.unaccounted = set()
+            return  # SGLang's own counts do not match what was read: nothing named from it
+        due = sorted((orphans & self.unaccounted) - self.named)
+        self.unaccounted = orphans
+        self.named &= orphans
+        if due:
+            self.name(probe, due, size)
+
+    def name(self, probe: ProbeContext, slots: list[int], size: int) -> None:
+        by_site: dict[int, list[int]] = {}
+        for slot in slots:
+            self.named.add(slot)
+            by_site.setdefault(self.taken.get(slot, ("", 0))[1], []).append(slot)
+        for site, group in by_site.items():
+            requests: dict[str, int] = {}
+            for slot in group:
+                rid = self.taken.get(slot, ("unknown (taken before the probe watched)", 0))[0]
+                requests[rid] = requests.get(rid, 0) + 1
+            probe.emitter.emit(
+                schema.VIOLATION,
+                {
+                    "kind": schema.MAMBA_ORPHAN_SLOTS,
+                    "count": len(group),
+                    "allocator": "MambaPool",
+                    "site": probe.sites.name(site) if site else "unknown",
+                    "slot_ids": group[:64],
+                    "requests": requests,
+                    "path": "HybridReqToTokenPool.alloc",
+                    "pool_slots": size,
+                    "quiet": True,  # named at quiet censuses (no request live), not at a prefill pick
+                },
+            )
+
+
+def slot_array(value: Any, size: int) -> np.ndarray:
+    """A host tensor of slot numbers as int64 (NotJudged for a device tensor: reading it would
+    synchronise)."""
+    if value is None:
+        return np.zeros(0, dtype=np.int64)
+    device = getattr(value, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise NotJudged(f"the Mamba pool's slot numbers live on {device}; reading them would synchronise")
+    return np.asarray(value.reshape(-1).numpy() if hasattr(value, "numpy") else value, dtype=np.int64).reshape(-1)
+
+
+def session_slots(tree: Any) -> set[int]:
+    """The Mamba slots streaming sessions hold (their records' `mamba_pool_idx`)."""
+    records = getattr(tree, "session_records", None)
+    if records is None:
+        return set()
+    out: set[int] = set()
+    for kv in dict(records()).values():
+        out.update(host_slots(getattr(kv, "mamba_pool_idx", None)))
+        if getattr(kv, "mamba_ping_pong_track_buffer", None) is not None:
+            raise NotJudged("a session holds ping-pong track slots")
+    return out
+
+
+def mamba_slots(probe: ProbeContext) -> MambaSlots:
+    return probe.state(COMPONENT, MambaSlots)
+
+
+class HybridAllocRole(Role):
+    """`HybridReqToTokenPool.alloc(reqs)`: each request's Mamba slot (taken here, or copied into at
+    its prefix match) and who took it."""
+
+    ledger = "slots"
+    wants_site = True
+    reads = {"reqs": 0}
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        if result is None:
+            return
+        slots, reqs = mamba_slots(probe), hook.arg(args, kwargs, "reqs")
+        engine = probe.states.get("sglang")  # its base alloc's row is in the engine's request table
+        live = getattr(getattr(engine, "requests", None), "live", {})
+        unseen = [r for r in list(reqs or []) if getattr(getattr(r, "kv", None), "req_pool_idx", None) not in live]
+        if unseen:  # its base alloc, the hooked one, did not give these rows to the slot ledger
+            row = getattr(unseen[0].kv, "req_pool_idx", None)
+            why = f"HybridReqToTokenPool.alloc gave row {row} past the hooked ReqToTokenPool.alloc"
+            probe.turn_off_ledger("slots", "the slot ledger", why)
+            return
+        try:
+            slots.note_taken(reqs, ctx)
+        except NotJudged as exc:
+            slots.stop(probe, str(exc))
+
+
+class HybridClearRole(Role):
+    """`HybridReqToTokenPool.clear()`: every slot free again; nothing it held is anyone's now."""
+
+    ledger = "slots"
+
+    def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
+        slots = mamba_slots(probe)
+        slots.taken.clear()
+        slots.unaccounted = set()
+
+
+ROLES: dict[str, Role] = {"hybrid_rows_alloc": HybridAllocRole(), "hybrid_rows_clear": HybridClearRole()}
