@@ -64,7 +64,7 @@ THREADS_DIR = os.path.join(HERE, "server_threads")
 @dataclass
 class Case:
     name: str
-    kind: str  # clean | leak | row_leak | pd_decode | safety | hicache | attach | memcheck | cost
+    kind: str  # clean | leak | row_leak | pd_decode | safety | hicache | hicache_l3 | attach | memcheck | cost
     flags: list[str] = field(default_factory=list)
     probe: bool = True
     fault: str = ""
@@ -86,6 +86,8 @@ def _cases() -> dict[str, Case]:
         Case("clean-chunked", "clean", ["--page-size", "16", "--chunked-prefill-size", "64", "--schedule-policy", "fcfs"]),
         Case("clean-p1-chunked", "clean", ["--chunked-prefill-size", "64"]),
         Case("hicache", "hicache", ["--page-size", "16", *HICACHE], max_total_tokens=6144),
+        # host pool evictions and L3 prefetches: more prompts than the host pool holds, then the first again
+        Case("hicache-l3", "hicache_l3", ["--page-size", "16", *HICACHE], max_total_tokens=6144),
         Case("hicache-delay", "hicache", ["--page-size", "16", *HICACHE], max_total_tokens=6144, env=DELAY),
         Case(
             "hicache-delay-guard",
@@ -410,6 +412,35 @@ def drive_hicache(server: GpuServer, cpu: bool) -> dict:
     return {"requests": 2 * len(prompts) + len(longs), "failed": failed[:5], "failed_count": len(failed), "idle_census_after_load": idle}
 
 
+def drive_hicache_l3(server: GpuServer, cpu: bool) -> dict:
+    """Host pool evictions and L3 prefetches: 130 distinct 256-token prompts (more than the host pool
+    holds: the oldest leave it, kept in L3), then the first 40 again (fetched back from L3 into
+    freshly allocated host slots)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    vocab = sglang_server.vocab_size()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, vocab - 1) for _ in range(256)] for _ in range(130 if not cpu else 16)]
+    failed: list[str] = []
+
+    def send(p: list[int]) -> None:
+        try:
+            server.generate(p, 4, timeout_s=300.0)
+        except Exception as exc:
+            failed.append(repr(exc)[:200])
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(send, prompts))
+    time.sleep(2.0)  # the write-through to L3 of the last ones
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(send, prompts[:40]))
+    since_us = time.time() * 1e6
+    server.generate(list(range(5, 21)), 4)
+    idle = wait_idle_census(server.trace, since_us) if server.probe else None
+    return {"requests": len(prompts) + 40, "failed": failed[:5], "failed_count": len(failed), "idle_census_after_load": idle}
+
+
 def drive_attach(server: GpuServer, cpu: bool) -> dict:
     """A server started without kvdoctor fills its tree (60 prompts of 120 tokens, more than the pool
     holds), `kvdoctor attach --gdb` puts the probe in (cuda-gdb on the GPU machine, which has no gdb),
@@ -464,7 +495,7 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     }
     why = []
     load = result.get("load", {})
-    if case.kind not in ("hicache", "attach", "memcheck", "pd_decode") and (
+    if case.kind not in ("hicache", "hicache_l3", "attach", "memcheck", "pd_decode") and (
         load.get("chats", {}).get("errors") or load.get("bench_rc") != 0
     ):
         why.append(f"load failed: {load}")
@@ -485,7 +516,7 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
     if not c["censuses"] or c["unbalanced_count"]:
         why.append(f"censuses: {c['censuses']}, unbalanced {c['unbalanced_count']}")
     why.extend(result.get("attach_why", []))
-    if case.kind == "hicache":
+    if case.kind in ("hicache", "hicache_l3"):
         counts = hicache_counts(server.trace)
         result["hicache"] = counts
         events = _events(server.trace)
@@ -496,8 +527,12 @@ def judge(case: Case, result: dict, server: GpuServer) -> None:
             why.append(f"{load['failed_count']} requests failed: {load['failed']}")
         if not any(int(c.get("loads", 0) or 0) for c in counts.values()):
             why.append(f"no load back seen: the case did not test one ({counts})")
-        if case.name == "hicache" and (errors or rc != 0):
+        if case.name in ("hicache", "hicache-l3") and (errors or rc != 0):
             why.append(f"errors {errors} rc {rc}")
+        if case.kind == "hicache_l3" and not all(
+            any(int(c.get(k, 0) or 0) for c in counts.values()) for k in ("host_frees", "storage_gets")
+        ):
+            why.append(f"no host pool free or no L3 get seen: the case did not test them ({counts})")
     if case.kind == "clean":
         if errors or rc != 0:
             why.append(f"errors {errors} rc {rc}")
@@ -860,7 +895,13 @@ def run(cases: list[Case], out: str, cpu: bool, mem_fraction: str) -> dict:
 
     def correctness(server: GpuServer, r: dict) -> None:
         kind = server.case.kind
-        drivers = {"hicache": drive_hicache, "attach": drive_attach, "memcheck": drive_memcheck, "pd_decode": drive_pd_decode}
+        drivers = {
+            "hicache": drive_hicache,
+            "hicache_l3": drive_hicache_l3,
+            "attach": drive_attach,
+            "memcheck": drive_memcheck,
+            "pd_decode": drive_pd_decode,
+        }
         r["load"] = drivers.get(kind, drive)(server, cpu)
 
     threads = [threading.Thread(target=finish, args=(c, correctness)) for c in cases if c.kind != "cost"]
