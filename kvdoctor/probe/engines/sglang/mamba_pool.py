@@ -159,24 +159,23 @@ class MambaSlotLedger:
             self.named.add(slot)
             _, path, site = self.taken.get(slot, ("", "a path the probe did not see", 0))
             by_path.setdefault((path, site), []).append(slot)
-        for (path, site), group in by_path.items():
-            requests: dict[str, int] = {}
-            for slot in group:
-                rid = self.taken.get(slot, ("unknown (taken before the probe watched)", "", 0))[0]
-                requests[rid] = requests.get(rid, 0) + 1
-            probe.emitter.emit(
-                schema.VIOLATION,
-                {
-                    "kind": schema.MAMBA_ORPHAN_SLOTS,
-                    "count": len(group),
-                    "allocator": "MambaPool",
-                    "site": probe.sites.name(site) if site else "unknown",
-                    "slot_ids": group[:64],
-                    "requests": requests,
-                    "path": path,
-                    "pool_slots": size,
-                },
-            )
+        emit_orphans(probe, by_path, lambda slot: self.taken.get(slot, (UNKNOWN_TAKER, "", 0))[0], size)
+
+
+UNKNOWN_TAKER = "unknown (taken before the probe watched)"
+
+
+def emit_orphans(probe: ProbeContext, groups: dict[tuple[str, int], list[int]], rid_of: Any, size: int, **extra: Any) -> None:
+    """One `mamba_orphan_slots` violation per (path, site) group of orphaned slots, with the
+    requests that took them (`rid_of(slot)`)."""
+    for (path, site), group in groups.items():
+        requests: dict[str, int] = {}
+        for slot in group:
+            rid = str(rid_of(slot))
+            requests[rid] = requests.get(rid, 0) + 1
+        args = {"kind": schema.MAMBA_ORPHAN_SLOTS, "count": len(group), "allocator": "MambaPool"}
+        args.update({"site": probe.sites.name(site) if site else "unknown", "slot_ids": group[:64], "requests": requests})
+        probe.emitter.emit(schema.VIOLATION, {**args, "path": path, "pool_slots": size, **extra})
 
 
 def _census_period() -> float:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
-from kvdoctor.probe.engines.sglang.mamba_pool import NotJudged, host_slots
+from kvdoctor.probe.engines.sglang.mamba_pool import UNKNOWN_TAKER, NotJudged, emit_orphans, host_slots
 from kvdoctor.trace import schema
 
 if TYPE_CHECKING:
@@ -127,29 +127,12 @@ class MambaSlots:
             self.name(probe, due, size)
 
     def name(self, probe: ProbeContext, slots: list[int], size: int) -> None:
-        by_site: dict[int, list[int]] = {}
+        by_site: dict[tuple[str, int], list[int]] = {}
         for slot in slots:
             self.named.add(slot)
-            by_site.setdefault(self.taken.get(slot, ("", 0))[1], []).append(slot)
-        for site, group in by_site.items():
-            requests: dict[str, int] = {}
-            for slot in group:
-                rid = self.taken.get(slot, ("unknown (taken before the probe watched)", 0))[0]
-                requests[rid] = requests.get(rid, 0) + 1
-            probe.emitter.emit(
-                schema.VIOLATION,
-                {
-                    "kind": schema.MAMBA_ORPHAN_SLOTS,
-                    "count": len(group),
-                    "allocator": "MambaPool",
-                    "site": probe.sites.name(site) if site else "unknown",
-                    "slot_ids": group[:64],
-                    "requests": requests,
-                    "path": "HybridReqToTokenPool.alloc",
-                    "pool_slots": size,
-                    "quiet": True,  # named at quiet censuses (no request live), not at a prefill pick
-                },
-            )
+            by_site.setdefault(("HybridReqToTokenPool.alloc", self.taken.get(slot, ("", 0))[1]), []).append(slot)
+        # named at quiet censuses (no request live), not at a prefill pick
+        emit_orphans(probe, by_site, lambda slot: self.taken.get(slot, (UNKNOWN_TAKER, 0))[0], size, quiet=True)
 
 
 def slot_array(value: Any, size: int) -> np.ndarray:
