@@ -202,7 +202,7 @@ def test_a_release_that_renamed_a_hooked_method_gets_the_nearest_map_that_resolv
     trace = tmp_path / "t.kvtrace.json"
     proc = kvdoctor("run", "--trace", str(trace), "--format", "json", "--", sys.executable, "-c", WORKLOAD, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "SGLang 0.5.99 has no tested map; using sglang-0.5.19.toml, all 66 hooks resolved" in proc.stderr, proc.stderr[:3000]
+    assert "SGLang 0.5.99 has no tested map; using sglang-0.5.19.toml, all 68 hooks resolved" in proc.stderr, proc.stderr[:3000]
     replay = kvdoctor("replay", str(trace), "--format", "json")
     errors = [(f["kind"], f["count"]) for f in json.loads(replay.stdout)["findings"] if f["severity"] == "error"]
     assert errors == [("orphan_slots", 64)]

@@ -131,5 +131,5 @@ def test_probes_command_in_an_environment_with_another_release():
         [sys.executable, "-m", "kvdoctor", "probes"], env=sglang_env("0.5.18"), capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr
-    assert "SGLang 0.5.18: map sglang-0.5.17.toml, 70/70 hooks resolve, tested in CI" in proc.stdout
+    assert "SGLang 0.5.18: map sglang-0.5.17.toml, 72/72 hooks resolve, tested in CI" in proc.stdout
     assert "    graph replays: watched (DecodeCudaGraphRunner.execute, PrefillCudaGraphRunner.execute," in proc.stdout
