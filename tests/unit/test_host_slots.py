@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvdoctor.probe.engines.sglang.hicache import HostAllocRole
 from kvdoctor.probe.engines.sglang.host_slots import HostSlots
 from kvdoctor.trace import schema
 
@@ -107,6 +108,21 @@ def test_first_sight_reads_the_free_list_and_clear_reads_it_again():
     books.cleared(p, host)
     books.handed_out(p, host, pages(1, 2), 1)
     assert len(violations(p)) == 1
+
+
+def test_a_pool_first_met_at_an_alloc_is_read_before_it():
+    """A probe that came late (an attach) meets the pool at an alloc: the hook's `before` reads it
+    while its free list still holds what the call hands out, so those slots are not held already."""
+    p, host = probe(), pool()
+    states: dict = {}
+    p.state = lambda key, factory: states.setdefault(key, factory(p))
+    p.fixes = frozenset()
+    role, hook = HostAllocRole(), types.SimpleNamespace()
+    ctx = role.before(p, hook, host, (8,), {}, 1)
+    handed = host.free_slots[:8]
+    host.free_slots = host.free_slots[8:]  # the pool's own alloc of pages 0 and 1
+    role.after(p, hook, host, (8,), {}, handed, ctx)
+    assert violations(p) == [] and not states["hicache"].slots.off
 
 
 def test_release_slots_of_0_5_23_count_as_free():

@@ -162,6 +162,7 @@ class HostAllocRole(HiCacheRole):
     def before(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, site: int) -> Any:
         st = state(probe)
         st.hosts[id(obj)] = obj
+        st.slots.meet(probe, obj)
         return site
 
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:

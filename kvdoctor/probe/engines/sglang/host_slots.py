@@ -127,6 +127,12 @@ class HostSlots:
 
     # ----- the hooked calls -----
 
+    def meet(self, probe: Any, pool: Any) -> None:
+        """Before an alloc: a pool first met here is read while its free list still holds what the
+        call hands out (met after, those slots would read as handed out already)."""
+        if id(pool) not in self.books:
+            self.guarded(probe, lambda _probe, p: self.book(p), pool)
+
     def handed_out(self, probe: Any, pool: Any, result: Any, site: int) -> None:
         if result is not None:
             self.guarded(probe, self._handed_out, pool, result, site)
