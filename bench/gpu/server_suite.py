@@ -86,7 +86,7 @@ def _cases() -> dict[str, Case]:
         Case("clean-chunked", "clean", ["--page-size", "16", "--chunked-prefill-size", "64", "--schedule-policy", "fcfs"]),
         Case("clean-p1-chunked", "clean", ["--chunked-prefill-size", "64"]),
         Case("hicache", "hicache", ["--page-size", "16", *HICACHE], max_total_tokens=6144),
-        # host pool evictions and L3 prefetches: more prompts than the host pool holds, then the first again
+        # host pool evictions and L3 prefetches: more 512-token prompts than the host pool holds, then the first again
         Case("hicache-l3", "hicache_l3", ["--page-size", "16", *HICACHE], max_total_tokens=6144),
         Case("hicache-delay", "hicache", ["--page-size", "16", *HICACHE], max_total_tokens=6144, env=DELAY),
         Case(
@@ -413,15 +413,17 @@ def drive_hicache(server: GpuServer, cpu: bool) -> dict:
 
 
 def drive_hicache_l3(server: GpuServer, cpu: bool) -> dict:
-    """Host pool evictions and L3 prefetches: 130 distinct 256-token prompts (more than the host pool
-    holds: the oldest leave it, kept in L3), then the first 40 again (fetched back from L3 into
-    freshly allocated host slots)."""
+    """Host pool evictions and L3 prefetches: 70 distinct 512-token prompts (more than the host pool
+    holds: the oldest leave it, kept in L3), then the first 20 again (fetched back from L3 into
+    freshly allocated host slots). 512, not 256: what a prefetch asks for is the prompt's matchable
+    prefix past its host and device hits, page-aligned (240 tokens of a 256-token prompt at page 16),
+    and SGLang issues none below its prefetch threshold (256 tokens by default)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
     vocab = sglang_server.vocab_size()
     rng = random.Random(11)
-    prompts = [[rng.randrange(5, vocab - 1) for _ in range(256)] for _ in range(130 if not cpu else 16)]
+    prompts = [[rng.randrange(5, vocab - 1) for _ in range(512)] for _ in range(70 if not cpu else 16)]
     failed: list[str] = []
 
     def send(p: list[int]) -> None:
@@ -434,11 +436,11 @@ def drive_hicache_l3(server: GpuServer, cpu: bool) -> dict:
         list(pool.map(send, prompts))
     time.sleep(2.0)  # the write-through to L3 of the last ones
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(send, prompts[:40]))
+        list(pool.map(send, prompts[:20]))
     since_us = time.time() * 1e6
     server.generate(list(range(5, 21)), 4)
     idle = wait_idle_census(server.trace, since_us) if server.probe else None
-    return {"requests": len(prompts) + 40, "failed": failed[:5], "failed_count": len(failed), "idle_census_after_load": idle}
+    return {"requests": len(prompts) + 20, "failed": failed[:5], "failed_count": len(failed), "idle_census_after_load": idle}
 
 
 def drive_attach(server: GpuServer, cpu: bool) -> dict:
