@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvdoctor.probe.base.context import Args, Hook, Kwargs, Role
+from kvdoctor.probe.engines.sglang.host_slots import NotFollowed, host_ints
 from kvdoctor.probe.engines.sglang.mamba_pool import UNKNOWN_TAKER, NotJudged, emit_orphans, host_slots
 from kvdoctor.trace import schema
 
@@ -79,7 +80,7 @@ class MambaSlots:
             return
         try:
             self._census(probe, pool, tree)
-        except NotJudged as exc:
+        except (NotJudged, NotFollowed) as exc:
             self.stop(probe, str(exc))
         except Exception as exc:
             self.stop(probe, f"{type(exc).__name__}: {exc}")
@@ -97,8 +98,8 @@ class MambaSlots:
             raise NotJudged("the extra buffer's ping-pong slots or the int8 checkpoint pool hold slots this census does not read")
         if getattr(allocator, "_alloc_iter", None) is not None:
             return  # a prefill pick's pre-allocated slots are out (alloc_group_begin): not this round
-        free = slot_array(getattr(allocator, "free_slots", None), size)
-        in_tree = slot_array(tree.all_mamba_values_flatten(), size)
+        free = host_ints(getattr(allocator, "free_slots", None))
+        in_tree = host_ints(tree.all_mamba_values_flatten())
         sessions = np.asarray(sorted(session_slots(tree)), dtype=np.int64)
         counted = int(tree.mamba_evictable_size()) + int(tree.mamba_protected_size())
         held = np.zeros(size + 1, dtype=bool)  # slot 0 is SGLang's padding slot, never handed out
@@ -133,17 +134,6 @@ class MambaSlots:
             by_site.setdefault(("HybridReqToTokenPool.alloc", self.taken.get(slot, ("", 0))[1]), []).append(slot)
         # named at quiet censuses (no request live), not at a prefill pick
         emit_orphans(probe, by_site, lambda slot: self.taken.get(slot, (UNKNOWN_TAKER, 0))[0], size, quiet=True)
-
-
-def slot_array(value: Any, size: int) -> np.ndarray:
-    """A host tensor of slot numbers as int64 (NotJudged for a device tensor: reading it would
-    synchronise)."""
-    if value is None:
-        return np.zeros(0, dtype=np.int64)
-    device = getattr(value, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise NotJudged(f"the Mamba pool's slot numbers live on {device}; reading them would synchronise")
-    return np.asarray(value.reshape(-1).numpy() if hasattr(value, "numpy") else value, dtype=np.int64).reshape(-1)
 
 
 def session_slots(tree: Any) -> set[int]:
