@@ -18,7 +18,18 @@ from kvdoctor.demo.engine import Engine, Request
 
 __all__ = ["FAULTS", "Engine", "Request", "WorkloadConfig", "WorkloadResult", "run_workload"]
 
-FAULTS = ("none", "leak", "double-free", "stale-last-loc", "relocate", "index-out-of-range", "double-alloc", "tree-unseen", "row-leak")
+FAULTS = (
+    "none",
+    "leak",
+    "double-free",
+    "stale-last-loc",
+    "relocate",
+    "index-out-of-range",
+    "double-alloc",
+    "tree-unseen",
+    "row-leak",
+    "double-free-in-call",
+)
 
 
 @dataclasses.dataclass
@@ -203,6 +214,14 @@ def _finish(engine: Engine, item: _Live, result: WorkloadResult, config: Workloa
         engine.allocator.free(own)
         engine.allocator.free(own)
         result.planted["double_free"] = int(own.numel())
+    elif fault == "double-free-in-call":
+        # Its own slots given back in one call naming its last two slots twice (sglang#13483's
+        # shape, on the device pool). One-slot pages: two slots on the free list twice. Larger
+        # pages: SGLang's paged free keeps each page once, and nothing is wrong.
+        own = kv[item.prefix_len :]
+        engine.allocator.free(torch.cat([own, own[-2:]]))
+        result.planted["double_free"] = 2 if ps == 1 else 0
+        result.planted["slot_ids"] = sorted(int(x) for x in own[-2:]) if ps == 1 else []
     else:
         if fault == "tree-unseen":
             new_prefix = engine.insert_unseen(item.tokens[:aligned], kv[:aligned])

@@ -86,6 +86,8 @@ def test_free_groups_staging_and_clear(version):
         assert out["paged"]["mid"] == [OWNED] * 16
         assert out["paged"]["end"] == [FREE] * 16
         # 2 + 2 token double frees (two token allocators) and one page (4 slots) freed twice
-        assert sorted(out["findings"]) == [["double_free", 2], ["double_free", 2], ["double_free", 4]]
+        assert sorted(out["findings"]) == [["double_alloc", 2], ["double_free", 2], ["double_free", 2], ["double_free", 4]]
     else:
-        assert sorted(out["findings"]) == [["double_free", 2], ["double_free", 2]]
+        assert sorted(out["findings"]) == [["double_alloc", 2], ["double_free", 2], ["double_free", 2]]
+    # The two slots freed twice are on a free list twice; where alloc(60) reaches both copies (the
+    # sorting allocator puts them side by side) it hands each out twice in that one call.

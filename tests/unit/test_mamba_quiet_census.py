@@ -85,6 +85,41 @@ def test_an_orphan_is_named_at_the_second_census_with_its_taker():
     assert len(named(p)) == 1  # named once
 
 
+class TakenWhileRead(MambaSlotAllocator):
+    """The scheduler takes slot 1 for `req-b` right after a census has read the free list (which
+    still holds it): the census runs on the writer's thread, beside the scheduler."""
+
+    def __init__(self, slots: MambaSlots, size: int, free: list[int]) -> None:
+        super().__init__(size, free)
+        self.slots, self.read = slots, 0
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        self.read += 1
+        if self.read == 1:
+            taken(self.slots, 1, "req-b")
+        return self._free
+
+    @free_slots.setter
+    def free_slots(self, value: torch.Tensor) -> None:
+        self._free = value
+
+
+TakenWhileRead.__name__ = "MambaSlotAllocator"  # the census reads only that class's free list
+
+
+def test_a_slot_taken_while_a_census_reads_keeps_its_taker():
+    p, slots = probe(), MambaSlots()
+    engine = pool(8, [])
+    engine.mamba_allocator = TakenWhileRead(slots, 8, [1, 2, 3, 4, 5])
+    slots.census(p, engine, Tree([6, 7, 8]))  # read slot 1 as free, while req-b took it
+    assert slots.taken[1][0] == "req-b"
+    for _ in range(2):  # req-b never gives it back
+        slots.census(p, pool(8, [2, 3, 4, 5]), Tree([6, 7, 8]))
+    (v,) = named(p)
+    assert v["slot_ids"] == [1] and v["requests"] == {"req-b": 1}, v
+
+
 def test_session_records_hold_slots():
     p, slots = probe(), MambaSlots()
     session = types.SimpleNamespace(mamba_pool_idx=torch.tensor(8), mamba_ping_pong_track_buffer=None)

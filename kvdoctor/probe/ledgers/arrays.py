@@ -63,6 +63,20 @@ class HostArrays:
     def snapshot(self, arrays: Sequence[Any]) -> ReadyRead:
         return ReadyRead([np.array(a, copy=True) for a in arrays])
 
+    def or_repeated(self, mask: np.ndarray, pages: np.ndarray, sink: int) -> np.ndarray:
+        """`mask`, and where an entry names a page an earlier entry of the same call named (the
+        sink, where out-of-range entries are parked, aside): a page freed or taken twice in one call."""
+        if pages.size < 2:
+            return mask
+        order = np.argsort(pages, kind="stable")
+        ranked = pages[order]
+        again = (ranked[1:] == ranked[:-1]) & (ranked[1:] != sink)
+        if not again.any():
+            return mask
+        out = np.array(mask, dtype=bool, copy=True)
+        out[order[1:][again]] = True
+        return out
+
 
 class ReadyRead:
     def __init__(self, values: list[np.ndarray]) -> None:
@@ -107,6 +121,10 @@ class DeviceArrays:
         if not hasattr(arr, "to"):
             arr = self.torch.as_tensor(arr, device=self.device)
         return arr.to(like.dtype)
+
+    def or_repeated(self, mask: Any, pages: Any, sink: int) -> Any:
+        """Not judged on a device: a sort on every call (a page named twice in one call is missed there)."""
+        return mask
 
     def to_host(self, arr: Any) -> np.ndarray:
         # Only used at a census (idle engine) or at exit, where a sync harms no one. A copy: the

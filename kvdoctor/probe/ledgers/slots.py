@@ -201,6 +201,8 @@ class SlotLedger:
             pages = xp.where(slots % self.page_size == 0, pages, self.sink)
         before = self.state[pages]
         taken = (before != FREE) & (pages != self.sink)
+        if self.page_size == 1 or only_page_starts:  # each entry a page of its own: one named twice is taken twice
+            taken = xp.or_repeated(taken, pages, self.sink)
         if self.history is not None:
             self._record(pages, rec.OP_ALLOC, site)
         self._flag(pages, taken, schema.DOUBLE_ALLOC, site)
@@ -253,6 +255,8 @@ class SlotLedger:
         weight = self.page_size if as_pages else 1
         before = self.state[pages]
         already = ((before & FREE) != 0) & (pages != self.sink)
+        if self.page_size == 1 or as_pages:  # SGLang's paged free keeps each page once; a one-slot page's does not
+            already = xp.or_repeated(already, pages, self.sink)
         if self.history is not None:
             self._record(pages, rec.OP_EVICT if evicting else rec.OP_FREE, site, self.owner[pages])
         self._flag(pages, already, schema.DOUBLE_FREE, site, weight)
@@ -263,14 +267,10 @@ class SlotLedger:
         self.fill(self.state, self.sink, RESERVED)
 
     def on_restore(self, restored: Any, current: Any, site: int) -> None:
-        """The allocator's `restore_state(state)`: its free lists (page ids; slots at page size 1)
-        are set back to `restored`, those `backup_state` returned, from `current`. Pages in the
-        restored lists but not the current ones were handed out since and are free again without a
-        `free` (EAGLE's draft takes its slots with `backup_state=True` and gives them back so), as a
-        free leaves them; pages in the current lists but not the restored ones were freed since and
-        are held again, by nobody (an orphan with this call's site). A few whole-array operations
-        over the pool, no value read back: where only pages taken from the front of the free list
-        are given back, the role frees just those instead (`speculative.taken_since`)."""
+        """`restore_state(state)`: the free lists (page ids) set back to `restored` from `current`.
+        Pages handed out since are free again without a `free` (EAGLE's draft takes slots with
+        `backup_state=True`); pages freed since are held again, by nobody (an orphan with this
+        site). Whole-array operations, no value read back (`speculative.taken_since` frees fewer)."""
         xp = self.xp
         n = self.num_pages + 2
         was, now = xp.zeros(n, "int8"), xp.zeros(n, "int8")

@@ -44,7 +44,8 @@ class MambaSlots:
     """Who took each slot (bounded), the slots unaccounted at the last quiet census, those named."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
-        self.taken: dict[int, tuple[str, int]] = {}  # slot -> (rid, site)
+        self.taken: dict[int, tuple[str, int, int]] = {}  # slot -> (rid, site, when: a count of takings)
+        self.takings = 0
         self.unaccounted: set[int] = set()
         self.named: set[int] = set()
         self.off = ""
@@ -65,7 +66,8 @@ class MambaSlots:
             kv = getattr(req, "kv", None)
             for slot in host_slots(getattr(kv, "mamba_pool_idx", None)):
                 if slot in self.taken or len(self.taken) < MAX_TAKEN:
-                    self.taken[slot] = (str(getattr(req, "rid", "?")), site)
+                    self.takings += 1
+                    self.taken[slot] = (str(getattr(req, "rid", "?")), site, self.takings)
 
     def quiet_census(self, state: Any) -> None:
         """From the slot ledgers' quiet and shutdown censuses (`state`: the engine's `SglangState`):
@@ -98,6 +100,7 @@ class MambaSlots:
             raise NotJudged("the extra buffer's ping-pong slots or the int8 checkpoint pool hold slots this census does not read")
         if getattr(allocator, "_alloc_iter", None) is not None:
             return  # a prefill pick's pre-allocated slots are out (alloc_group_begin): not this round
+        before = self.takings  # a slot taken after this is not judged free from what is read next
         free = host_ints(getattr(allocator, "free_slots", None))
         in_tree = host_ints(tree.all_mamba_values_flatten())
         sessions = np.asarray(sorted(session_slots(tree)), dtype=np.int64)
@@ -116,8 +119,9 @@ class MambaSlots:
             self.said = count
             names = ("slots", "free", "tree", "session_holders", "unaccounted", "books_disagree")
             probe.emitter.emit(schema.MAMBA_POOL, {**dict(zip(names, count, strict=True)), "quiet": True, "tree_counted": counted})
-        for slot in [slot for slot in self.taken if slot < held.size and held[slot]]:
-            del self.taken[slot]  # free or the tree's now: its taker is no longer the one to name
+        for slot, (_rid, _site, when) in list(self.taken.items()):  # the scheduler may take slots meanwhile
+            if when <= before and slot < held.size and held[slot]:
+                self.taken.pop(slot, None)  # free or the tree's now: its taker is no longer the one to name
         if disagrees:
             self.unaccounted = set()
             return  # SGLang's own counts do not match what was read: nothing named from it
@@ -131,9 +135,9 @@ class MambaSlots:
         by_site: dict[tuple[str, int], list[int]] = {}
         for slot in slots:
             self.named.add(slot)
-            by_site.setdefault(("HybridReqToTokenPool.alloc", self.taken.get(slot, ("", 0))[1]), []).append(slot)
+            by_site.setdefault(("HybridReqToTokenPool.alloc", self.taken.get(slot, ("", 0, 0))[1]), []).append(slot)
         # named at quiet censuses (no request live), not at a prefill pick
-        emit_orphans(probe, by_site, lambda slot: self.taken.get(slot, (UNKNOWN_TAKER, 0))[0], size, quiet=True)
+        emit_orphans(probe, by_site, lambda slot: self.taken.get(slot, (UNKNOWN_TAKER, 0, 0))[0], size, quiet=True)
 
 
 def session_slots(tree: Any) -> set[int]:

@@ -148,22 +148,40 @@ in_body(const Shape *s, int64_t page)
         }                                                      \
     } while (0)
 
-/* alloc: every page handed out (page starts only, with `only_page_starts`) must be free. */
-static int
-alloc_is_healthy(const Ledger *l, const Ints *v, int only_page_starts)
+/* Clears the marks a check left on the pages of its first `stop` entries (all inside the pool). */
+static void
+unmark(Ledger *l, const Ints *v, Py_ssize_t stop, int as_pages)
 {
     const Shape s = shape_of(l);
-    const int8_t *state = l->state;
+    int8_t *state = l->state;
+    EACH_INT(v, 0, stop, x, { state[as_pages ? x : page_at(&s, x)] &= (int8_t)~ST_SEEN; });
+}
+
+/* alloc: every page handed out (page starts only, with `only_page_starts`) must be free, and named
+ * once. The check marks each page it passes (ST_SEEN); its apply overwrites the mark. */
+static int
+alloc_is_healthy(Ledger *l, const Ints *v, int only_page_starts)
+{
+    const Shape s = shape_of(l);
+    int8_t *state = l->state;
+    const int8_t mark = (s.page_size == 1 || only_page_starts) ? ST_SEEN : 0;
+    Py_ssize_t passed = 0;
     EACH_INT(v, 0, v->n, slot, {
+        passed++;
         if (slot < 0 || slot >= s.rows)
-            return 0;
+            goto unhealthy;
         if (only_page_starts && !starts_page(&s, slot))
             continue;
         int64_t page = page_at(&s, slot);
         if (!in_body(&s, page) || state[page] != ST_FREE)
-            return 0;
+            goto unhealthy; /* a page marked here is not ST_FREE: named twice */
+        state[page] |= mark;
     });
     return 1;
+unhealthy:
+    if (mark)
+        unmark(l, v, passed - 1, 0);
+    return 0;
 }
 
 static void
@@ -184,25 +202,34 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
     });
 }
 
-/* free: every page named must be held (not free) and inside the pool. */
+/* free: every page named must be held (not free), inside the pool, and, where each entry is a page
+ * of its own (page ids, one-slot pages), named once: SGLang's paged free keeps each page once. */
 static int
-free_is_healthy(const Ledger *l, const Ints *v, int as_pages)
+free_is_healthy(Ledger *l, const Ints *v, int as_pages)
 {
     const Shape s = shape_of(l);
-    const int8_t *state = l->state;
+    int8_t *state = l->state;
+    const int8_t mark = (as_pages || s.page_size == 1) ? ST_SEEN : 0;
+    Py_ssize_t passed = 0;
     EACH_INT(v, 0, v->n, x, {
         int64_t page;
+        passed++;
         if (as_pages)
             page = x;
         else {
             if (x < 0 || x >= s.rows)
-                return 0;
+                goto unhealthy;
             page = page_at(&s, x);
         }
-        if (!in_body(&s, page) || (state[page] & ST_FREE))
-            return 0;
+        if (!in_body(&s, page) || (state[page] & (ST_FREE | mark)))
+            goto unhealthy;
+        state[page] |= mark;
     });
     return 1;
+unhealthy:
+    if (mark)
+        unmark(l, v, passed - 1, as_pages);
+    return 0;
 }
 
 static void

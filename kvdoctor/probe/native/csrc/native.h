@@ -58,6 +58,9 @@
 #define ST_OWNED 2
 #define ST_TREE 4
 #define ST_RESERVED 8
+/* Never seen outside one checked call (C only, the GIL and the ledger's lock held): a page this
+ * call already named, so a page named twice in one call is caught (ledger.c). */
+#define ST_SEEN 16
 
 /* The ledger operation a hooked method is (the Python side's KINDS names them by role). */
 enum {
