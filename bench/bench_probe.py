@@ -72,7 +72,17 @@ print("ARM " + json.dumps({"times_s": times, "hooked_calls": calls, "compiled": 
 SHAPES = {
     "allocator_loop": {"conversations": 32, "turns": 6, "pool_tokens": 4096},
     "tree_heavy": {"conversations": 64, "turns": 3, "output_tokens": 2, "batch": 4, "pool_tokens": 2048},
+    # the allocator loop over the 0.5.19+ default tree (UnifiedRadixCache), the sliding-window loop's own comparator
+    "unified_loop": {"conversations": 32, "turns": 6, "pool_tokens": 4096, "tree": "unified"},
+    # and over a sliding-window pool (SWATokenToKVPoolAllocator: two sides, each a hooked token allocator
+    # under the hooked composite) with the tree's FULL and SWA components: one-slot pages only
+    "swa_loop": {"conversations": 32, "turns": 6, "pool_tokens": 4096, "tree": "swa"},
 }
+PAGE_SIZES = {"swa_loop": (1,)}  # the page sizes a shape runs at, where not 1 and 4
+
+
+def page_sizes(shape: str, asked: tuple[int, ...] = (1, 4)) -> list[int]:
+    return [p for p in asked if p in PAGE_SIZES.get(shape, asked)]
 ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_NATIVE": "1"}, "python": {"KVDOCTOR_NATIVE": "0"}}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +101,7 @@ def main() -> None:
     report: dict = {}
     tmp = tempfile.mkdtemp()
     first = next(iter(SHAPES))
-    for shape, page_size in [(s, p) for s in args.shapes.split(",") for p in (1, 4)]:
+    for shape, page_size in [(s, p) for s in args.shapes.split(",") for p in page_sizes(s)]:
         times: dict[str, list[float]] = {arm: [] for arm in ARMS}
         paired: list[float] = []  # per round: its compiled minimum over its unprobed minimum
         calls, compiled = 0, None

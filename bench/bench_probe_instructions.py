@@ -33,7 +33,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_probe import ARM_SETUP, SHAPES
+from bench_probe import ARM_SETUP, SHAPES, page_sizes
 
 SLOWDOWN = 50  # valgrind's callgrind on this loop, roughly
 # the defaults of what the probe times by the clock: its censuses and its writer thread's rounds
@@ -164,7 +164,7 @@ def main() -> None:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("bench_probe_instructions: needs valgrind (callgrind and callgrind_control): apt-get install valgrind")
     tmp = tempfile.mkdtemp()
-    configs = [(s, int(p)) for s in args.shapes.split(",") for p in args.page_sizes.split(",")]
+    configs = [(s, p) for s in args.shapes.split(",") for p in page_sizes(s, tuple(int(p) for p in args.page_sizes.split(",")))]
     jobs = [(shape, ps, arm) for shape, ps in configs for arm in ("off", "bare", "compiled")]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         done = dict(zip(jobs, pool.map(lambda j: run_arm(j[2], j[1], j[0], args.loops, tmp), jobs), strict=True))

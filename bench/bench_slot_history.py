@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_probe import SHAPES
+from bench_probe import SHAPES, page_sizes
 from bench_probe_instructions import ARM, INTERVALS, SLOWDOWN, functions
 
 from kvdoctor.probe.ledgers.history import DEFAULT_ENTRIES, bytes_per_page
@@ -79,7 +79,7 @@ def main() -> None:
         raise SystemExit("bench_slot_history: needs valgrind (callgrind and callgrind_control): apt-get install valgrind")
     tmp = tempfile.mkdtemp()
     names = [n for n in ARMS if args.python or not n.startswith("python")]
-    configs = [(s, int(p)) for s in args.shapes.split(",") for p in args.page_sizes.split(",")]
+    configs = [(s, p) for s in args.shapes.split(",") for p in page_sizes(s, tuple(int(p) for p in args.page_sizes.split(",")))]
     jobs = [(shape, ps, name) for shape, ps in configs for name in names]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         done = dict(zip(jobs, pool.map(lambda j: run_arm(j[2], j[1], j[0], args.loops, tmp), jobs), strict=True))

@@ -1,7 +1,9 @@
 """The private directory `run` shares with its command's processes (KVDOCTOR_RENDEZVOUS: the census
 asked for at shutdown, the writers that stopped). `run` removes it when the command ends; a run
 that was SIGKILLed cannot, so each run first removes the directories of runs of this user that
-are gone: the name carries the run's pid (`kvdoctor-run-<pid>-XXXXXX`)."""
+are gone: the name carries the run's pid (`kvdoctor-run-<pid>-XXXXXX`). A GPU ledger's crash box
+lives in /dev/shm (memory, not disk), named after its run's directory: those of runs that are gone
+are removed with them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import tempfile
 PREFIX = "kvdoctor-run-"
 _NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[A-Za-z0-9_]+")
 MAX_SWEPT = 64  # directories looked at per run: a /tmp full of them costs one run little
+SHM = "/dev/shm"
+BOX_PREFIX = "kvdoctor-box-"  # kvdoctor/probe/ledgers/crash_box.py: kvdoctor-box-<run's directory>-<pid>-<ledger>
+_BOX = re.compile(rf"{BOX_PREFIX}{PREFIX}(\d{{1,10}})-[A-Za-z0-9_]+-\d+-[0-9a-f]+")
 
 
 def new_rendezvous() -> str:
@@ -22,11 +27,12 @@ def new_rendezvous() -> str:
     return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
 
 
-def sweep_dead_runs(directory: str | None = None) -> list[str]:
-    """Removes the rendezvous directories of this user's runs whose process is gone; the paths
-    removed. Only a real directory (not a link) owned by this user is ever removed."""
+def sweep_dead_runs(directory: str | None = None, shm: str = SHM) -> list[str]:
+    """Removes the rendezvous directories of this user's runs whose process is gone, and their crash
+    boxes in `shm`; the paths removed. Only a real directory or file (not a link) owned by this user
+    is ever removed."""
     directory = directory or tempfile.gettempdir()
-    removed: list[str] = []
+    removed = _sweep_boxes(shm)
     try:
         names = [n for n in os.listdir(directory) if n.startswith(PREFIX)][:MAX_SWEPT]
     except OSError:
@@ -43,6 +49,27 @@ def sweep_dead_runs(directory: str | None = None) -> list[str]:
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+    return removed
+
+
+def _sweep_boxes(shm: str) -> list[str]:
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(shm) if n.startswith(BOX_PREFIX)][:MAX_SWEPT]
+    except OSError:
+        return removed
+    for name in names:
+        match = _BOX.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(shm, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
     return removed
 
 

@@ -67,6 +67,34 @@ def _allocator_classes() -> tuple[Any, Any]:
     return TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
 
 
+SWA_WINDOW = 32  # the sliding window of the "swa" tree's layers, in tokens
+
+
+def _swa_allocator(pool_tokens: int, page_size: int) -> Any:
+    """A sliding-window model's pool, as SGLang 0.5.20+ builds it (`SWAKVPool`, one full and one
+    window layer, each side as large as the pool): `SWATokenToKVPoolAllocator`, one-slot pages.
+    The workload frees a request's window side at its finish, not the slots that fall out of the
+    window while it decodes (the scheduler's `free_swa_out_of_window_slots`)."""
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    if page_size != 1:
+        raise ValueError("the swa tree runs at page size 1")
+    kv = SWAKVPool(
+        size=pool_tokens,
+        size_swa=pool_tokens,
+        page_size=1,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=8,
+        swa_attention_layer_ids=[0],
+        full_attention_layer_ids=[1],
+        device="cpu",
+    )
+    return SWATokenToKVPoolAllocator(pool_tokens, pool_tokens, 1, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
+
+
 class Engine:
     """The real SGLang classes of the installed release, behind the calls the workload makes."""
 
@@ -90,7 +118,9 @@ class Engine:
         # pool configurator): the paged allocator never hands out a last partial page, and its own idle
         # check counts against the rounded size, so a pool of 2048 slots in pages of 3 would read 2 leaked.
         pool_tokens = pool_tokens // page_size * page_size
-        if page_size == 1:
+        if tree == "swa":
+            self.allocator = _swa_allocator(pool_tokens, page_size)
+        elif page_size == 1:
             self.allocator = token_cls(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
         else:
             self.allocator = paged_cls(pool_tokens, page_size, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
@@ -103,27 +133,29 @@ class Engine:
     def _make_tree(self, tree: str, page_size: int) -> Any:
         from sglang.srt.mem_cache.radix_cache import RadixCache
 
-        if tree not in ("radix", "unified"):
-            raise ValueError(f"unknown tree {tree!r}: radix or unified")
+        if tree not in ("radix", "unified", "swa"):
+            raise ValueError(f"unknown tree {tree!r}: radix, unified or swa")
         if importlib.util.find_spec("sglang.srt.mem_cache.cache_init_params") is None:  # before 0.5.8
-            if tree == "unified":
+            if tree != "radix":
                 raise ValueError("this SGLang release has no UnifiedRadixCache")
             return RadixCache(
                 req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=page_size, disable=False
             )
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-        if tree == "unified":  # the default tree from 0.5.19: a Rust tree core behind the same interface
+        if tree != "radix":  # the default tree from 0.5.19: a Rust tree core behind the same interface
             from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+            swa = {"sliding_window_size": SWA_WINDOW} if tree == "swa" else {}
             return UnifiedRadixCache(
                 CacheInitParams(
                     disable=False,
                     req_to_token_pool=self.req_pool,
                     token_to_kv_pool_allocator=self.allocator,
                     page_size=page_size,
-                    tree_components=(ComponentType.FULL,),
+                    tree_components=(ComponentType.FULL, ComponentType.SWA) if swa else (ComponentType.FULL,),
+                    **swa,
                 )
             )
         params = CacheInitParams(
@@ -189,7 +221,7 @@ class Engine:
         RadixCache returns the prefix it already held and leaves the duplicates in the request's
         row to the caller; the unified tree is told what the request had protected and frees the
         duplicates itself, through its cache actions."""
-        if self.tree_kind == "unified":
+        if self.tree_kind != "radix":
             self.tree.insert(self.bpc.InsertParams(key=self.key(tokens), value=value, prev_prefix_len=protected_len))
             return protected_len
         if hasattr(self.bpc, "InsertParams"):
@@ -202,7 +234,7 @@ class Engine:
         """The radix tree takes a finished sequence through its own helper, past the `insert` the
         probe hooks: a path the probe does not see giving slots to the tree, as 0.5.23's HiCache
         load back did (kvdoctor must then say it cannot judge, not name those slots leaked)."""
-        if self.tree_kind == "unified" or not hasattr(self.tree, "_insert_helper"):
+        if self.tree_kind != "radix" or not hasattr(self.tree, "_insert_helper"):
             raise ValueError("the tree-unseen fault needs a RadixCache with its _insert_helper")
         key = self.key(tokens)
         if hasattr(key, "page_aligned"):

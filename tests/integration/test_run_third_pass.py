@@ -123,3 +123,28 @@ def test_ctrl_c_while_the_command_line_imports_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvdoctor", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr == "kvdoctor: interrupted\n"  # before: a traceback
+
+
+def test_the_next_run_removes_the_crash_boxes_sigkilled_runs_left_in_dev_shm(tmp_path):
+    """A GPU ledger's crash box is memory (/dev/shm), 8 bytes a page: a run SIGKILLed with its
+    command left it there until the machine restarts. The next run removes those of runs that are
+    gone, and no other file."""
+    if not os.path.isdir("/dev/shm"):
+        import pytest
+
+        pytest.skip("no /dev/shm here")
+    token = os.path.basename(str(tmp_path)).replace("-", "_")
+    dead = f"/dev/shm/kvdoctor-box-kvdoctor-run-{_pid_never_running()}-{token}-4242-7f00aa"
+    alive = f"/dev/shm/kvdoctor-box-kvdoctor-run-{os.getpid()}-{token}-4242-7f00aa"
+    unlike = f"/dev/shm/kvdoctor-box-{token}-not-a-run"
+    try:
+        for path in (dead, alive, unlike):
+            with open(path, "wb") as fh:
+                fh.write(b"\0" * 4096)
+        assert kv_run(tmp_path, "true").returncode == 0
+        assert not os.path.exists(dead)  # before: kept until the machine restarted
+        assert os.path.exists(alive) and os.path.exists(unlike)
+    finally:
+        for path in (dead, alive, unlike):
+            if os.path.exists(path):
+                os.unlink(path)
