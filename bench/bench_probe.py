@@ -83,6 +83,8 @@ PAGE_SIZES = {"swa_loop": (1,)}  # the page sizes a shape runs at, where not 1 a
 
 def page_sizes(shape: str, asked: tuple[int, ...] = (1, 4)) -> list[int]:
     return [p for p in asked if p in PAGE_SIZES.get(shape, asked)]
+
+
 ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_NATIVE": "1"}, "python": {"KVDOCTOR_NATIVE": "0"}}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -60,7 +60,9 @@ class WorkloadResult:
     requests: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
-    planted: dict[str, int | str] = dataclasses.field(default_factory=dict)  # counts, by finding kind (and a left row's rid)
+    planted: dict[str, int | str | list[int]] = dataclasses.field(
+        default_factory=dict
+    )  # counts, by finding kind (a left row's rid, slot ids)
     sglang_check: dict[str, int] = dataclasses.field(default_factory=dict)
     outputs_digest: int = 0
 
