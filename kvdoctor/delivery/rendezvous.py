@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 
 PREFIX = "kvdoctor-run-"
 _NAME = re.compile(rf"{PREFIX}(\d{{1,10}})-[A-Za-z0-9_]+")
@@ -31,42 +32,28 @@ def sweep_dead_runs(directory: str | None = None, shm: str = SHM) -> list[str]:
     """Removes the rendezvous directories of this user's runs whose process is gone, and their crash
     boxes in `shm`; the paths removed. Only a real directory or file (not a link) owned by this user
     is ever removed."""
-    directory = directory or tempfile.gettempdir()
-    removed = _sweep_boxes(shm)
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(PREFIX)][:MAX_SWEPT]
-    except OSError:
-        return removed
-    for name in names:
-        match = _NAME.fullmatch(name)
-        if match is None or _alive(int(match.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    boxes = _sweep(shm, BOX_PREFIX, _BOX, stat.S_ISREG, os.unlink)
+    return boxes + _sweep(directory or tempfile.gettempdir(), PREFIX, _NAME, stat.S_ISDIR, lambda p: shutil.rmtree(p, ignore_errors=True))
 
 
-def _sweep_boxes(shm: str) -> list[str]:
+def _sweep(
+    where: str, prefix: str, name_of_run: re.Pattern[str], kind: Callable[[int], bool], remove: Callable[[str], object]
+) -> list[str]:
+    """The entries of `where` named after a run (its pid the pattern's first group) that is gone."""
     removed: list[str] = []
     try:
-        names = [n for n in os.listdir(shm) if n.startswith(BOX_PREFIX)][:MAX_SWEPT]
+        names = [n for n in os.listdir(where) if n.startswith(prefix)][:MAX_SWEPT]
     except OSError:
         return removed
     for name in names:
-        match = _BOX.fullmatch(name)
+        match = name_of_run.fullmatch(name)
         if match is None or _alive(int(match.group(1))):
             continue
-        path = os.path.join(shm, name)
+        path = os.path.join(where, name)
         try:
             st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                os.unlink(path)
+            if kind(st.st_mode) and st.st_uid == os.geteuid():
+                remove(path)
                 removed.append(path)
         except OSError:
             continue

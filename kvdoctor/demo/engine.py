@@ -70,7 +70,7 @@ def _allocator_classes() -> tuple[Any, Any]:
 SWA_WINDOW = 32  # the sliding window of the "swa" tree's layers, in tokens
 
 
-def _swa_allocator(pool_tokens: int, page_size: int) -> Any:
+def swa_allocator(pool_tokens: int, page_size: int) -> Any:
     """A sliding-window model's pool, as SGLang 0.5.20+ builds it (`SWAKVPool`, one full and one
     window layer, each side as large as the pool): `SWATokenToKVPoolAllocator`, one-slot pages.
     The workload frees a request's window side at its finish, not the slots that fall out of the
@@ -119,7 +119,7 @@ class Engine:
         # check counts against the rounded size, so a pool of 2048 slots in pages of 3 would read 2 leaked.
         pool_tokens = pool_tokens // page_size * page_size
         if tree == "swa":
-            self.allocator = _swa_allocator(pool_tokens, page_size)
+            self.allocator = swa_allocator(pool_tokens, page_size)
         elif page_size == 1:
             self.allocator = token_cls(pool_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False)
         else:

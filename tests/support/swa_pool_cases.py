@@ -38,28 +38,14 @@ RUNNING: list = []
 
 
 def build():
-    import torch
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    kv = SWAKVPool(
-        size=64,
-        size_swa=64,
-        page_size=1,
-        dtype=torch.bfloat16,
-        head_num=1,
-        head_dim=8,
-        swa_attention_layer_ids=[0],
-        full_attention_layer_ids=[1],
-        device="cpu",
-    )
-    allocator = SWATokenToKVPoolAllocator(
-        size=64, size_swa=64, page_size=1, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False
-    )
+    from kvdoctor.demo.engine import swa_allocator
+
+    allocator = swa_allocator(64, 1)  # SWAKVPool, 64 full and 64 SWA slots
     pool = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     params = CacheInitParams(
         req_to_token_pool=pool,
