@@ -71,9 +71,9 @@ def output_formats() -> str:
 def _results(prefix: str) -> list[str]:
     """bench/results files of one kind, by name: `<machine>.json` from bench/run (prefix ""),
     `instructions-*.json`, `vllm-*.json`, `slot-history-*.json` (bench/bench_slot_history.py's, quoted
-    where the flight recorder is described)."""
+    where the flight recorder is described), `request-pools-*.json` (bench/bench_request_pools.py's)."""
     folder = os.path.join(ROOT, "bench", "results")
-    kinds = ("instructions-", "vllm-", "slot-history-")
+    kinds = ("instructions-", "vllm-", "slot-history-", "request-pools-")
     names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
     if prefix:
         return [f"bench/results/{n}" for n in names if n.startswith(prefix)]
@@ -106,6 +106,27 @@ def bench_instructions() -> str:
             lines.append(
                 f"| {name} | {r['ratio']}x | {r['floor_ratio_bare_wrapper']}x | {r['instructions_per_hooked_call']:,} | {r['hooked_calls_per_loop']:,} |"
             )
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def bench_request_pools() -> str:
+    out = []
+    for rel in _results("request-pools-"):
+        r = _json(rel)
+        lines = [
+            f"`{rel}` ({r['requests']:,} requests a loop)",
+            "",
+            "| request pool | instructions a request, no probe / probe | probe / no probe | hooked calls a request | instructions a hooked call |",
+            "|---|---|---|---|---|",
+        ]
+        for pool in ("classic", "hybrid"):
+            p = r[pool]
+            per = p["instructions_per_request"]
+            lines.append(
+                f"| {pool} | {per['off']:,} / {per['compiled']:,} | {p['ratio']}x | {p['hooked_calls_per_request']} | {p['instructions_per_hooked_call']:,} |"
+            )
+        lines += ["", f"A hooked call of the hybrid pool against one of the classic pool: {r['hybrid_over_classic_per_hooked_call']}x."]
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -169,6 +190,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "output-formats": output_formats,
     "bench-cpu": bench_cpu,
     "bench-instructions": bench_instructions,
+    "bench-request-pools": bench_request_pools,
     "bench-vllm": bench_vllm,
     "bench-gpu": bench_gpu,
 }

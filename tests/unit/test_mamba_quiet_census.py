@@ -68,8 +68,9 @@ def status(p: types.SimpleNamespace) -> list[dict]:
 
 
 def taken(slots: MambaSlots, slot: int, rid: str) -> None:
+    """`HybridReqToTokenPool.alloc([req])` gave req a row and `slot` (read off `req.kv`: this pool has no row-to-slot map)."""
     req = types.SimpleNamespace(rid=rid, kv=types.SimpleNamespace(mamba_pool_idx=torch.tensor(slot)))
-    slots.note_taken([req], 7)
+    slots.note_taken(pool(8, []), [3], [req], 7)
 
 
 def test_an_orphan_is_named_at_the_second_census_with_its_taker():
@@ -113,7 +114,7 @@ def test_a_slot_taken_while_a_census_reads_keeps_its_taker():
     engine = pool(8, [])
     engine.mamba_allocator = TakenWhileRead(slots, 8, [1, 2, 3, 4, 5])
     slots.census(p, engine, Tree([6, 7, 8]))  # read slot 1 as free, while req-b took it
-    assert slots.taken[1][0] == "req-b"
+    assert slots.takers is not None and slots.takers.of(1) == ("req-b", 7)
     for _ in range(2):  # req-b never gives it back
         slots.census(p, pool(8, [2, 3, 4, 5]), Tree([6, 7, 8]))
     (v,) = named(p)
@@ -169,3 +170,15 @@ def test_another_allocator_class_is_not_read():
     engine.mamba_allocator = types.SimpleNamespace(size=8, free_slots=torch.tensor([1]), available_size=lambda: 1)
     slots.census(p, engine, Tree([]))
     assert "whose free list this census does not read" in status(p)[0]["reason"]
+
+
+def test_takers_are_read_from_the_pools_row_to_slot_map_in_one_gather():
+    """SGLang 0.5.20+'s `HybridReqToTokenPool.alloc` writes `req_index_to_mamba_index_mapping[rows]`:
+    a host pool's slots are read from it (the requests' own `kv` is not read), slot 0 (padding) and
+    slots outside the pool dropped."""
+    slots, engine = MambaSlots(), pool(8, [])
+    engine.req_index_to_mamba_index_mapping = torch.tensor([0, 5, 0, 6, 9], dtype=torch.int32)
+    reqs = [types.SimpleNamespace(rid=f"req-{n}", kv=None) for n in range(4)]
+    slots.note_taken(engine, [1, 2, 3, 4], reqs, 9)
+    assert [slots.takers.of(s) for s in (5, 6)] == [("req-0", 9), ("req-2", 9)]
+    assert slots.takers.of(0)[0] == slots.takers.of(1)[0] == "unknown (taken before the probe watched)"

@@ -22,6 +22,7 @@ pool past MAX_SLOTS slots.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,12 +41,43 @@ MAX_TAKEN = 1 << 16  # slots whose taker is remembered
 CENSUSES_TO_NAME = 2
 
 
+class Takers:
+    """Who last took each slot (at most MAX_TAKEN slots remembered): the request's rid, the site,
+    and when (a count of the hooked allocs). The scheduler's thread writes them at each hooked
+    alloc, a census on the writer's thread forgets those it found free or the tree's: one lock
+    between the two, so a slot taken while a census reads keeps its taker."""
+
+    def __init__(self) -> None:
+        self.taken: dict[int, tuple[str, int, int]] = {}  # slot -> (rid, site, when)
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def note(self, slots: list[int], rids: list[str], site: int) -> None:
+        with self.lock:
+            self.count += 1
+            taken, when = self.taken, self.count
+            for slot, rid in zip(slots, rids, strict=True):
+                if slot in taken or len(taken) < MAX_TAKEN:
+                    taken[slot] = (rid, site, when)
+
+    def forget(self, held: np.ndarray, before: int) -> None:
+        """Slots `held` (free or the tree's at a census that began at count `before`) are no one's
+        to name; one taken since keeps its taker."""
+        with self.lock:
+            gone = [slot for slot, (_, _, when) in self.taken.items() if when <= before and slot < held.size and held[slot]]
+            for slot in gone:
+                del self.taken[slot]
+
+    def of(self, slot: int) -> tuple[str, int]:
+        rid, site, _ = self.taken.get(slot, (UNKNOWN_TAKER, 0, 0))
+        return rid, site
+
+
 class MambaSlots:
-    """Who took each slot (bounded), the slots unaccounted at the last quiet census, those named."""
+    """Who took each slot, the slots unaccounted at the last quiet census, those named."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
-        self.taken: dict[int, tuple[str, int, int]] = {}  # slot -> (rid, site, when: a count of takings)
-        self.takings = 0
+        self.takers: Takers | None = None
         self.unaccounted: set[int] = set()
         self.named: set[int] = set()
         self.off = ""
@@ -61,13 +93,31 @@ class MambaSlots:
         self.off = f"Mamba state slots not judged: {why}"
         probe.emitter.emit(schema.PROBE_STATUS, {"component": COMPONENT, "state": "partial", "reason": self.off})
 
-    def note_taken(self, reqs: Any, site: int) -> None:
-        for req in list(reqs or []):
-            kv = getattr(req, "kv", None)
-            for slot in host_slots(getattr(kv, "mamba_pool_idx", None)):
-                if slot in self.taken or len(self.taken) < MAX_TAKEN:
-                    self.takings += 1
-                    self.taken[slot] = (str(getattr(req, "rid", "?")), site, self.takings)
+    def takers_of(self) -> Takers:
+        if self.takers is None:
+            self.takers = Takers()
+        return self.takers
+
+    def note_taken(self, pool: Any, rows: Any, reqs: list[Any], site: int) -> None:
+        """After `pool.alloc(reqs)` gave them `rows`: each request's slot, read in one gather from
+        the pool's row-to-slot map (host pools), else from each request's `kv.mamba_pool_idx`."""
+        size = getattr(getattr(pool, "mamba_allocator", None), "size", None)
+        if not isinstance(size, int) or size > MAX_SLOTS or not reqs:
+            return  # the census says why it does not judge
+        rids = [str(getattr(req, "rid", "?")) for req in reqs]
+        mapping: Any = getattr(pool, "req_index_to_mamba_index_mapping", None)
+        if getattr(getattr(mapping, "device", None), "type", "") == "cpu" and isinstance(rows, list) and len(rows) == len(reqs):
+            slots = mapping.numpy()[np.asarray(rows, dtype=np.int64)].astype(np.int64)
+        else:
+            pairs = [
+                (slot, rid) for req, rid in zip(reqs, rids, strict=True) for slot in host_slots(getattr(req.kv, "mamba_pool_idx", None))
+            ]
+            slots, rids = np.asarray([p[0] for p in pairs], dtype=np.int64), [p[1] for p in pairs]
+        inside = (slots > 0) & (slots <= size)
+        if not inside.all():
+            slots, rids = slots[inside], [rid for rid, keep in zip(rids, inside, strict=True) if keep]
+        if slots.size:
+            self.takers_of().note(slots.tolist(), rids, site)
 
     def quiet_census(self, state: Any) -> None:
         """From the slot ledgers' quiet and shutdown censuses (`state`: the engine's `SglangState`):
@@ -100,7 +150,8 @@ class MambaSlots:
             raise NotJudged("the extra buffer's ping-pong slots or the int8 checkpoint pool hold slots this census does not read")
         if getattr(allocator, "_alloc_iter", None) is not None:
             return  # a prefill pick's pre-allocated slots are out (alloc_group_begin): not this round
-        before = self.takings  # a slot taken after this is not judged free from what is read next
+        takers = self.takers_of()
+        before = takers.count  # a slot taken after this is not judged free from what is read next
         free = host_ints(getattr(allocator, "free_slots", None))
         in_tree = host_ints(tree.all_mamba_values_flatten())
         sessions = np.asarray(sorted(session_slots(tree)), dtype=np.int64)
@@ -119,9 +170,7 @@ class MambaSlots:
             self.said = count
             names = ("slots", "free", "tree", "session_holders", "unaccounted", "books_disagree")
             probe.emitter.emit(schema.MAMBA_POOL, {**dict(zip(names, count, strict=True)), "quiet": True, "tree_counted": counted})
-        for slot, (_rid, _site, when) in list(self.taken.items()):  # the scheduler may take slots meanwhile
-            if when <= before and slot < held.size and held[slot]:
-                self.taken.pop(slot, None)  # free or the tree's now: its taker is no longer the one to name
+        takers.forget(held, before)  # free or the tree's now: their takers are no longer the ones to name
         if disagrees:
             self.unaccounted = set()
             return  # SGLang's own counts do not match what was read: nothing named from it
@@ -129,15 +178,15 @@ class MambaSlots:
         self.unaccounted = orphans
         self.named &= orphans
         if due:
-            self.name(probe, due, size)
+            self.name(probe, due, size, takers)
 
-    def name(self, probe: ProbeContext, slots: list[int], size: int) -> None:
+    def name(self, probe: ProbeContext, slots: list[int], size: int, takers: Takers) -> None:
         by_site: dict[tuple[str, int], list[int]] = {}
         for slot in slots:
             self.named.add(slot)
-            by_site.setdefault(("HybridReqToTokenPool.alloc", self.taken.get(slot, ("", 0, 0))[1]), []).append(slot)
+            by_site.setdefault(("HybridReqToTokenPool.alloc", takers.of(slot)[1]), []).append(slot)
         # named at quiet censuses (no request live), not at a prefill pick
-        emit_orphans(probe, by_site, lambda slot: self.taken.get(slot, (UNKNOWN_TAKER, 0, 0))[0], size, quiet=True)
+        emit_orphans(probe, by_site, lambda slot: takers.of(slot)[0], size, quiet=True)
 
 
 def session_slots(tree: Any) -> set[int]:
@@ -168,17 +217,17 @@ class HybridAllocRole(Role):
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         if result is None:
             return
-        slots, reqs = mamba_slots(probe), hook.arg(args, kwargs, "reqs")
+        slots, reqs = mamba_slots(probe), list(hook.arg(args, kwargs, "reqs") or [])
         engine = probe.states.get("sglang")  # its base alloc's row is in the engine's request table
         live = getattr(getattr(engine, "requests", None), "live", {})
-        unseen = [r for r in list(reqs or []) if getattr(getattr(r, "kv", None), "req_pool_idx", None) not in live]
+        rows = result if isinstance(result, list) else [getattr(getattr(r, "kv", None), "req_pool_idx", None) for r in reqs]
+        unseen = [row for row in rows if row not in live]
         if unseen:  # its base alloc, the hooked one, did not give these rows to the slot ledger
-            row = getattr(unseen[0].kv, "req_pool_idx", None)
-            why = f"HybridReqToTokenPool.alloc gave row {row} past the hooked ReqToTokenPool.alloc"
+            why = f"HybridReqToTokenPool.alloc gave row {unseen[0]} past the hooked ReqToTokenPool.alloc"
             probe.turn_off_ledger("slots", "the slot ledger", why)
             return
         try:
-            slots.note_taken(reqs, ctx)
+            slots.note_taken(obj, rows, reqs, ctx)
         except NotJudged as exc:
             slots.stop(probe, str(exc))
 
@@ -190,7 +239,7 @@ class HybridClearRole(Role):
 
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         slots = mamba_slots(probe)
-        slots.taken.clear()
+        slots.takers = None
         slots.unaccounted = set()
 
 
