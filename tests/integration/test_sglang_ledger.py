@@ -124,18 +124,21 @@ def test_sglang_059(results_059, case):
     check_case(result)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_a_page_named_twice_in_one_free_on_the_python_path(page_size):
-    """The native path marks each page its check passes; the Python path sorts the call's pages."""
-    (result,) = run_cases("0.5.23", [[page_size, "double-free-in-call"]], KVDOCTOR_NATIVE="0")
-    check_case(result)
+# The native path's rules run again in Python (KVDOCTOR_NATIVE=0), one interpreter for these cases
+CASES_PYTHON_PATH = [[1, "row-leak"], [1, "double-free-in-call"], [4, "double-free-in-call"]]
 
 
-def test_a_row_left_is_named_on_the_python_path_too():
-    """The native path keeps each row's request (a weak reference) in C; the Python path in the table's
-    own `allocated`: both name the row left behind."""
-    (result,) = run_cases("0.5.23", [[1, "row-leak"]], KVDOCTOR_NATIVE="0")
-    check_case(result)
+@pytest.fixture(scope="module")
+def results_python_path():
+    return {(r["page_size"], r["fault"]): r for r in run_cases("0.5.23", CASES_PYTHON_PATH, KVDOCTOR_NATIVE="0")}
+
+
+@pytest.mark.parametrize("case", CASES_PYTHON_PATH, ids=lambda c: f"ps{c[0]}-{c[1]}")
+def test_the_python_path_names_the_same(results_python_path, case):
+    """The native path keeps each row's request (a weak reference) in C, the Python path in the
+    table's own `allocated`; the native path marks each page its check passes, the Python path
+    sorts the call's pages: both name a row left behind and a page named twice in one free."""
+    check_case(results_python_path[tuple(case)])
 
 
 def test_clean_runs_evict(results_0523):

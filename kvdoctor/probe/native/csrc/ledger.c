@@ -203,7 +203,7 @@ alloc_apply(Ledger *l, const Ints *v, int only_page_starts, int site)
 }
 
 /* free: every page named must be held (not free), inside the pool, and, where each entry is a page
- * of its own (page ids, one-slot pages), named once: SGLang's paged free keeps each page once. */
+ * of its own (page ids, one-slot pages), named once (a paged free of slots may name a page once a slot). */
 static int
 free_is_healthy(Ledger *l, const Ints *v, int as_pages)
 {
