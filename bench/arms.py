@@ -14,6 +14,14 @@ def run_arm(cmd: list[str], env: dict[str, str] | None = None) -> Any:
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("ARM ")][-1][4:])
 
 
+def write_report(report: dict, out: str | None) -> None:
+    """A bench's result: printed, and written to `out` where given."""
+    print(json.dumps(report, indent=2))
+    if out:
+        with open(out, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
 def rounds_parser(rounds: int = 3, repeats: int = 5) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=rounds, help="alternations of the arms")

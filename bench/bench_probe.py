@@ -88,7 +88,7 @@ def page_sizes(shape: str, asked: tuple[int, ...] = (1, 4)) -> list[int]:
 ARMS = {"off": {}, "bare": {}, "compiled": {"KVDOCTOR_NATIVE": "1"}, "python": {"KVDOCTOR_NATIVE": "0"}}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from arms import rounds_parser, run_arm  # noqa: E402
+from arms import rounds_parser, run_arm, write_report  # noqa: E402
 
 
 def probe_arm(arm: str, page_size: int, repeats: int, trace: str, shape: str) -> dict:
@@ -139,10 +139,7 @@ def main() -> None:
             "python_cost_per_hooked_call_us": round((best["python"] - off) / max(calls, 1) * 1e6, 2),
             "target_ratio": 1.10,
         }
-    print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

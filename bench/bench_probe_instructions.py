@@ -33,6 +33,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arms import write_report
 from bench_probe import ARM_SETUP, SHAPES, page_sizes
 
 SLOWDOWN = 50  # valgrind's callgrind on this loop, roughly
@@ -172,10 +173,7 @@ def main() -> None:
         f"{shape}_page_size_{ps}": compare({arm: done[(shape, ps, arm)] for arm in ("off", "bare", "compiled")}, args.loops, args.top)
         for shape, ps in configs
     }
-    print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

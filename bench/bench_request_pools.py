@@ -24,6 +24,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arms import write_report
 from bench_probe_instructions import functions
 
 ARM = r"""
@@ -121,10 +122,7 @@ def main() -> None:
     report["hybrid_over_classic_per_hooked_call"] = round(
         report["hybrid"]["instructions_per_hooked_call"] / max(report["classic"]["instructions_per_hooked_call"], 1), 3
     )
-    print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -24,6 +24,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arms import write_report
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_probe import SHAPES, page_sizes
 from bench_probe_instructions import ARM, INTERVALS, SLOWDOWN, functions
@@ -95,10 +97,7 @@ def main() -> None:
         report[f"{shape}_page_size_{ps}"] = compare(arms, args.loops)
         if args.python:
             report[f"{shape}_page_size_{ps}_python_path"] = compare(arms, args.loops, "python_")
-    print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_report(report, args.out)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
