@@ -19,6 +19,7 @@ import typer
 import kvdoctor
 from kvdoctor.analysis.budgets import DEFAULT_FAIL_ON, DEFAULT_MAX_GROWTH
 from kvdoctor.cli_help import SGLANG_SERVER, TeachingCommand, TeachingGroup, examples
+from kvdoctor.demo.workload import FAULTS as DEMO_FAULTS
 from kvdoctor.errors import EXIT_UNUSABLE, KvdoctorError
 from kvdoctor.formats.table import format_help
 from kvdoctor.outputs import tolerant_streams
@@ -209,12 +210,7 @@ def replay(
 @_command("kvdoctor demo", "kvdoctor demo --fault double-free --format json")
 @_guarded
 def demo(
-    fault: str = typer.Option(
-        "leak",
-        "--fault",
-        metavar="FAULT",
-        help="none, leak, double-free, stale-last-loc, relocate, index-out-of-range, double-alloc, tree-unseen, row-leak",
-    ),
+    fault: str = typer.Option("leak", "--fault", metavar="FAULT", help=", ".join(DEMO_FAULTS)),
     page_size: int | None = typer.Option(
         None, "--page-size", metavar="N", help="KV page size (default 1; 4 for stale-last-loc and relocate)"
     ),
