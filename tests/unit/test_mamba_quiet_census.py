@@ -114,7 +114,7 @@ def test_a_slot_taken_while_a_census_reads_keeps_its_taker():
     engine = pool(8, [])
     engine.mamba_allocator = TakenWhileRead(slots, 8, [1, 2, 3, 4, 5])
     slots.census(p, engine, Tree([6, 7, 8]))  # read slot 1 as free, while req-b took it
-    assert slots.takers is not None and slots.takers.of(1) == ("req-b", 7)
+    assert slots.takers.of(1) == ("req-b", 7)
     for _ in range(2):  # req-b never gives it back
         slots.census(p, pool(8, [2, 3, 4, 5]), Tree([6, 7, 8]))
     (v,) = named(p)

@@ -77,7 +77,7 @@ class MambaSlots:
     """Who took each slot, the slots unaccounted at the last quiet census, those named."""
 
     def __init__(self, probe: ProbeContext | None = None) -> None:
-        self.takers: Takers | None = None
+        self.takers = Takers()
         self.unaccounted: set[int] = set()
         self.named: set[int] = set()
         self.off = ""
@@ -92,11 +92,6 @@ class MambaSlots:
     def stop(self, probe: ProbeContext, why: str) -> None:
         self.off = f"Mamba state slots not judged: {why}"
         probe.emitter.emit(schema.PROBE_STATUS, {"component": COMPONENT, "state": "partial", "reason": self.off})
-
-    def takers_of(self) -> Takers:
-        if self.takers is None:
-            self.takers = Takers()
-        return self.takers
 
     def note_taken(self, pool: Any, rows: Any, reqs: list[Any], site: int) -> None:
         """After `pool.alloc(reqs)` gave them `rows`: each request's slot, read in one gather from
@@ -117,7 +112,7 @@ class MambaSlots:
         if not inside.all():
             slots, rids = slots[inside], [rid for rid, keep in zip(rids, inside, strict=True) if keep]
         if slots.size:
-            self.takers_of().note(slots.tolist(), rids, site)
+            self.takers.note(slots.tolist(), rids, site)
 
     def quiet_census(self, state: Any) -> None:
         """From the slot ledgers' quiet and shutdown censuses (`state`: the engine's `SglangState`):
@@ -150,7 +145,7 @@ class MambaSlots:
             raise NotJudged("the extra buffer's ping-pong slots or the int8 checkpoint pool hold slots this census does not read")
         if getattr(allocator, "_alloc_iter", None) is not None:
             return  # a prefill pick's pre-allocated slots are out (alloc_group_begin): not this round
-        takers = self.takers_of()
+        takers = self.takers  # the one this census began with (a clear() replaces it)
         before = takers.count  # a slot taken after this is not judged free from what is read next
         free = host_ints(getattr(allocator, "free_slots", None))
         in_tree = host_ints(tree.all_mamba_values_flatten())
@@ -239,7 +234,7 @@ class HybridClearRole(Role):
 
     def after(self, probe: ProbeContext, hook: Hook, obj: Any, args: Args, kwargs: Kwargs, result: Any, ctx: Any) -> None:
         slots = mamba_slots(probe)
-        slots.takers = None
+        slots.takers = Takers()
         slots.unaccounted = set()
 
 
