@@ -9,6 +9,11 @@ data calls many healthy processes leaking, so the decision here is built from th
   (memory series are: a random walk has far less information than its sample count suggests);
 * a minimum rate: the lower confidence bound must exceed it (default 50 MiB/h), so that tiny
   drifts that would take weeks to matter are not reported;
+* a minimum climb: the fitted rise over the span judged must reach 64 MiB, since a serving
+  process's heap grows by tens of MiB as it warms to its first load (the main process of a tiny
+  SGLang server on a CPU rose 10-13 MiB in its first 40 s of requests, and the 99% bound of that
+  rise read above 50 MiB/h on a loaded machine); a leak steep enough to matter in a short run
+  passes it in seconds (10 GiB/h rises 64 MiB in 23 s), a slow one is judged once it has risen;
 * CPython's refleak rule in another shape: split the analysed span into consecutive windows and
   require every one of them to grow, with the latest still growing at a real fraction of the
   overall rate, and the later half of the span growing on its own with confidence. A cache that
@@ -44,6 +49,7 @@ DEFAULT_MIN_RATE_BYTES_PER_S = 50 * MIB / HOUR_S  # 50 MiB/h: below this, a leak
 DEFAULT_WARMUP_S = 60.0
 DEFAULT_WINDOWS = 4
 DEFAULT_MIN_SPAN_S = 30.0  # a sustained climb is called on 30 s of data after the start-up, at the earliest
+DEFAULT_MIN_RISE_BYTES = 64 * MIB  # and once it has risen this much over the span judged
 DEFAULT_MIN_SAMPLES = 20  # at least 5 samples per window
 DEFAULT_SETTLE_S = 10.0  # the start-up is over once memory holds still this long
 DEFAULT_SETTLE_BYTES = 8 * MIB  # "holds still": it stays within this band over that stretch
@@ -65,6 +71,7 @@ class GrowthParams:
     windows: int = DEFAULT_WINDOWS
     min_rate_bytes_per_s: float = DEFAULT_MIN_RATE_BYTES_PER_S
     min_span_s: float = DEFAULT_MIN_SPAN_S
+    min_rise_bytes: float = DEFAULT_MIN_RISE_BYTES
     min_samples: int = DEFAULT_MIN_SAMPLES
     confidence: float = DEFAULT_CONFIDENCE
     recent_fraction: float = DEFAULT_RECENT_FRACTION
@@ -273,8 +280,10 @@ def _check_windows(times_s: Sequence[float], values: Sequence[float], params: Gr
     overall = theil_sen(times_s, values, confidence=params.confidence, max_points=params.max_points)
     if overall is None or overall.lower <= 0 or overall.lower < params.min_rate_bytes_per_s:
         return None
-    window_slopes: list[float] = []
     start, end = times_s[0], times_s[-1]
+    if overall.slope * (end - start) < params.min_rise_bytes:
+        return None  # a warm-up's worth of heap, however steady: not yet a climb
+    window_slopes: list[float] = []
     width = (end - start) / params.windows
     bounds = [0]
     for k in range(1, params.windows):

@@ -2,8 +2,8 @@
 
 The rule, as a user applies it: kvdoctor skips a process's start-up (until its memory first holds
 still for 10 s, at most its first 60 s; an engine's lasts until it first serves a request) and then fails a growth budget only on a climb sustained
-over at least 30 s of what follows, whose rate at 99% confidence is above the budget (the steeper
-the climb, the less data that takes). It passes the budget only when the data after the start-up
+over at least 30 s of what follows, rising 64 MiB in all, whose rate at 99% confidence is above
+the budget (the steeper the climb, the less data that takes). It passes the budget only when the data after the start-up
 bounds the rate under the budget at 99%; anything between is "not judged", with the reason, and
 never a pass.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from kvdoctor.analysis.growth import GrowthParams, _decelerating, plausible_points, theil_sen
 from kvdoctor.analysis.serving_start import startup_end_s
-from kvdoctor.units import format_duration, format_rate
+from kvdoctor.units import format_bytes, format_duration, format_rate
 
 HELD = "held"
 BROKEN = "broken"
@@ -39,6 +39,8 @@ class GrowthEvidence:
     upper_bytes_per_s: float | None
     min_span_s: float
     confidence: float
+    rise_bytes: float | None = None  # the fitted rise over the span (None: no fit)
+    min_rise_bytes: float = 0.0
 
     @property
     def span_s(self) -> float:
@@ -64,11 +66,12 @@ def growth_evidence(
     end_of_startup = startup_end_s(params, times_s, values, origin_s=origin, ready_s=ready_s)
     first = next((i for i, t in enumerate(times_s) if t >= end_of_startup), len(times_s))
     t, v = list(times_s[first:]), [float(x) for x in values[first:]]
-    lower = upper = None
+    lower = upper = rise = None
     if len(t) >= MIN_HELD_SAMPLES and t[-1] - t[0] >= params.settle_s:
         overall = theil_sen(t, v, confidence=params.confidence, max_points=params.max_points)
         if overall is not None:
             lower, upper = overall.lower, overall.upper
+            rise = overall.slope * (t[-1] - t[0])
             if _decelerating(t, v, params):
                 half = next(i for i, ti in enumerate(t) if ti >= t[0] + (t[-1] - t[0]) / 2)
                 later = theil_sen(t[half:], v[half:], confidence=params.confidence, max_points=params.max_points)
@@ -84,6 +87,8 @@ def growth_evidence(
         upper_bytes_per_s=upper,
         min_span_s=params.min_span_s,
         confidence=params.confidence,
+        rise_bytes=rise,
+        min_rise_bytes=params.min_rise_bytes,
     )
 
 
@@ -108,4 +113,8 @@ def growth_verdict(evidence: dict[str, Any], found_bytes_per_s: float | None, bu
     if float(evidence.get("span_s") or 0.0) < float(evidence.get("min_span_s") or 0.0):
         needed = format_duration(float(evidence.get("min_span_s") or 0.0))
         return NOT_JUDGED, f"{after}, {needed} needed to call growth; {between}"
+    rise, min_rise = evidence.get("rise_bytes"), float(evidence.get("min_rise_bytes") or 0.0)
+    if rise is not None and float(rise) < min_rise:
+        risen = format_bytes(max(float(rise), 0.0))
+        return NOT_JUDGED, f"{between}, a rise of {risen} over {after}: a climb is called once it rises {format_bytes(min_rise)}"
     return NOT_JUDGED, f"{between} over {after}: neither a sustained climb nor bounded under {budget}"

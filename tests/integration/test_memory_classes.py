@@ -38,7 +38,7 @@ from kvdoctor.trace.reader import iter_events
 from kvdoctor.trace.writer import TraceWriter, finish_trace
 from kvdoctor.units import GIB, MIB
 
-FAST = GrowthParams(warmup_s=0.5, min_span_s=1.5, min_samples=12, min_rate_bytes_per_s=2 * GIB / 3600)
+FAST = GrowthParams(warmup_s=0.5, min_span_s=1.5, min_samples=12, min_rate_bytes_per_s=2 * GIB / 3600, min_rise_bytes=16 * MIB)
 CASES = os.path.join(SUPPORT, "memory_class_cases.py")
 STEP_MIB, STEPS, INTERVAL_S = 16, 15, 0.2
 OP_KILO_CALLS = 40  # 40,000 calls of the op a step: 1.8 MiB leaked a step where torch leaks

@@ -118,7 +118,11 @@ class MemoryClassGrowthDetector:
             return None
         params = self.params
         if series_name == PYTHON_BLOCKS:
-            params = dataclasses.replace(params, min_rate_bytes_per_s=params.min_rate_bytes_per_s / ASSUMED_BYTES_PER_BLOCK)
+            params = dataclasses.replace(
+                params,
+                min_rate_bytes_per_s=params.min_rate_bytes_per_s / ASSUMED_BYTES_PER_BLOCK,
+                min_rise_bytes=params.min_rise_bytes / ASSUMED_BYTES_PER_BLOCK,
+            )
         origin = self._origin(pid, s.times[0])
         return detect_growth_with(params, s.times, s.values, origin_s=origin, ready_s=self.serving.ready_s(pid, origin or s.times[0]))
 
