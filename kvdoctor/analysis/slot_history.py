@@ -43,6 +43,7 @@ def clean_pages(value: Any) -> list[dict[str, Any]]:
                     "op": _text(e.get("op")) or "?",
                     "site": _text(e.get("site")),
                     "row": row if type(row) is int or isinstance(row, str) else None,
+                    "rid": _text(e.get("rid")),
                     "seq": _int(e.get("seq")),
                     "thread": _text(e.get("thread")),
                     "ago_ms": _int(e.get("ago_ms")),
@@ -59,10 +60,12 @@ def slots_named(page: dict[str, Any]) -> str:
 
 
 def entry_line(entry: dict[str, Any]) -> str:
-    """`#421 free     row 63  by _finish (workload.py:203) < ...  [MainThread, 6 ms before]`"""
+    """`#421 free     row 63 (rid r7) by _finish (workload.py:203) < ...  [MainThread, 0.006s before]`"""
     seq = f"#{entry['seq']}" if entry["seq"] is not None else "#?"
     row = entry["row"]
     held = "" if row is None else f"row {row}" if type(row) is int else str(row)
+    if held and entry.get("rid"):
+        held += f" (rid {entry['rid']})"
     by = f" by {entry['site']}" if entry["site"] else ""
     when = []
     if entry["thread"]:

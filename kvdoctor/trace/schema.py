@@ -95,7 +95,8 @@ REQUEST_ROWS_LEAKED = "request_rows_leaked"  # request pool rows whose request i
 
 # A slot ledger's flight recorder (kvdoctor/probe/ledgers/history.py): a violation or census naming
 # pages carries, under SLOT_HISTORY, a list of {page, first_slot, page_size, entries}, each entry
-# {op (one of HISTORY_OPS), site, row (int, None or the owner's sentence), seq, thread, ago_ms},
+# {op (one of HISTORY_OPS), site, row (int, None or the owner's sentence), seq, thread, ago_ms, and
+# rid: the request the row served when the entry was written, where the probe saw it take the row},
 # oldest first; where the ledger keeps none, HISTORY_OFF says why; a census whose orphans' histories
 # are those its ledger's previous census gave says HISTORY_UNCHANGED instead.
 SLOT_HISTORY = "history"

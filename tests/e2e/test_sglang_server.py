@@ -258,10 +258,13 @@ def test_planted_double_free_stale_last_loc_and_index_out_of_range_are_counted_e
     assert {s // page for s in double["evidence"]["slot_ids"]} <= {s // page for s in planted["double-free"]["slot_ids"]}
     # the flight recorder: each page the double free names was handed out, then freed twice, the second
     # free the one that broke the books; the stale last_loc's page ends with the read of it
+    rid = planted["double-free"]["rid"]  # the request whose free ran twice
     for history in double["evidence"]["history"]:
         ops = [e["op"] for e in history["entries"]]
         assert ops[-2:] == ["free", "free"] and "alloc" in ops[:-2], ops
         assert all(e["site"] for e in history["entries"][-2:]), history
+        # each free names the row it came from and the request that row served then
+        assert rid and [e.get("rid") for e in history["entries"][-2:]] == [rid, rid], (rid, history)
     stale = next(f for f in report["findings"] if f["kind"] == "stale_last_loc")
     assert [e["op"] for e in stale["evidence"]["history"][0]["entries"]][-1] == "last_loc", stale["evidence"]["history"]
 

@@ -56,6 +56,22 @@ def _ops(page: dict) -> list[tuple[str, str]]:
     return [(e["op"], e["site"].split(" < ")[0]) for e in page["entries"]]
 
 
+def _victim() -> str:
+    """The rid the demo's workload plants its fault in (its requests are `conv{c}-req{n}`)."""
+    from kvdoctor.demo.workload import WorkloadConfig
+
+    return f"-req{WorkloadConfig().victim}"
+
+
+def _named_the_victim(entries: list) -> None:
+    """Every entry with a row names the victim as the request the row served then; none without."""
+    for e in entries:
+        if isinstance(e["row"], int):
+            assert e.get("rid", "").endswith(_victim()) and e["rid"].startswith("conv"), entries
+        else:
+            assert "rid" not in e, entries
+
+
 def test_a_double_free_shows_both_frees_after_the_alloc_and_the_row(both_paths):
     python, _ = both_paths
     pages = _first(python[(1, "double-free")], "violation", "double_free")
@@ -67,6 +83,7 @@ def test_a_double_free_shows_both_frees_after_the_alloc_and_the_row(both_paths):
         assert ops[-4][1].startswith(("_prefill", "_decode")), ops
         rows = [e["row"] for e in page["entries"][-3:]]
         assert rows[0] == rows[1] == rows[2] and isinstance(rows[0], int), rows  # the victim's row took it, then freed it twice
+        _named_the_victim(page["entries"][-4:])  # and each of the three names the victim's rid
     assert len(pages) == 8  # a bounded sample of the 64 slots it names
 
 
@@ -92,6 +109,7 @@ def test_a_stale_last_loc_shows_the_page_freed_under_it_then_the_read(both_paths
     assert ops[0][1].endswith(alloc_decode) and ops[2][1].endswith(_line(needle)) and ops[3][1].endswith(alloc_decode), ops
     rows = [e["row"] for e in page["entries"]]
     assert rows[1] == rows[2] == rows[3], rows  # the request's own page, freed, then read as its last_loc
+    _named_the_victim(page["entries"])
 
 
 def test_a_leak_shows_the_orphans_taken_and_never_given_back(both_paths):
@@ -106,6 +124,20 @@ def test_a_leak_shows_the_orphans_taken_and_never_given_back(both_paths):
     for page in named[-1]["history"]:
         ops = _ops(page)
         assert [op for op, _ in ops[-2:]] == ["alloc", "owner"] and ops[-2][1].startswith(("_prefill", "_decode")), ops
+        _named_the_victim(page["entries"][-2:])
+        # the row has served later requests since: the entry names the one it served then
+        row_now = case["rows_now"][str(page["entries"][-1]["row"])]
+        assert _victim() + "," not in row_now and "rid conv" in row_now, row_now
+
+
+def test_a_leak_at_release_carries_the_histories_then(both_paths):
+    """The release that leaks names the pages' histories at once, while the request is recent."""
+    python, _ = both_paths
+    (release,) = [e for e in python[(1, "leak")]["events"] if e["name"] == "violation" and e["kind"] == "orphan_slots"]
+    assert len(release["history"]) == 8
+    for page in release["history"]:
+        assert [e["op"] for e in page["entries"]][-2:] == ["alloc", "owner"]
+        _named_the_victim(page["entries"][-2:])
 
 
 def test_an_index_out_of_range_names_no_page_to_show(both_paths):
@@ -138,6 +170,7 @@ def test_replay_prints_one_slots_history_and_says_when_it_has_none(tmp_path):
     )
     assert shown.returncode == 0 and f"history of slot {slot}," in shown.stdout, shown.stderr
     assert shown.stdout.count(" free ") >= 2 and " alloc " in shown.stdout
+    assert shown.stdout.count(f"{_victim()})") >= 3, shown.stdout  # the row's owner then: "row 63 (rid conv9-req9)"
     # Perfetto: the same entries as instant events on the slot's own track, oldest first, each at or
     # before the violation that dumped it
     raw = [json.loads(line.rstrip(",\n")) for line in trace.read_text().splitlines() if line.startswith("{")]
@@ -147,6 +180,7 @@ def test_replay_prints_one_slots_history_and_says_when_it_has_none(tmp_path):
     dumped, later = marks[: len(page["entries"])], marks[len(page["entries"]) :]  # later: what a later census dumped, new entries only
     assert [e["name"] for e in dumped] == [e["op"] for e in page["entries"]] and {e["s"] for e in marks} == {"t"}
     assert [e["args"]["seq"] for e in dumped] == [e["seq"] for e in page["entries"]]
+    assert [e["args"].get("rid") for e in dumped] == [e.get("rid") or None for e in page["entries"]]
     assert all(a["ts"] <= b["ts"] for a, b in zip(dumped, dumped[1:], strict=False)) and dumped[-1]["ts"] <= violation["ts"]
     assert all(e["args"]["seq"] > dumped[-1]["args"]["seq"] for e in later) and all(e["args"]["dumped_by"] != "double_free" for e in later)
     names = [e["args"]["name"] for e in raw if e["name"] == "thread_name"]

@@ -1,5 +1,6 @@
 """Runs demo workloads under the probe and prints the slot histories their trace holds: each
-violation's and census's `history` (times left out: two runs' clocks differ), in trace order.
+violation's and census's `history` (times left out: two runs' clocks differ), in trace order, and
+what each request row's table says of it at the end (its owner now, beside the owner an entry names).
 
 argv[1]: JSON list of [page_size, fault]. Run with KVDOCTOR_NATIVE=0 and =1 (the two must agree).
 """
@@ -27,7 +28,9 @@ def main() -> None:
         from kvdoctor.probe.engines.sglang.state import sglang_state
 
         run_workload(WorkloadConfig(page_size=page_size, fault=fault))
-        rows = {ledger.name: ledger.history.entries if ledger.history is not None else 0 for ledger in sglang_state(probe).ledgers.values()}
+        state = sglang_state(probe)
+        rows = {ledger.name: ledger.history.entries if ledger.history is not None else 0 for ledger in state.ledgers.values()}
+        rows_now = {str(row): state.requests.describe(row) for row in state.requests.owners}  # each row's owner at the end
         runtime.deactivate()
         found = []
         for e in iter_events(path):
@@ -45,7 +48,7 @@ def main() -> None:
                     "unchanged": e.args.get("history_unchanged", False),
                 }
             )
-        out.append({"case": [page_size, fault], "compiled": native.active(), "events": found, "entries": rows})
+        out.append({"case": [page_size, fault], "compiled": native.active(), "events": found, "entries": rows, "rows_now": rows_now})
     print("RESULT " + json.dumps(out))
 
 

@@ -106,6 +106,8 @@ class OrphanSlotsDetector:
             if where in found["released_on"] or len(found["released_on"]) < 16:
                 found["released_on"][where] = as_count(found["released_on"].get(where, 0)) + as_count(args.get("count"))
         found["last_ts"] = event.ts
+        if "history" not in found and args.get(schema.SLOT_HISTORY):  # the first release's, taken as it leaked
+            found["history"] = clean_pages(args[schema.SLOT_HISTORY])
         found["slot_ids"] = (found["slot_ids"] + [i for i in as_list(args.get("slot_ids")) if isinstance(i, int)])[:64]
         for name in ("requests", "allocated_at"):
             value = args.get(name)
@@ -235,6 +237,8 @@ class OrphanSlotsDetector:
             if released.get("released_on"):
                 evidence["released_on"] = released["released_on"]
             evidence["requests"] = released["requests"] if as_count(released["count"]) >= count else {**reqs, **released["requests"]}
+            if released.get("history") and not evidence.get(schema.SLOT_HISTORY):
+                evidence[schema.SLOT_HISTORY] = released["history"]
             top_req = max(released["requests"], key=lambda k: released["requests"][k]) if released["requests"] else top_req
         shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
         vllm = args.get("engine") == "vllm"
@@ -286,6 +290,8 @@ class OrphanSlotsDetector:
         }
         if found.get("released_on"):
             evidence["released_on"] = found["released_on"]
+        if found.get("history"):
+            evidence[schema.SLOT_HISTORY] = found["history"]
         return Finding(schema.ORPHAN_SLOTS, ERROR, message, count, evidence, pid, unit="slots")
 
 

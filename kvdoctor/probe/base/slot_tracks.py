@@ -72,7 +72,7 @@ class SlotTracks:
         for entry in fresh:
             ago = entry.get("ago_ms")
             ts = event.ts - (ago * 1000.0 if type(ago) is int else 0.0)
-            args = {k: entry.get(k) for k in ("seq", "site", "row", "thread") if entry.get(k) not in (None, "")}
+            args = {k: entry.get(k) for k in ("seq", "site", "row", "rid", "thread") if entry.get(k) not in (None, "")}
             args["dumped_by"] = dumped_by
             out.append(
                 schema.Event(

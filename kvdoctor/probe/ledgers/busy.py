@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvdoctor.probe.base.vocabulary import OWNED
+from kvdoctor.probe.ledgers import history as rec
 from kvdoctor.probe.ledgers.requests import IN_FLIGHT, RELEASED, UNPROVEN
 from kvdoctor.probe.ledgers.slots import SlotLedger
 from kvdoctor.trace import schema
@@ -83,6 +84,7 @@ def _leaked(ledger: SlotLedger, still: Any, row: int, rid: str) -> dict[str, Any
         "note": "still owned by the request when it gave back its row: never freed nor inserted into the tree",
     }
     args.update(ledger.readback._page_evidence(still, ledger.owner, ledger.alloc_site))
+    args.update(rec.evidence(ledger, still))  # their histories now, while the row's owner log still names the request
     ledger.owner[still] = RELEASED  # no longer the row's: the next request in that row must not inherit them
     args["requests"] = {args["request"]: args["count"]}  # the row's request now, not whoever uses the row later
     return args

@@ -3,7 +3,8 @@
 Every transition the ledger records (an alloc, a free, a free inside a tree eviction, a request
 row taking the page, the tree taking it, a restore, a stale last_loc read) is one entry in the
 page's ring of `N` (KVDOCTOR_SLOT_HISTORY, 8 by default; 0 turns it off): the operation and the
-thread, the call site, the request row, the ledger's sequence number of the call, and the time.
+thread, the call site, the request row (and the rid it served then: requests.py's owner log), the
+sequence number of the call, and the time.
 The Python ledger (`slots.SlotLedger`) and the native path (csrc/ledger.c, `record` in native.h)
 write the same arrays the same way, a few stores per page per call; nothing is read on the hot
 path. A violation, a census naming orphans and `kvdoctor replay --slot` read them back.
@@ -16,8 +17,11 @@ ledger on a GPU keeps none, and what it names says so (`history_off`).
 Layout (shared with the C, which checks nothing of it but the sizes it is handed):
   hist  int32 [pages * N, 5]: word 0 the op | thread index << 8, then site, row, seq, ms
   head  uint8 [pages]: transitions recorded into the page, modulo 256 (N divides 256)
-  clock int64 [16]: [0] the last sequence number, [1] the ledger's start (CLOCK_MONOTONIC_COARSE,
-        ns), [2:16] the idents of the threads seen (index 1..14; 15: another; 0: none)
+  clock int64 [16]: [0] the last sequence number, [1] the recorders' start (CLOCK_MONOTONIC_COARSE,
+        ns), [2:16] the idents of the threads seen (index 1..14; 15: another; 0: none). One clock
+        (CLOCK) for every ledger of the process: its sequence numbers order transitions across
+        ledgers, and the request table stamps each row's owner with it (requests.py), so that an
+        entry names the request its row served when the entry was written, not the row's owner now.
 """
 
 from __future__ import annotations
@@ -38,10 +42,19 @@ CLOCK_LEN = 16
 THREADS = CLOCK_LEN - 2  # threads told apart; later ones share index 15
 MAX_PAGES_DUMPED = 8  # pages whose histories one finding carries
 ENTRY_BYTES = WORDS * 4
+OWNERS_KEPT = 32  # a request row's last owners its entries can name (requests.py): about 100 bytes each beside the rid
 
 # Operation codes (native.h's OP_*): the index into schema.HISTORY_OPS.
 OP_ALLOC, OP_FREE, OP_EVICT, OP_OWNER, OP_TREE, OP_RESTORE_FREE, OP_RESTORE_HOLD, OP_LAST_LOC = range(1, 9)
 _COARSE = getattr(time, "CLOCK_MONOTONIC_COARSE", time.CLOCK_MONOTONIC)
+
+
+def _now_ns() -> int:
+    return time.clock_gettime_ns(_COARSE)
+
+
+CLOCK = np.zeros(CLOCK_LEN, dtype=np.int64)  # every recorder's (and the request table's stamps)
+CLOCK[1] = _now_ns()
 
 
 def entries_wanted() -> int:
@@ -62,13 +75,10 @@ def setting_line() -> str:
     per_page = bytes_per_page(n)
     return (
         f"on: the last {n} transitions of every page of a host slot ledger, {per_page} bytes a page "
-        f"({per_page} MB for a million pages); findings carry them, `kvdoctor replay --slot N` prints one; "
+        f"({per_page} MB for a million pages), each entry naming the request its row served then (a row keeps "
+        f"its last {OWNERS_KEPT} owners); findings carry them, `kvdoctor replay --slot N` prints one; "
         f"{ENV_ENTRIES}=0 turns it off, =N keeps N (a power of two up to 64); GPU ledgers keep none yet"
     )
-
-
-def _now_ns() -> int:
-    return time.clock_gettime_ns(_COARSE)
 
 
 class SlotHistory:
@@ -84,8 +94,7 @@ class SlotHistory:
         self.hist.fill(0)
         self.head = np.empty(pages, dtype=np.uint8)
         self.head.fill(0)
-        self.clock = np.zeros(CLOCK_LEN, dtype=np.int64)
-        self.clock[1] = _now_ns()
+        self.clock = CLOCK
         self._local = threading.local()
         self.census_key: tuple[bytes, bytes] | None = None  # the pages and heads the last census gave
 
@@ -164,15 +173,17 @@ class SlotHistory:
                 return thread.name
         return f"thread {index} (ended)"
 
-    def describe(self, pages: Any, page_size: int, site_name: Any, row_name: Any) -> dict[str, Any]:
-        """The evidence a finding carries: the histories of its first MAX_PAGES_DUMPED pages."""
+    def describe(self, pages: Any, page_size: int, site_name: Any, row_name: Any, rid_of: Any = None) -> dict[str, Any]:
+        """The evidence a finding carries: the histories of its first MAX_PAGES_DUMPED pages; an
+        entry whose row's owner then is known (`rid_of(row, seq)`) names its request too."""
         now_ms = (_now_ns() - int(self.clock[1])) // 1_000_000
         dumped = []
         for page in [int(p) for p in pages[:MAX_PAGES_DUMPED]]:
             if not 0 < page < self.head.shape[0] - 1:
                 continue
-            entries = [
-                {
+            entries = []
+            for op, thread, site, row, seq, ms in self.page_entries(page):
+                entry = {
                     "op": schema.HISTORY_OPS[op] if op < len(schema.HISTORY_OPS) else f"op {op}",
                     "site": site_name(site) if site else "",
                     "row": row_name(row),
@@ -180,8 +191,10 @@ class SlotHistory:
                     "thread": self.thread_name(thread),
                     "ago_ms": max(0, int(now_ms - ms)),
                 }
-                for op, thread, site, row, seq, ms in self.page_entries(page)
-            ]
+                rid = rid_of(row, seq & 0xFFFFFFFF) if rid_of is not None and row >= 0 else None
+                if rid is not None:
+                    entry["rid"] = rid
+                entries.append(entry)
             dumped.append({"page": page, "first_slot": page * page_size, "page_size": page_size, "entries": entries})
         return {schema.SLOT_HISTORY: dumped, "history_entries": self.entries} if dumped else {}
 
@@ -228,4 +241,4 @@ def evidence(ledger: Any, pages: Any, *, census: bool = False) -> dict[str, Any]
     def row_name(row: int) -> int | str | None:
         return row if row >= 0 else None if row == -1 else str(ledger.requests.describe(row))
 
-    return history.describe(np.asarray(pages).reshape(-1), ledger.page_size, ledger.sites.name, row_name)
+    return history.describe(np.asarray(pages).reshape(-1), ledger.page_size, ledger.sites.name, row_name, ledger.requests.owner_at)

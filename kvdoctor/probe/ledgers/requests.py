@@ -1,7 +1,9 @@
 """The request rows (SGLang's req_pool_idx) that are live, and the request id each one serves.
 
 The slot ledger names a slot's owner by its row; this table turns a row into "rid X, live" or
-"rid X, finished" for the evidence, with a bounded memory of finished rows.
+"rid X, finished" for the evidence, with a bounded memory of finished rows. A row serves many
+requests in turn, so a slot history's entry (history.py) names its row's owner *then*: each row keeps
+its last owners, each stamped with the recorders' sequence number at its allocation.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import threading
 import weakref
 from typing import Any
 
+from kvdoctor.probe.ledgers import history
 from kvdoctor.trace import schema
 
 MAX_FINISHED_ROWS = 4096  # finished rows remembered for evidence (bounded)
+OWNERS_KEPT = history.OWNERS_KEPT  # a row's last owners, for the slot histories' entries
 BEFORE_ATTACH = -2  # the owner of slots held by no one when the probe adopted the allocator
 RELEASED = -3  # the owner of slots a request still held when it gave back its row (its row may serve another now)
 # the rid of a row taken by count (SGLang before 0.5.9): the pool never sees the request
@@ -44,7 +48,11 @@ class RequestTable:
         "rows_finished": "finished",
         "rows_kept": "max_finished",
         "rows_holders": "holders",
+        "rows_owners": "owners",
+        "rows_owners_kept": "owners_kept",
+        "rows_clock": "clock",
     }
+    owners_kept = OWNERS_KEPT
 
     def __init__(self) -> None:
         self.live: dict[int, str] = {}
@@ -52,6 +60,10 @@ class RequestTable:
         # live row -> a weak reference to the request that took it (not for rows taken by count, or
         # held when the probe came): a row whose request is gone, its free never seen, is left
         self.holders: dict[int, weakref.ref[Any]] = {}
+        # row -> its last owners, oldest first: (the recorders' last sequence number when it was
+        # taken, rid); with the recorder off, no clock and none kept
+        self.owners: dict[int, list[tuple[int, str]]] = {}
+        self.clock = history.CLOCK if history.entries_wanted() else None
         self._lock = threading.Lock()
 
     def allocated(self, index: int, rid: str, holder: Any = None) -> None:
@@ -66,6 +78,11 @@ class RequestTable:
                 self.holders[index] = ref
             else:
                 self.holders.pop(index, None)
+            if self.clock is not None:
+                log = self.owners.setdefault(index, [])
+                log.append((int(self.clock[0]) & 0xFFFFFFFF, rid))
+                if len(log) > self.owners_kept:
+                    del log[0]
 
     def freed(self, index: int) -> None:
         with self._lock:
@@ -87,6 +104,17 @@ class RequestTable:
         with self._lock:  # each copy one C call, so the native path (holding the GIL, not the lock) never changes it midway
             live, holders = dict(self.live), dict(self.holders)
         return {index: rid for index, rid in live.items() if (ref := holders.get(index)) is not None and ref() is None}
+
+    def owner_at(self, index: int, seq: int) -> str | None:
+        """The rid row `index` served at a recorder's entry of sequence number `seq` (the entry's call
+        came after that owner took the row, and before the next one did), or None: the row was taken
+        before kvdoctor saw it, or by an owner older than the ones kept."""
+        with self._lock:
+            log = list(self.owners.get(index, ()))
+        for stamp, rid in reversed(log):
+            if 0 < ((seq - stamp) & 0xFFFFFFFF) < 1 << 31:
+                return rid
+        return None
 
     def live_rows(self) -> list[int]:
         with self._lock:

@@ -17,6 +17,9 @@ static const char *const CONTEXT_KEYS[C_NAMES] = {
     [C_ROWS_FINISHED] = "rows_finished",
     [C_ROWS_KEPT] = "rows_kept",
     [C_ROWS_HOLDERS] = "rows_holders",
+    [C_ROWS_OWNERS] = "rows_owners",
+    [C_ROWS_OWNERS_KEPT] = "rows_owners_kept",
+    [C_ROWS_CLOCK] = "rows_clock",
 };
 
 static void context_clear(void);
@@ -98,6 +101,37 @@ holder_drop(PyObject *row)
     return 0;
 }
 
+/* The row's new owner appended to its last owners, stamped with the recorders' sequence number
+ * (requests.py's `allocated` twin); the oldest dropped past the number kept. */
+static int
+owner_logged(PyObject *row, PyObject *id)
+{
+    if (H.rows_owners == NULL)
+        return 0;
+    PyObject *log = PyDict_GetItemWithError(H.rows_owners, row); /* borrowed */
+    if (log == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        log = PyList_New(0);
+        if (log == NULL)
+            return -1;
+        int rc = PyDict_SetItem(H.rows_owners, row, log);
+        Py_DECREF(log); /* the dict holds it */
+        if (rc < 0)
+            return -1;
+    }
+    if (!PyList_Check(log))
+        return 0;
+    PyObject *entry = Py_BuildValue("(kO)", (unsigned long)((uint64_t)H.rows_clock[0] & 0xFFFFFFFFu), id);
+    if (entry == NULL)
+        return -1;
+    int rc = PyList_Append(log, entry);
+    Py_DECREF(entry);
+    if (rc == 0 && PyList_GET_SIZE(log) > H.rows_owners_kept)
+        rc = PyList_SetSlice(log, 0, PyList_GET_SIZE(log) - H.rows_owners_kept, NULL);
+    return rc;
+}
+
 /* The table's row_allocated and row_freed, done on its three dicts where it has them, else through
  * its methods. Its lock orders its changes against the writer thread's reads; here the GIL is held
  * from the first change to the last and nothing between them runs Python code (the keys are ints,
@@ -116,7 +150,9 @@ context_row_allocated(PyObject *row, PyObject *id, PyObject *holder)
     int finished = PyDict_Contains(H.rows_finished, row);
     if (finished < 0 || (finished && PyDict_DelItem(H.rows_finished, row) < 0))
         return -1;
-    return holder_set(row, holder);
+    if (holder_set(row, holder) < 0)
+        return -1;
+    return owner_logged(row, id);
 }
 
 int
@@ -173,6 +209,32 @@ context_source_rows(PyObject *last, PyObject **rows)
     return 1;
 }
 
+/* The table's owner log and the clock that stamps it, where it keeps one (a clock of 16 int64s and
+ * a dict); else no owner is logged here. */
+static void
+owners_adopted(PyObject *requests)
+{
+    PyObject *owners = PyObject_GetAttr(requests, H.names[C_ROWS_OWNERS]);
+    PyObject *kept = owners == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_OWNERS_KEPT]);
+    PyObject *clock = kept == NULL ? NULL : PyObject_GetAttr(requests, H.names[C_ROWS_CLOCK]);
+    Py_ssize_t n = kept == NULL ? -1 : PyLong_AsSsize_t(kept);
+    if (clock != NULL && clock != Py_None && owners != NULL && PyDict_CheckExact(owners) && n > 0 &&
+        PyObject_GetBuffer(clock, &H.b_rows_clock, PyBUF_SIMPLE) == 0) {
+        if (H.b_rows_clock.len == 16 * (Py_ssize_t)sizeof(int64_t)) {
+            H.rows_clock = H.b_rows_clock.buf;
+            H.rows_owners = Py_NewRef(owners);
+            H.rows_owners_kept = n;
+        }
+        else {
+            PyBuffer_Release(&H.b_rows_clock);
+        }
+    }
+    PyErr_Clear();
+    Py_XDECREF(owners);
+    Py_XDECREF(kept);
+    Py_XDECREF(clock);
+}
+
 /* set_context(state, requests, sources, names): `names` maps each operation (CONTEXT_KEYS) to its
  * name on the state or the table. */
 PyObject *
@@ -211,6 +273,7 @@ m_set_context(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
         H.rows_finished = Py_NewRef(finished);
         H.rows_holders = Py_NewRef(holders);
         H.rows_kept = rows_kept;
+        owners_adopted(requests);
     }
     PyErr_Clear();
     Py_XDECREF(live);
@@ -268,6 +331,11 @@ context_clear(void)
     Py_CLEAR(H.rows_live);
     Py_CLEAR(H.rows_finished);
     Py_CLEAR(H.rows_holders);
+    if (H.rows_owners != NULL) {
+        Py_CLEAR(H.rows_owners);
+        PyBuffer_Release(&H.b_rows_clock);
+        H.rows_clock = NULL;
+    }
     Py_CLEAR(H.sources);
     Py_CLEAR(H.tree_seen);
     for (int i = 0; i < C_NAMES; i++)

@@ -339,6 +339,9 @@ enum {
     C_ROWS_FINISHED, /* table: its dict of finished rows, oldest first */
     C_ROWS_KEPT,     /* table: how many finished rows it keeps */
     C_ROWS_HOLDERS,  /* table: its dict of live rows' holders (row -> weak reference to the request) */
+    C_ROWS_OWNERS,   /* table: its dict of rows' last owners (row -> list of (stamp, id), oldest first) */
+    C_ROWS_OWNERS_KEPT, /* table: how many owners a row keeps */
+    C_ROWS_CLOCK,    /* table: the recorders' clock (int64[16], history.py) whose [0] stamps an owner, or None */
     C_NAMES
 };
 
@@ -362,6 +365,10 @@ typedef struct {
     PyObject *names[C_NAMES];
     PyObject *rows_live, *rows_finished, *rows_holders; /* the table's dicts, changed here as its methods change them */
     Py_ssize_t rows_kept; /* finished rows it remembers */
+    PyObject *rows_owners; /* the table's dict of rows' last owners; NULL: it keeps none */
+    Py_ssize_t rows_owners_kept;
+    Py_buffer b_rows_clock;
+    int64_t *rows_clock; /* [0]: the recorders' last sequence number */
     PyObject *tree_seen; /* strong: the tree the state was last told about */
     int divert; /* a census is pending: allocations take the Python path */
     Ledger ledgers[MAX_LEDGERS];
